@@ -1,0 +1,124 @@
+"""Conversation identity: explicit ids, chained history digests, tenant scope, prefix checks."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# Request fields that change the prompt an engine renders from the same messages: two requests
+# differing in any of them must never share KV blocks, so they are part of the digest scope.
+PROMPT_FIELDS = ("model", "tools", "chat_template", "chat_template_kwargs", "documents",
+                 "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                 "suffix", "echo")
+ID_HEADERS = ("X-Conversation-Id", "X-Session-ID")
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def canonical_content(content: Any) -> Any:
+    """Text as the engine sees it: None, "" and text-only parts joined by newlines are strings."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        if all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+            return "\n".join(str(p.get("text", "")) for p in content)
+        return [dict(p) if isinstance(p, Mapping) else p for p in content]
+    return content
+
+
+def canonical_message(message: Mapping[str, Any]) -> bytes:
+    """The bytes of one chat message that decide its rendered tokens, independent of JSON layout."""
+    tool_calls = [{"id": c.get("id"), "type": c.get("type", "function"),
+                   "function": {"name": (c.get("function") or {}).get("name"),
+                                "arguments": (c.get("function") or {}).get("arguments")}}
+                  for c in message.get("tool_calls") or () if isinstance(c, Mapping)]
+    return _dump([message.get("role"), canonical_content(message.get("content")),
+                  message.get("name"), tool_calls, message.get("tool_call_id"),
+                  message.get("reasoning_content") or message.get("reasoning") or None])
+
+
+def tenant_of(authorization: str | None) -> bytes:
+    """A tenant is a hash of the credential, so ids and digests never cross credentials."""
+    return _h(b"tenant", (authorization or "").encode())
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a request belongs to and which stored entries it may use.
+
+    `root` is stable for the whole conversation (worker and instance affinity). Chat histories
+    get one chained digest per message prefix; a completions prompt is checked by the digest of
+    its first `history_len` characters.
+    """
+
+    root: str
+    explicit: bool
+    scope: bytes
+    messages: tuple[bytes, ...] | None   # chained digests of each message prefix (chat)
+    prompt: str | None                   # the prompt (completions)
+
+    def lookups(self) -> list[str]:
+        """Store keys to try, longest history first."""
+        if self.explicit:
+            return [self.root]
+        if self.messages is None:
+            return []
+        # Entries live under histories that end with an assistant reply; any prefix may be one.
+        return [d.hex() for d in reversed(self.messages[:-1])]
+
+    def extends(self, history_digest: str, history_len: int) -> bool:
+        """Does this request's history strictly extend the history an entry's blocks hold?"""
+        if self.messages is not None:
+            return (0 < history_len < len(self.messages)
+                    and self.messages[history_len - 1].hex() == history_digest)
+        return (self.prompt is not None and 0 < history_len < len(self.prompt)
+                and _h(self.scope, self.prompt[:history_len].encode()).hex() == history_digest)
+
+    def after(self, reply: Mapping[str, Any] | str) -> tuple[str | None, str, int]:
+        """(store key, history digest, history length) for the entry this turn leaves behind."""
+        if self.messages is not None:
+            digest = _h(self.messages[-1], canonical_message(reply)).hex()
+            length = len(self.messages) + 1
+            return (self.root if self.explicit else digest), digest, length
+        text = (self.prompt or "") + str(reply)
+        digest = _h(self.scope, text.encode()).hex()
+        return (self.root if self.explicit else None), digest, len(text)
+
+
+def identify(body: Mapping[str, Any], headers: Mapping[str, str],
+             conversation_id: str | None) -> Identity:
+    """Build the identity of a validated request (chat if it has `messages`, else completions)."""
+    tenant = tenant_of(headers.get("Authorization"))
+    scope = _h(b"scope", tenant, _dump({k: body.get(k) for k in PROMPT_FIELDS if k in body}))
+    explicit_id = conversation_id or next(
+        (headers[h] for h in ID_HEADERS if headers.get(h)), None)
+    messages = None
+    if "messages" in body:
+        chain, digests = scope, []
+        for message in body["messages"]:
+            chain = _h(chain, canonical_message(message))
+            digests.append(chain)
+        messages = tuple(digests)
+    if explicit_id:
+        root = _h(b"id", tenant, explicit_id.encode()).hex()
+    elif messages is not None:
+        # Up to the first user message: every turn of the conversation shares it.
+        first_user = next((i for i, m in enumerate(body["messages"]) if m.get("role") == "user"),
+                          len(messages) - 1)
+        root = messages[first_user].hex()
+    else:
+        root = _h(scope, str(body.get("prompt", ""))[:256].encode()).hex()
+    prompt = body.get("prompt") if messages is None and isinstance(body.get("prompt"), str) else None
+    return Identity(root=root, explicit=bool(explicit_id), scope=scope,
+                    messages=messages, prompt=prompt)

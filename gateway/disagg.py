@@ -1,0 +1,128 @@
+"""The two-stage flow for one request: take the entry, prefill on P, decode on D, relay, put."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+from .conversation import Identity
+from .errors import BadGateway, GatewayError, sse_error_event
+from .parse import ClientRequest
+from .sse import EventRelay, Turn
+from .store import ConversationStore, Entry
+from .upstream import Instance, Pool, Stream, Upstream
+
+log = logging.getLogger(__name__)
+
+# What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
+MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+# Fields P must not see: it generates exactly one token, never streams.
+PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens",
+                   "stream_options")
+
+
+@dataclass
+class Reply:
+    """What the view sends: a JSON body, or a stream of SSE bytes; plus response headers."""
+
+    headers: dict
+    body: dict | None = None
+    stream: Iterator[bytes] | None = None
+    content_type: str = "application/json"
+
+
+def prefill_body(body: dict, entry: Entry | None) -> dict:
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+    out.update(stream=False, max_tokens=1)
+    if entry is None:
+        out["kv_transfer_params"] = dict(MISS_PARAMS)
+    else:
+        out["kv_transfer_params"] = {**entry.params, "do_remote_decode": True,
+                                     "do_remote_prefill": False}
+    return out
+
+
+def decode_body(body: dict, prefill_reply: dict, prefill: Instance) -> dict:
+    params = prefill_reply.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        # P kept nothing to pull: D must decode on its own, never with P-bound params.
+        return body
+    # vLLM reports its side channel as "localhost"; D must reach the P that actually holds them.
+    return {**body, "kv_transfer_params": {**params, "remote_host": prefill.host}}
+
+
+class Disagg:
+    """Runs requests through P and D and keeps the conversation store up to date."""
+
+    def __init__(self, store: ConversationStore, upstream: Upstream,
+                 prefill: Pool, decode: Pool) -> None:
+        self.store = store
+        self.upstream = upstream
+        self.prefill = prefill
+        self.decode = decode
+
+    def take_entry(self, identity: Identity) -> Entry | None:
+        """The previous turn's entry, if this request's history extends what its blocks hold."""
+        for key in identity.lookups():
+            entry = self.store.take(key)
+            if entry is None:
+                continue
+            if identity.extends(entry.history_digest, entry.history_len):
+                return entry
+            if identity.explicit:
+                # Someone else's history under this id: leave the entry to its conversation.
+                self.store.put(key, entry)
+            return None
+        return None
+
+    def run(self, request: ClientRequest, identity: Identity, headers: dict) -> Reply:
+        entry = self.take_entry(identity)
+        prefill = self.prefill.choose()
+        prefill_reply = self.upstream.post_json(prefill, request.path,
+                                                prefill_body(request.body, entry), headers)
+        decode = self.decode.choose(prefer=entry.decode_url if entry else None)
+        body = decode_body(request.body, prefill_reply, prefill)
+        reply_headers = {"X-Gateway-Cache": "hit" if entry else "miss"}
+        turn = Turn()
+        if not request.stream:
+            reply = turn.absorb_body(self.upstream.post_json(decode, request.path, body, headers))
+            self._remember(identity, turn, decode)
+            return Reply(headers=reply_headers, body=reply)
+        stream = self.upstream.open_stream(decode, request.path, body, headers)
+        return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
+                              "X-Accel-Buffering": "no"},
+                     stream=self._relay(stream, identity, turn, decode),
+                     content_type=stream.content_type)
+
+    def _relay(self, stream: Stream, identity: Identity, turn: Turn,
+               decode: Instance) -> Iterator[bytes]:
+        relay = EventRelay(turn, "delta")
+        try:
+            for chunk in stream.chunks():
+                out = relay.feed(chunk)
+                if turn.done and not turn.stored:
+                    # Store before the client sees [DONE]: its next turn may come at once.
+                    turn.stored = True
+                    self._remember(identity, turn, decode)
+                if out:
+                    yield out
+            if not turn.done:
+                raise BadGateway(f"{decode.name} ended the stream before it was complete")
+        except GatewayError as exc:
+            # Bytes are out, so the status can't change: finish with an error event instead.
+            yield sse_error_event(exc)
+        finally:
+            # Runs on completion, on error and on client disconnect (GeneratorExit).
+            stream.close()
+
+    def _remember(self, identity: Identity, turn: Turn, decode: Instance) -> None:
+        if not turn.reusable or not isinstance(turn.params, dict):
+            return
+        reply = turn.reply_message() if identity.messages is not None else turn.reply_text()
+        key, digest, length = identity.after(reply)
+        if key is None:
+            return
+        params = {**turn.params, "remote_host": decode.host}
+        self.store.put(key, Entry(params=params, decode_url=decode.url,
+                                  history_digest=digest, history_len=length))

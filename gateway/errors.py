@@ -1,0 +1,69 @@
+"""The `GatewayError` hierarchy and the one place it becomes an OpenAI error envelope."""
+from __future__ import annotations
+
+import json
+
+
+class GatewayError(Exception):
+    """An error a client sees; subclasses fix the HTTP status and the OpenAI error type."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if status is not None:
+            self.status = status
+
+    def envelope(self) -> dict:
+        return envelope(self.status, self.message, self.type, self.param)
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class UpstreamRejected(GatewayError):
+    """An engine refused the request with a 4xx; its status and message go to the client."""
+
+    type = "invalid_request_error"
+
+
+class BadGateway(GatewayError):
+    """An engine failed: refused the connection, broke it, or answered with a 5xx or garbage."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class ServiceUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+
+class GatewayTimeout(GatewayError):
+    status = 504
+    type = "timeout"
+
+
+def envelope(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def sse_error_event(error: GatewayError) -> bytes:
+    """The final events of a stream that failed after its first byte was sent."""
+    return b"data: " + json.dumps(error.envelope()).encode() + b"\n\ndata: [DONE]\n\n"

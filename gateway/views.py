@@ -1,0 +1,100 @@
+"""Thin routes: read the request, hand it to the gateway, shape the response."""
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from typing import TYPE_CHECKING
+
+from flask import Blueprint, Response, jsonify, request
+
+from .conversation import identify
+from .errors import GatewayError, PayloadTooLarge, envelope
+from .parse import CHAT, COMPLETIONS, parse
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+log = logging.getLogger(__name__)
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def error_response(error: GatewayError, request_id: str | None = None) -> Response:
+    response = jsonify(error.envelope())
+    response.status_code = error.status
+    if request_id:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+def _read_body(limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+    raw = request.stream.read(limit + 1)
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+    return raw
+
+
+def create_blueprint(gateway: Gateway) -> Blueprint:
+    """The gateway's routes; mount it on any Flask app."""
+    bp = Blueprint("pd_gateway", __name__)
+
+    def complete(path: str) -> Response:
+        given = request.headers.get("X-Request-Id", "")
+        request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
+        try:
+            client_request = parse(path, _read_body(gateway.settings.max_body_bytes))
+            identity = identify(client_request.body, request.headers,
+                                client_request.conversation_id)
+            headers = gateway.upstream.headers(request_id, request.headers.get("Authorization"))
+            reply = gateway.disagg.run(client_request, identity, headers)
+        except GatewayError as exc:
+            log.info("request %s failed with %d: %s", request_id, exc.status, exc.message)
+            return error_response(exc, request_id)
+        if reply.stream is not None:
+            response = Response(reply.stream, content_type=reply.content_type)
+        else:
+            response = jsonify(reply.body)
+        response.headers.update(reply.headers)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    @bp.post(CHAT)
+    def chat_completions() -> Response:
+        return complete(CHAT)
+
+    @bp.post(COMPLETIONS)
+    def completions() -> Response:
+        return complete(COMPLETIONS)
+
+    @bp.get("/v1/models")
+    def models() -> Response:
+        try:
+            return jsonify(gateway.models())
+        except GatewayError as exc:
+            return error_response(exc)
+
+    @bp.get("/health")
+    def health() -> Response:
+        report = gateway.health()
+        response = jsonify(report)
+        response.status_code = 200 if report["status"] == "ok" else 503
+        return response
+
+    @bp.errorhandler(Exception)
+    def unexpected(exc: Exception) -> Response:
+        if isinstance(exc, GatewayError):
+            return error_response(exc)
+        status = getattr(exc, "code", None)
+        if isinstance(status, int) and 400 <= status < 500:   # werkzeug's HTTPExceptions
+            response = jsonify(envelope(status, getattr(exc, "description", str(exc)),
+                                        "invalid_request_error"))
+            response.status_code = status
+            return response
+        log.exception("unexpected error")
+        response = jsonify(envelope(500, "Internal gateway error", "internal_error"))
+        response.status_code = 500
+        return response
+
+    return bp

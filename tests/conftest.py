@@ -1,0 +1,45 @@
+"""Shared fixtures: apps from the factory, a fake clock, and real servers on free ports."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.app import create_app
+from gateway.config import Settings
+from gateway.store import LocalStore
+
+P_URL = "http://10.9.0.1:8100"
+D_URL = "http://10.9.0.2:8200"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(clock: FakeClock) -> LocalStore:
+    return LocalStore(maxsize=100, ttl=450, timer=clock)
+
+
+@pytest.fixture
+def app(store: LocalStore):
+    # Unroutable example hosts: only `responses` mocks answer them.
+    settings = Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
+                        max_body_bytes=4096)
+    return create_app(settings, store=store)
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()

@@ -1,0 +1,52 @@
+"""Settings: defaults < GATEWAY_* env < flags; seed-proxy flags; errors name the flag."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import SETTINGS, Settings, SettingsError
+
+
+def test_every_default_passes_its_validator():
+    for s in SETTINGS:
+        assert s.convert(s.default) == s.default, s.name
+
+
+def test_env_then_flags_override_defaults():
+    env = {"GATEWAY_PORT": "9000", "GATEWAY_WORKERS": "3", "GATEWAY_DECODE": "d1:1,d2:2"}
+    s = Settings.from_args(["--workers", "4"], environ=env)
+    assert (s.port, s.workers) == (9000, 4)
+    assert s.decode == ["http://d1:1", "http://d2:2"]
+
+
+def test_seed_proxy_flags_are_accepted():
+    s = Settings.from_args(["--port", "8000", "--prefiller-host", "127.0.0.1", "--prefiller-port",
+                            "8100", "--decoder-hosts", "10.0.0.2", "10.0.0.3",
+                            "--decoder-ports", "8200", "8201"], environ={})
+    assert s.prefill == ["http://127.0.0.1:8100"]
+    assert s.decode == ["http://10.0.0.2:8200", "http://10.0.0.3:8201"]
+
+
+def test_new_style_urls():
+    s = Settings.from_args(["--prefill", "http://a:1", "b:2", "--decode", "https://c:3"],
+                           environ={})
+    assert s.prefill == ["http://a:1", "http://b:2"] and s.decode == ["https://c:3"]
+
+
+@pytest.mark.parametrize("env,name", [({"GATEWAY_WORKERS": "0"}, "GATEWAY_WORKERS"),
+                                      ({"GATEWAY_WORKER_CLASS": "sync"}, "GATEWAY_WORKER_CLASS"),
+                                      ({"GATEWAY_PREFILL": "nohost"}, "GATEWAY_PREFILL"),
+                                      ({"GATEWAY_PORT": "x"}, "GATEWAY_PORT")])
+def test_bad_env_values_name_the_variable(env, name):
+    with pytest.raises(SettingsError, match=name):
+        Settings.from_env(env)
+
+
+def test_bad_flag_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        Settings.from_args(["--worker-class", "sync"], environ={})
+    assert "--worker-class" in capsys.readouterr().err
+
+
+def test_round_trip_through_environment():
+    s = Settings(prefill=["http://a:1", "http://b:2"], workers=2, store_ttl=10.5)
+    assert Settings.from_env(s.to_env()) == s

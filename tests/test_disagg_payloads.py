@@ -1,0 +1,191 @@
+"""The exact payloads the gateway sends P and D, and what reaches the client (pinned with responses)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import responses
+from responses import matchers
+
+from tests.conftest import D_URL, P_URL
+
+CHAT = "/v1/chat/completions"
+MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def p_params(n=1):
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+            "remote_engine_id": f"p-engine-{n}", "remote_request_id": f"p-req-{n}",
+            "remote_host": "localhost", "remote_port": 5600, "tp_size": 1,
+            "remote_num_tokens": 20}
+
+
+def d_params(n=1):
+    return {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 8, 9]],
+            "remote_engine_id": f"d-engine-{n}", "remote_request_id": f"d-req-{n}",
+            "remote_host": "localhost", "remote_port": 5700, "tp_size": 1,
+            "remote_num_tokens": 40, "remote_blocks_expiry_time": 123.5}
+
+
+def p_reply(params):
+    return {"id": "chatcmpl-x", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21},
+        "kv_transfer_params": params}
+
+
+def sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"
+                    for e in events)
+
+
+def chat_events(words, params, placement="final", finish="stop"):
+    events = [{"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "finish_reason": None}]}]
+    events += [{"id": "c", "choices": [{"index": 0, "delta": {"content": w},
+                                        "finish_reason": None}]} for w in words]
+    final = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": finish,
+                                     "stop_reason": None}]}
+    if placement == "final":
+        final["kv_transfer_params"] = params
+    events.append(final)
+    if placement == "separate":
+        events.append({"kv_transfer_params": params})
+    return sse(*events, b"[DONE]")
+
+
+def client_events(body: bytes) -> list:
+    out = []
+    for block in body.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[6:]
+            out.append(payload.decode() if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+
+
+@responses.activate
+@pytest.mark.parametrize("placement", ["final", "separate"])
+def test_streaming_turns_send_exact_payloads_and_strip_params(client, placement):
+    request = {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 8,
+               "stream_options": {"include_usage": False}, "conversation_id": "conv-1"}
+    forwarded = {k: v for k, v in request.items() if k != "conversation_id"}
+    responses.post(P_URL + CHAT, json=p_reply(p_params(1)), match=[matchers.json_params_matcher(
+        {"model": "m", "messages": MESSAGES, "stream": False, "max_tokens": 1,
+         "kv_transfer_params": MISS})])
+    responses.post(D_URL + CHAT, body=chat_events([" hello", " world"], d_params(1), placement),
+                   content_type="text/event-stream", match=[matchers.json_params_matcher(
+                       {**forwarded, "kv_transfer_params": {**p_params(1),
+                                                            "remote_host": "10.9.0.1"}})])
+    reply = client.post(CHAT, json=request, headers={"X-Request-Id": "req-1"})
+    assert reply.status_code == 200
+    assert reply.headers["X-Accel-Buffering"] == "no"
+    assert reply.headers["X-Gateway-Cache"] == "miss"
+    assert b"kv_transfer_params" not in reply.data and b"engine" not in reply.data
+    events = client_events(reply.data)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) \
+        == " hello world"
+    assert all(e["choices"] for e in events[:-1])   # the params-only event was dropped
+    assert [c.request.headers["X-Request-Id"] for c in responses.calls] == ["req-1", "req-1"]
+
+    # Turn 2: P reads D's blocks (flags flipped, remote_host = D's host); same D preferred.
+    turn2 = MESSAGES + [{"role": "assistant", "content": " hello world"},
+                        {"role": "user", "content": "more"}]
+    responses.post(P_URL + CHAT, json=p_reply(p_params(2)), match=[matchers.json_params_matcher(
+        {"model": "m", "messages": turn2, "stream": False, "max_tokens": 1,
+         "kv_transfer_params": {**d_params(1), "remote_host": "10.9.0.2",
+                                "do_remote_decode": True, "do_remote_prefill": False}})])
+    responses.post(D_URL + CHAT, body=chat_events([" ok"], d_params(2), placement),
+                   content_type="text/event-stream")
+    reply = client.post(CHAT, json={**request, "messages": turn2})
+    assert reply.status_code == 200, reply.data
+    assert reply.headers["X-Gateway-Cache"] == "hit"
+
+
+@responses.activate
+def test_non_streaming_reply_is_ds_own_body_minus_params(client):
+    d_body = {"id": "chatcmpl-d", "object": "chat.completion", "created": 5, "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "yes",
+                                                   "tool_calls": [{"id": "t1", "type": "function",
+                                                                   "function": {"name": "f",
+                                                                                "arguments": "{}"}}]},
+                           "logprobs": {"content": []}, "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23},
+              "kv_transfer_params": d_params()}
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, json=d_body, match=[matchers.json_params_matcher(
+        {"messages": MESSAGES, "kv_transfer_params": {**p_params(), "remote_host": "10.9.0.1"}})])
+    reply = client.post(CHAT, json={"messages": MESSAGES})
+    assert reply.status_code == 200
+    expected = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
+    assert reply.get_json() == expected
+    assert b"\n" not in reply.data.strip()        # compact one-line JSON
+
+
+@responses.activate
+def test_no_params_from_p_means_plain_decode(client):
+    responses.post(P_URL + CHAT, json=p_reply(None))
+    responses.post(D_URL + CHAT, body=chat_events([" x"], None, "absent"),
+                   content_type="text/event-stream",
+                   match=[matchers.json_params_matcher({"messages": MESSAGES, "stream": True})])
+    reply = client.post(CHAT, json={"messages": MESSAGES, "stream": True})
+    assert reply.status_code == 200
+
+
+@responses.activate
+def test_client_sent_params_never_reach_engines(client):
+    responses.post(P_URL + CHAT, json=p_reply(p_params()), match=[matchers.json_params_matcher(
+        {"messages": MESSAGES, "stream": False, "max_tokens": 1, "kv_transfer_params": MISS})])
+    responses.post(D_URL + CHAT, json={"choices": [], "kv_transfer_params": None})
+    hostile = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_host": "evil"}
+    reply = client.post(CHAT, json={"messages": MESSAGES, "kv_transfer_params": hostile})
+    assert reply.status_code == 200
+    assert "evil" not in responses.calls[1].request.body.decode()
+
+
+@responses.activate
+def test_prefill_4xx_is_relayed_with_its_status_and_message(client):
+    responses.post(P_URL + CHAT, status=404, json={"error": {
+        "message": "The model `nope` does not exist.", "type": "NotFoundError", "param": None,
+        "code": 404}})
+    reply = client.post(CHAT, json={"model": "nope", "messages": MESSAGES})
+    assert reply.status_code == 404
+    assert reply.get_json()["error"]["message"] == "The model `nope` does not exist."
+    assert len(responses.calls) == 1
+
+
+@responses.activate
+def test_engine_5xx_becomes_502_without_hosts(client):
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, status=500, json={"error": {"message": "boom", "type": "x",
+                                                             "param": None, "code": 500}})
+    reply = client.post(CHAT, json={"messages": MESSAGES, "stream": True})
+    assert reply.status_code == 502
+    error = reply.get_json()["error"]
+    assert "decode[0]" in error["message"] and "10.9" not in error["message"]
+    assert error["code"] == 502
+
+
+@responses.activate
+def test_stream_cut_short_ends_with_error_event_and_stores_nothing(client, store):
+    cut = chat_events([" a", " b"], d_params(), "final").split(b"data: {\"id\": \"c\", \"choices\": [{\"index\": 0, \"delta\": {}")[0]
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=cut, content_type="text/event-stream")
+    reply = client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
+    events = client_events(reply.data)
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert len(store) == 0
+
+
+@responses.activate
+@pytest.mark.parametrize("finish,stored", [("stop", 1), ("length", 1), ("tool_calls", 0)])
+def test_only_stop_and_length_turns_are_stored(client, store, finish, stored):
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events([" a"], d_params(), "final", finish),
+                   content_type="text/event-stream")
+    client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
+    assert len(store) == stored
