@@ -24,10 +24,13 @@ threads = _settings.threads
 worker_connections = _settings.worker_connections
 # The worker heartbeat, not a request limit: streams may run much longer than this.
 timeout = 60
-graceful_timeout = _settings.graceful_timeout
+graceful_timeout = int(_settings.graceful_timeout)
 # Above a fronting proxy's idle timeout, so it never reuses a connection we are closing.
 keepalive = 75
 # Recycling a worker wipes its conversation cache.
 max_requests = 0
 loglevel = _settings.log_level
 accesslog = None
+# gunicorn 25.1+ opens a control socket at one fixed path per user; several gateways on one
+# machine (tests, benchmarks) would fight over it, and nothing here uses it.
+control_socket_disable = True

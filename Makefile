@@ -1,0 +1,25 @@
+# Two commands on a fresh clone: `make run` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# Point the demo at real engines: make run PREFILL="http://p1:8100 http://p2:8100" DECODE=http://d:8200
+PREFILL ?=
+DECODE ?=
+
+.PHONY: install run test
+
+$(STAMP): setup.cfg setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m gateway.demo $(if $(PREFILL),--prefill $(PREFILL)) $(if $(DECODE),--decode $(DECODE))
+
+test: $(STAMP)
+	$(BIN)/python -m pytest

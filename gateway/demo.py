@@ -1,0 +1,80 @@
+"""`make run`: emulated (or real) engines, the gateway under gunicorn, and a live multi-turn chat."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import requests
+from openai import OpenAI
+
+from .emulator.process import EmulatorProcess
+from .launch import GatewayProcess
+
+QUESTIONS = [
+    "Tell me about disaggregated prefill and decode in a few words",
+    "Why does the decode instance keep its KV blocks after the turn",
+    "And what does the prefill instance do with them on the next turn",
+    "What happens if I edit an earlier message",
+    "Thanks, summarise the conversation",
+]
+
+
+def chat(gateway_url: str, model: str, stats=None) -> None:
+    client = OpenAI(base_url=gateway_url + "/v1", api_key="demo-key")
+    messages = [{"role": "system", "content": "You are a terse assistant."}]
+    print(f"\n{'turn':>4}  {'cache':5}  {'TTFT ms':>8}  {'P reused tokens':>15}  reply")
+    for turn, question in enumerate(QUESTIONS, 1):
+        messages.append({"role": "user", "content": question})
+        before = stats() if stats else None
+        start = time.perf_counter()
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, stream=True, max_tokens=12)
+        ttft, reply = None, []
+        for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttft = ttft or (time.perf_counter() - start) * 1000
+                reply.append(chunk.choices[0].delta.content)
+        text = "".join(reply)
+        messages.append({"role": "assistant", "content": text})
+        reused = "-"
+        if stats:
+            reused = str(stats()["reused_prompt_tokens"] - before["reused_prompt_tokens"])
+        print(f"{turn:>4}  {raw.headers.get('X-Gateway-Cache', '?'):5}  {ttft or 0:8.1f}  "
+              f"{reused:>15}  {text.strip()[:60]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prefill", nargs="+", help="real P URLs (default: start an emulator)")
+    parser.add_argument("--decode", nargs="+", help="real D URLs (default: start an emulator)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        stats = None
+        if args.prefill and args.decode:
+            prefill, decode = args.prefill, args.decode
+        else:
+            # Distinct loopback addresses: D reaches P only because the gateway rewrites
+            # remote_host ("localhost" as vLLM reports it) to P's real address.
+            p = stack.enter_context(EmulatorProcess("prefill", host="127.0.0.2"))
+            d = stack.enter_context(EmulatorProcess("decode", host="127.0.0.3"))
+            prefill, decode, stats = [p.url], [d.url], p.stats
+            print(f"emulated prefill engine on {p.url}, decode engine on {d.url}")
+        gateway = stack.enter_context(GatewayProcess(prefill, decode, port=args.port,
+                                                     workers=args.workers))
+        print(f"gateway (gunicorn) on {gateway.url}, logs in {gateway.log_path}")
+        model = requests.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        chat(gateway.url, model, stats)
+        print(f"\nThe gateway keeps serving on {gateway.url} (OpenAI API at {gateway.url}/v1); "
+              "Ctrl-C stops it and the engines.")
+        try:
+            while gateway.process.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("\nstopping")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Start and stop a gateway under gunicorn as a child process (for the demo, tests and benchmarks)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | None = None,
+               log_path: str | None = None) -> None:
+    """Poll `ready()` until it is true; fail with the log tail if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            break
+        try:
+            if ready():
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    tail = ""
+    if log_path and os.path.exists(log_path):
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-3000:]
+    raise RuntimeError(f"{what} did not become ready in {timeout} s\n{tail}")
+
+
+class GatewayProcess:
+    """`pd-gateway` in a child process on a free loopback port; use as a context manager."""
+
+    def __init__(self, prefill: list[str], decode: list[str], port: int | None = None,
+                 host: str = "127.0.0.1", **settings) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        args = [sys.executable, "-m", "gateway.cli", "--host", host, "--port", str(self.port),
+                "--prefill", *prefill, "--decode", *decode]
+        for name, value in settings.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        self.log_path = tempfile.mktemp(prefix="pd-gateway-", suffix=".log")
+        self._log = open(self.log_path, "wb")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        wait_until(lambda: requests.get(self.url + "/health", timeout=2).status_code in (200, 503),
+                   30, f"gateway on {self.url}", self.process, self.log_path)
+
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM (graceful), then SIGKILL if it outlives `timeout`; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+        return self.process.returncode
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def __enter__(self) -> GatewayProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
