@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
+from .affinity import Affinity
 from .config import Settings
 from .disagg import Disagg
 from .errors import BadGateway, GatewayError, envelope
 from .store import ConversationStore, LocalStore
-from .upstream import Pool, Upstream
+from .upstream import Policy, Pool, Prober, Upstream
 from .views import create_blueprint
 
 
@@ -25,9 +27,16 @@ class Gateway:
                        else settings.worker_connections)
         self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
                                  pool_size=concurrency, api_key=settings.upstream_api_key)
-        self.prefill = Pool("prefill", settings.prefill)
-        self.decode = Pool("decode", settings.decode)
-        self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode)
+        policy = Policy(routing=settings.routing, overload_factor=settings.overload_factor,
+                        breaker_failures=settings.breaker_failures,
+                        breaker_cooldown=settings.breaker_cooldown)
+        self.prefill = Pool("prefill", settings.prefill, policy)
+        self.decode = Pool("decode", settings.decode, policy)
+        self.prober = Prober(self.upstream, [self.prefill, self.decode], settings.probe_interval)
+        self.prefill.on_down = self.decode.on_down = self.prober.wake
+        self.affinity = Affinity(settings, self.upstream)
+        self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
+                             attempts=settings.attempts)
 
     def models(self) -> dict:
         """The model list of the first D that answers."""
@@ -39,13 +48,11 @@ class Gateway:
         raise BadGateway("no decode instance answered /v1/models")
 
     def health(self) -> dict:
-        pools = {}
-        for pool in (self.prefill, self.decode):
-            pools[pool.role] = [{"name": i.name, "url": i.url,
-                                 "healthy": self.upstream.probe(i), "inflight": i.inflight}
-                                for i in pool.instances]
-        ok = all(any(i["healthy"] for i in instances) for instances in pools.values())
-        return {"status": "ok" if ok else "degraded", "conversations": len(self.store), **pools}
+        pools = {pool.role: pool.report() for pool in (self.prefill, self.decode)}
+        ok = all(any(i["state"] != "down" for i in report) for report in pools.values())
+        return {"status": "ok" if ok else "degraded", "worker": self.affinity.slot,
+                "pid": os.getpid(), "affinity": self.affinity.enabled,
+                "conversations": len(self.store), **pools}
 
 
 def create_app(settings: Settings | None = None, store: ConversationStore | None = None) -> Flask:

@@ -43,6 +43,17 @@ def _choice(*allowed: str) -> Callable[[Any], str]:
     return convert
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not on/off")
+
+
 def _port(value: Any) -> int:
     number = int(value)
     if not 0 < number < 65536:
@@ -89,6 +100,27 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a conversation entry is kept; keep it below D's KV block TTL (480 s)."),
     Setting("store_size", 100_000, _positive(int),
             "Conversation entries kept per worker before the least recently used are evicted."),
+    Setting("affinity", True, _bool,
+            "Forward each conversation to the worker that holds its cache (on/off); "
+            "off by itself with one worker."),
+    Setting("private_host", "127.0.0.1", str,
+            "Address of the per-worker private listeners used for forwarding."),
+    Setting("private_base_port", 0, lambda v: 0 if int(v) == 0 else _port(v),
+            "Worker slot N listens privately on this port + N; 0 means the gateway port + 1."),
+    Setting("routing", "affinity", _choice("affinity", "round_robin"),
+            "How P and D are chosen: per conversation (rendezvous hash, D that holds the "
+            "entry first, load fallback) or round robin."),
+    Setting("overload_factor", 2.0, _positive(float),
+            "An instance is overloaded when its in-flight count exceeds this factor times "
+            "(the least loaded's + 1); affinity then yields to load."),
+    Setting("attempts", 2, _positive(int),
+            "Instances tried per stage for one request (failures before the first byte)."),
+    Setting("breaker_failures", 3, _positive(int),
+            "Consecutive failures that open an instance's breaker."),
+    Setting("breaker_cooldown", 10.0, _positive(float),
+            "Seconds an open breaker skips its instance before trying it again."),
+    Setting("probe_interval", 2.0, _positive(float),
+            "Seconds between /health probes of instances marked down."),
     Setting("connect_timeout", 5.0, _positive(float), "Seconds to connect to an engine."),
     Setting("read_timeout", 600.0, _positive(float),
             "Longest silence, in seconds, between bytes from an engine (prefill included)."),
@@ -130,6 +162,15 @@ class Settings:
     worker_connections: int = _default("worker_connections")
     store_ttl: float = _default("store_ttl")
     store_size: int = _default("store_size")
+    affinity: bool = _default("affinity")
+    private_host: str = _default("private_host")
+    private_base_port: int = _default("private_base_port")
+    routing: str = _default("routing")
+    overload_factor: float = _default("overload_factor")
+    attempts: int = _default("attempts")
+    breaker_failures: int = _default("breaker_failures")
+    breaker_cooldown: float = _default("breaker_cooldown")
+    probe_interval: float = _default("probe_interval")
     connect_timeout: float = _default("connect_timeout")
     read_timeout: float = _default("read_timeout")
     max_body_bytes: int = _default("max_body_bytes")
@@ -207,9 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Gateway for vLLM disaggregated prefill/decode with multi-turn KV reuse. "
                     f"Every flag also reads from a {ENV_PREFIX}* environment variable.")
     for s in SETTINGS:
-        kind = None if s.nargs else type(s.default) if not isinstance(s.default, bool) else str
         parser.add_argument(s.flag, *s.flags[1:], dest=s.name, default=None, nargs=s.nargs,
-                            type=str if s.nargs else kind,
                             help=f"{s.help} [env {s.env}, default {_show(s.default)}]")
     seed = parser.add_argument_group("seed-proxy compatible flags")
     seed.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+")

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from .conversation import Identity
-from .errors import BadGateway, GatewayError, sse_error_event
+from .errors import BadGateway, GatewayError, ServiceUnavailable, UpstreamRejected, sse_error_event
 from .parse import ClientRequest
 from .sse import EventRelay, Turn
 from .store import ConversationStore, Entry
 from .upstream import Instance, Pool, Stream, Upstream
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -56,11 +57,12 @@ class Disagg:
     """Runs requests through P and D and keeps the conversation store up to date."""
 
     def __init__(self, store: ConversationStore, upstream: Upstream,
-                 prefill: Pool, decode: Pool) -> None:
+                 prefill: Pool, decode: Pool, attempts: int = 2) -> None:
         self.store = store
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
+        self.attempts = attempts
 
     def take_entry(self, identity: Identity) -> Entry | None:
         """The previous turn's entry, if this request's history extends what its blocks hold."""
@@ -76,20 +78,61 @@ class Disagg:
             return None
         return None
 
+    def _attempt(self, pool: Pool, key: str, prefer: str | None,
+                 call: Callable[[Instance, int], T], hold: bool = False) -> tuple[Instance, T, int]:
+        """`call(instance, attempt)` on instances of `pool` until one answers.
+
+        Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
+        request's fault and is not retried. With `hold`, the instance stays counted in flight
+        (the caller releases it when the stream ends).
+        """
+        tried: list[Instance] = []
+        while True:
+            instance = pool.choose(key, prefer=prefer, exclude=tried)
+            pool.acquire(instance)
+            try:
+                result = call(instance, len(tried))
+            except UpstreamRejected:
+                pool.release(instance)
+                raise
+            except GatewayError as exc:
+                pool.release(instance)
+                pool.failed(instance, unreachable=isinstance(exc, ServiceUnavailable))
+                tried.append(instance)
+                if len(tried) >= min(self.attempts, len(pool.instances)):
+                    raise
+                log.info("retrying %s after: %s", pool.role, exc.message)
+                continue
+            pool.succeeded(instance)
+            if not hold:
+                pool.release(instance)
+            return instance, result, len(tried)
+
     def run(self, request: ClientRequest, identity: Identity, headers: dict) -> Reply:
         entry = self.take_entry(identity)
-        prefill = self.prefill.choose()
-        prefill_reply = self.upstream.post_json(prefill, request.path,
-                                                prefill_body(request.body, entry), headers)
-        decode = self.decode.choose(prefer=entry.decode_url if entry else None)
+
+        def prefill_call(instance: Instance, attempt: int) -> dict:
+            # A retry never replays D's params: the failed P may already have read the blocks.
+            body = prefill_body(request.body, entry if attempt == 0 else None)
+            return self.upstream.post_json(instance, request.path, body, headers)
+
+        prefill, prefill_reply, retries = self._attempt(self.prefill, identity.root, None,
+                                                        prefill_call)
+        hit = entry is not None and retries == 0
         body = decode_body(request.body, prefill_reply, prefill)
-        reply_headers = {"X-Gateway-Cache": "hit" if entry else "miss"}
+        prefer = entry.decode_url if entry else None
+        reply_headers = {"X-Gateway-Cache": "hit" if hit else "miss"}
         turn = Turn()
         if not request.stream:
-            reply = turn.absorb_body(self.upstream.post_json(decode, request.path, body, headers))
+            decode, reply, _ = self._attempt(
+                self.decode, identity.root, prefer,
+                lambda d, _: self.upstream.post_json(d, request.path, body, headers))
+            reply = turn.absorb_body(reply)
             self._remember(identity, turn, decode)
             return Reply(headers=reply_headers, body=reply)
-        stream = self.upstream.open_stream(decode, request.path, body, headers)
+        decode, stream, _ = self._attempt(
+            self.decode, identity.root, prefer,
+            lambda d, _: self.upstream.open_stream(d, request.path, body, headers), hold=True)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
                      stream=self._relay(stream, identity, turn, decode),
@@ -111,10 +154,12 @@ class Disagg:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
         except GatewayError as exc:
             # Bytes are out, so the status can't change: finish with an error event instead.
+            self.decode.failed(decode, unreachable=False)
             yield sse_error_event(exc)
         finally:
             # Runs on completion, on error and on client disconnect (GeneratorExit).
             stream.close()
+            self.decode.release(decode)
 
     def _remember(self, identity: Identity, turn: Turn, decode: Instance) -> None:
         if not turn.reusable or not isinstance(turn.params, dict):

@@ -3,6 +3,8 @@
 `pd-gateway` runs gunicorn with `-c python:gateway.gunicorn_conf`; the top-level
 `gunicorn.conf.py` imports this so `gunicorn -c gunicorn.conf.py` works from a checkout.
 """
+import os
+
 from gateway.config import Settings
 
 _settings = Settings.from_env()
@@ -13,6 +15,8 @@ if _settings.worker_class == "gevent":
     from gevent import monkey
 
     monkey.patch_all()
+
+from gateway.affinity import SLOT_ENV, base_port  # noqa: E402  (after patching: imports requests)
 
 wsgi_app = "gateway.wsgi:app"
 bind = [f"{_settings.host}:{_settings.port}"]
@@ -34,3 +38,38 @@ accesslog = None
 # gunicorn 25.1+ opens a control socket at one fixed path per user; several gateways on one
 # machine (tests, benchmarks) would fight over it, and nothing here uses it.
 control_socket_disable = True
+
+
+# Stable worker slots (the pattern of gunicorn issue #1352): the master hands each new worker
+# the smallest free slot, and a replacement for a dead worker gets the slot it left. A slot
+# owns a share of conversations (gateway.affinity) and a private port, base + slot.
+def on_starting(server):
+    server.pd_free_slots = set(range(server.cfg.workers))
+
+
+def nworkers_changed(server, new_value, old_value):
+    free = getattr(server, "pd_free_slots", set())
+    if old_value is not None and new_value > old_value:
+        free.update(range(old_value, new_value))
+    server.pd_free_slots = free
+
+
+def pre_fork(server, worker):
+    # Runs in the single-threaded master, so taking a slot needs no lock.
+    worker.pd_slot = min(server.pd_free_slots) if server.pd_free_slots else server.cfg.workers
+    server.pd_free_slots.discard(worker.pd_slot)
+
+
+def post_fork(server, worker):
+    os.environ[SLOT_ENV] = str(worker.pd_slot)
+    if _settings.affinity and _settings.workers > 1:
+        # Appended before the worker's accept loop starts, so gunicorn serves it like the
+        # public socket; only this process listens on it.
+        from gunicorn.sock import TCPSocket
+
+        address = (_settings.private_host, base_port(_settings) + worker.pd_slot)
+        worker.sockets = [*worker.sockets, TCPSocket(address, worker.cfg, worker.log)]
+
+
+def child_exit(server, worker):
+    server.pd_free_slots.add(worker.pd_slot)

@@ -1,12 +1,14 @@
 """P and D instance pools and the HTTP calls to them; the only module that knows `requests`."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Collection, Iterator
 from urllib.parse import urlsplit
 
 import requests
@@ -18,40 +20,126 @@ from .errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How a pool chooses and when it stops choosing an instance."""
+
+    routing: str = "affinity"        # "affinity" (rendezvous + preferred D) or "round_robin"
+    overload_factor: float = 2.0     # skip an instance whose in-flight > factor x (least + 1)
+    breaker_failures: int = 3        # consecutive failures that open the breaker
+    breaker_cooldown: float = 10.0   # seconds an open breaker skips the instance
+
+
 @dataclass(eq=False)
 class Instance:
-    """One engine. `name` (e.g. "prefill[0]") is what clients may see; the URL stays inside."""
+    """One engine and what this process knows of it.
+
+    `name` (e.g. "prefill[0]") is what clients may see; the URL stays inside the gateway.
+    """
 
     url: str
     role: str
     index: int
     host: str = field(init=False)
+    salt: bytes = field(init=False)
     inflight: int = 0
+    down: bool = False          # a connection failed: skipped until a /health probe answers
+    failures: int = 0           # consecutive failed requests
+    open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or ""
+        self.salt = self.url.encode()
 
     @property
     def name(self) -> str:
         return f"{self.role}[{self.index}]"
 
+    def available(self, now: float) -> bool:
+        return not self.down and now >= self.open_until
+
+    def state(self, now: float) -> str:
+        if self.down:
+            return "down"
+        if now < self.open_until:
+            return "open"
+        return "half-open" if self.failures else "up"
+
+
+def _weight(key: bytes, instance: Instance) -> bytes:
+    return hashlib.blake2b(key, digest_size=8, key=instance.salt[-64:]).digest()
+
 
 class Pool:
-    """The instances of one role and the choice between them."""
+    """The instances of one role: health, in-flight counts, breakers, and the choice between them."""
 
-    def __init__(self, role: str, urls: list[str]) -> None:
+    def __init__(self, role: str, urls: list[str], policy: Policy = Policy(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.role = role
+        self.policy = policy
         self.instances = [Instance(url, role, i) for i, url in enumerate(urls)]
         self._by_url = {i.url: i for i in self.instances}
         self._next = itertools.cycle(self.instances)
         self._lock = threading.Lock()
+        self._clock = clock
+        self.on_down: Callable[[], None] | None = None   # wakes the prober
 
-    def choose(self, prefer: str | None = None) -> Instance:
-        """The preferred instance (it holds the conversation's KV) if known, else round robin."""
-        if prefer in self._by_url:
-            return self._by_url[prefer]
+    def choose(self, key: str, prefer: str | None = None,
+               exclude: Collection[Instance] = ()) -> Instance:
+        """Choose for the conversation `key`; `prefer` is the instance holding its KV.
+
+        Healthy instances only, unless none is; the preferred one unless it is overloaded;
+        else the first not overloaded in rendezvous order of the key (or round robin).
+        """
+        now = self._clock()
         with self._lock:
-            return next(self._next)
+            candidates = [i for i in self.instances if i not in exclude and i.available(now)]
+            if not candidates:
+                candidates = [i for i in self.instances if i not in exclude] or self.instances
+            if self.policy.routing == "round_robin":
+                while (chosen := next(self._next)) not in candidates:
+                    pass
+                return chosen
+            limit = self.policy.overload_factor * (min(i.inflight for i in candidates) + 1)
+            preferred = self._by_url.get(prefer) if prefer else None
+            if preferred in candidates and preferred.inflight <= limit:
+                return preferred
+            raw = key.encode()
+            ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
+            return next((i for i in ranked if i.inflight <= limit), ranked[0])
+
+    def acquire(self, instance: Instance) -> None:
+        """Count a request in flight on the instance; `release` when it ends."""
+        with self._lock:
+            instance.inflight += 1
+
+    def release(self, instance: Instance) -> None:
+        with self._lock:
+            instance.inflight -= 1
+
+    def succeeded(self, instance: Instance) -> None:
+        if instance.failures or instance.down:
+            with self._lock:
+                instance.failures = 0
+                instance.down = False
+
+    def failed(self, instance: Instance, unreachable: bool) -> None:
+        """Record a failure: unreachable marks it down at once; others count toward the breaker."""
+        with self._lock:
+            instance.failures += 1
+            if unreachable:
+                instance.down = True
+            elif instance.failures >= self.policy.breaker_failures:
+                instance.open_until = self._clock() + self.policy.breaker_cooldown
+        log.warning("%s (%s) %s", instance.name, instance.url,
+                    "marked down" if unreachable else f"failed {instance.failures} time(s)")
+        if unreachable and self.on_down is not None:
+            self.on_down()
+
+    def report(self) -> list[dict]:
+        now = self._clock()
+        return [{"name": i.name, "url": i.url, "state": i.state(now), "inflight": i.inflight,
+                 "consecutive_failures": i.failures} for i in self.instances]
 
 
 class Stream:
@@ -60,6 +148,8 @@ class Stream:
     def __init__(self, response: requests.Response, instance: Instance) -> None:
         self._response = response
         self.instance = instance
+        self.status = response.status_code
+        self.headers = response.headers
         self.content_type = response.headers.get("Content-Type", "text/event-stream")
 
     def chunks(self) -> Iterator[bytes]:
@@ -157,6 +247,15 @@ class Upstream:
         """POST and return the open response once its headers arrived, or raise a GatewayError."""
         return Stream(self._post(instance, path, body, headers, stream=True), instance)
 
+    def forward(self, instance: Instance, path: str, raw: bytes, headers: dict) -> Stream:
+        """POST the client's bytes unchanged and return the open response, whatever its status."""
+        try:
+            response = self.session.post(instance.url + path, data=raw, headers=headers,
+                                         timeout=self.timeout, stream=True)
+        except requests.RequestException as exc:
+            raise _translate(exc, instance) from exc
+        return Stream(response, instance)
+
     def probe(self, instance: Instance, timeout: float = 1.0) -> bool:
         """Does the instance answer GET /health with 200?"""
         try:
@@ -172,3 +271,43 @@ class Upstream:
             return response.json()
         except (requests.RequestException, ValueError) as exc:
             raise BadGateway(f"{instance.name} did not answer {path}") from exc
+
+
+class Prober:
+    """Probes instances marked down until /health answers 200, then puts them back in rotation.
+
+    One background thread per process (a greenlet under gevent), started when an instance
+    first goes down and ending when none is down.
+    """
+
+    def __init__(self, upstream: Upstream, pools: list[Pool], interval: float) -> None:
+        self.upstream = upstream
+        self.pools = pools
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _down(self) -> list[tuple[Pool, Instance]]:
+        return [(p, i) for p in self.pools for i in p.instances if i.down]
+
+    def wake(self) -> None:
+        """Make sure the probe loop runs (call after marking an instance down)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="pd-gateway-prober",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            down = self._down()
+            if not down:
+                return
+            for pool, instance in down:
+                if self.upstream.probe(instance):
+                    log.info("%s (%s) answers /health again", instance.name, instance.url)
+                    pool.succeeded(instance)
+
+    def stop(self) -> None:
+        self._stop.set()

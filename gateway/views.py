@@ -44,9 +44,16 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         try:
-            client_request = parse(path, _read_body(gateway.settings.max_body_bytes))
+            raw = _read_body(gateway.settings.max_body_bytes)
+            client_request = parse(path, raw)
             identity = identify(client_request.body, request.headers,
                                 client_request.conversation_id)
+            owner = gateway.affinity.forward_to(identity.root, request.environ)
+            if owner is not None:
+                forwarded = gateway.affinity.forward(owner, path, raw, request.headers)
+                if forwarded is not None:
+                    status, headers, body = forwarded
+                    return Response(body, status=status, headers=headers)
             headers = gateway.upstream.headers(request_id, request.headers.get("Authorization"))
             reply = gateway.disagg.run(client_request, identity, headers)
         except GatewayError as exc:

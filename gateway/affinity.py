@@ -1,0 +1,85 @@
+"""Which gunicorn worker owns a conversation, and forwarding a request to that worker.
+
+Each worker has its own conversation store, and the kernel hands a new connection to any
+worker. So every worker holds a stable slot (assigned by the master, see gunicorn_conf) and a
+private loopback listener on `base_port + slot`; the owner of a conversation is the rendezvous
+hash of its root key over the slots, and a non-owner forwards the whole request to the owner
+once. A request that arrived on a private listener is always served where it landed.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Iterator, Mapping
+
+from .config import Settings
+from .errors import GatewayError, ServiceUnavailable, sse_error_event
+from .upstream import Instance, Upstream
+
+log = logging.getLogger(__name__)
+SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"
+# Hop-by-hop headers (RFC 9110 7.6.1) and those requests recomputes.
+_NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer",
+                            "transfer-encoding", "upgrade", "host", "content-length"})
+_RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "Cache-Control",
+                 "X-Accel-Buffering")
+
+
+def base_port(settings: Settings) -> int:
+    return settings.private_base_port or settings.port + 1
+
+
+def owner(root: str, slots: int) -> int:
+    """Rendezvous hash: a worker's slots keep their keys when the worker count changes."""
+    key = root.encode()
+    return max(range(slots), key=lambda s: hashlib.blake2b(key, digest_size=8,
+                                                          salt=s.to_bytes(16, "little")).digest())
+
+
+class Affinity:
+    """This worker's slot and the way to every other worker's private listener."""
+
+    def __init__(self, settings: Settings, upstream: Upstream,
+                 environ: Mapping[str, str] = os.environ) -> None:
+        self.slot = int(environ.get(SLOT_ENV, "-1"))
+        self.workers = settings.workers
+        # Off with one worker, outside gunicorn (no slot), or when switched off.
+        self.enabled = settings.affinity and self.workers > 1 and self.slot >= 0
+        base = base_port(settings)
+        self.private_ports = {str(base + s) for s in range(self.workers)}
+        self.targets = [Instance(f"http://{settings.private_host}:{base + s}", "worker", s)
+                        for s in range(self.workers)]
+        self.upstream = upstream
+
+    def forward_to(self, root: str, environ: Mapping[str, object]) -> Instance | None:
+        """The owner worker to forward to, or None to serve here."""
+        if not self.enabled or environ.get("SERVER_PORT") in self.private_ports:
+            return None
+        slot = owner(root, self.workers)
+        return None if slot == self.slot else self.targets[slot]
+
+    def forward(self, target: Instance, path: str, raw: bytes,
+                headers: Mapping[str, str]) -> tuple[int, dict, Iterator[bytes]] | None:
+        """Relay the request through its owner; None if the owner is away (serve it here)."""
+        sent = {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            response = self.upstream.forward(target, path, raw, sent)
+        except ServiceUnavailable:
+            # Restarting or not up yet: this worker serves it, a miss rather than an error.
+            log.info("owner %s is away; serving here", target.name)
+            return None
+        except GatewayError:
+            return None
+        relayed = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
+        return response.status, relayed, self._relay(response, relayed)
+
+    @staticmethod
+    def _relay(response, headers: dict) -> Iterator[bytes]:
+        try:
+            yield from response.chunks()
+        except GatewayError as exc:
+            if headers.get("Content-Type", "").startswith("text/event-stream"):
+                yield sse_error_event(exc)
+        finally:
+            response.close()
