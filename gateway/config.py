@@ -261,6 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, list):
         return " ".join(value)
     return repr(value) if value == "" else str(value)
+
+
+def settings_markdown() -> str:
+    """The settings table README.md carries (a test keeps the two equal)."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        default = "$OPENAI_API_KEY or empty" if s.name == "upstream_api_key" else _show(s.default)
+        rows.append(f"| `{s.flag}` | `{s.env}` | `{default}` | {s.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(settings_markdown())

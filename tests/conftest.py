@@ -43,3 +43,42 @@ def app(store: LocalStore):
 @pytest.fixture
 def client(app):
     return app.test_client()
+
+
+# --- real servers -----------------------------------------------------------------------------
+# Engines on distinct loopback addresses: a pull only works if the gateway rewrote remote_host.
+P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
+MODEL = "emulated-model"
+
+
+@pytest.fixture(scope="session")
+def engines():
+    from gateway.emulator.process import EmulatorProcess
+    with EmulatorProcess("prefill", host=P_HOST, itl_ms=1) as p, \
+            EmulatorProcess("decode", host=D_HOST, itl_ms=1) as d:
+        yield p, d
+
+
+@pytest.fixture
+def fresh_engines(engines):
+    for engine in engines:
+        engine.set_fault("none")
+        engine.reset_stats()
+    return engines
+
+
+@pytest.fixture(scope="session")
+def gateway_factory():
+    """Start gateways under gunicorn; all stopped at the end of the session."""
+    from gateway.launch import GatewayProcess
+    started = {}
+
+    def start(prefill, decode, **settings):
+        key = (tuple(prefill), tuple(decode), tuple(sorted(settings.items())))
+        if key not in started:
+            started[key] = GatewayProcess(prefill, decode, **settings)
+        return started[key]
+
+    yield start
+    for gateway in started.values():
+        gateway.stop()

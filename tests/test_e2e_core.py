@@ -1,0 +1,99 @@
+"""The core flow end to end: OpenAI SDK -> gateway under gunicorn -> emulated P and D processes."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from openai import OpenAI
+
+from tests.conftest import MODEL
+
+TURNS = 5
+
+
+@pytest.fixture(params=["gevent", "gthread"])
+def gateway(request, fresh_engines, gateway_factory):
+    p, d = fresh_engines
+    return gateway_factory([p.url], [d.url], worker_class=request.param)
+
+
+def sdk(gateway, **headers) -> OpenAI:
+    return OpenAI(base_url=gateway.url + "/v1", api_key="test-key", default_headers=headers,
+                  max_retries=0)
+
+
+def chat_turns(client, stream: bool, explicit: bool) -> list[str]:
+    """Five turns of one conversation; returns the cache header of each turn."""
+    messages = [{"role": "system", "content": "you are terse"},
+                {"role": "user", "content": "first question about kv blocks"}]
+    extra = {"conversation_id": uuid.uuid4().hex} if explicit else {}
+    caches = []
+    for turn in range(TURNS):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, stream=stream, max_tokens=8, extra_body=extra)
+        caches.append(raw.headers["X-Gateway-Cache"])
+        if stream:
+            chunks = list(raw.parse())
+            for chunk in chunks:
+                assert "kv_transfer_params" not in chunk.to_json()
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        else:
+            reply = raw.parse()
+            assert "kv_transfer_params" not in reply.to_json()
+            assert reply.usage.completion_tokens == 8
+            text = reply.choices[0].message.content
+        assert text
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": f"follow up number {turn}"}]
+    return caches
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "nonstream"])
+@pytest.mark.parametrize("explicit", [True, False], ids=["conversation_id", "no_id"])
+def test_chat_turns_after_the_first_hit(gateway, fresh_engines, stream, explicit):
+    p, d = fresh_engines
+    caches = chat_turns(sdk(gateway), stream, explicit)
+    assert caches == ["miss"] + ["hit"] * (TURNS - 1)
+    stats = p.stats()
+    assert stats["hits"] == TURNS - 1
+    assert stats["wrong_reuse"] == 0 and d.stats()["wrong_reuse"] == 0
+    assert d.stats()["completed"] == TURNS
+
+
+@pytest.mark.parametrize("header", ["X-Conversation-Id", "X-Session-ID"])
+def test_id_headers_link_turns(gateway, fresh_engines, header):
+    p, _ = fresh_engines
+    caches = chat_turns(sdk(gateway, **{header: uuid.uuid4().hex}), True, explicit=False)
+    assert caches[1:] == ["hit"] * (TURNS - 1)
+    assert p.stats()["hits"] == TURNS - 1 and p.stats()["wrong_reuse"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "nonstream"])
+def test_completions_turns_with_an_id_hit(gateway, fresh_engines, stream):
+    p, d = fresh_engines
+    client = sdk(gateway)
+    prompt = "once upon a time in a land of disaggregated engines"
+    cid = uuid.uuid4().hex
+    for turn in range(TURNS):
+        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                           stream=stream, extra_body={"conversation_id": cid})
+        if stream:
+            chunks = list(result)
+            assert all("kv_transfer_params" not in c.to_json() for c in chunks)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        else:
+            assert "kv_transfer_params" not in result.to_json()
+            text = result.choices[0].text
+        prompt = prompt + text + f" and then chapter {turn}"
+    assert p.stats()["hits"] == TURNS - 1
+    assert p.stats()["wrong_reuse"] == 0
+
+
+def test_models_and_health(gateway):
+    client = sdk(gateway)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    import requests
+    health = requests.get(gateway.url + "/health", timeout=5).json()
+    assert health["status"] == "ok"
+    assert [i["state"] for i in health["prefill"] + health["decode"]] == ["up", "up"]
