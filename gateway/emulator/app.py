@@ -1,0 +1,251 @@
+"""The engine's HTTP API: OpenAI completions as vLLM streams them, plus health, models, stats and faults."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import time
+import uuid
+from typing import Callable, Iterator
+
+import gevent.select
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+from .engine import Engine, Turn
+from .errors import BadRequest, EngineError, InternalError, KVLoadError, MethodNotAllowed, NotFound, Unavailable
+from .faults import Fault
+from .protocol import DONE, Framer, dumps, parse_request
+from .tokens import reply_text
+
+log = logging.getLogger(__name__)
+
+SSE = "text/event-stream; charset=utf-8"
+SOCKET_KEY = "emulator.socket"  # set by the server's handler (cli.py); absent under a test client
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(dumps(payload), status=status, content_type="application/json")
+
+
+def _error(exc: EngineError) -> Response:
+    return _json(exc.envelope(), exc.code)
+
+
+def _cutter(environ: dict) -> Callable[[], None]:
+    """A function that drops the client connection mid-response, as a crashing engine would."""
+    sock = environ.get(SOCKET_KEY)
+
+    def cut() -> None:
+        if sock is None:
+            raise ConnectionAbortedError("emulated fault: connection cut")
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # FIN now; the server's later writes fail quietly (EPIPE)
+        except OSError:
+            pass
+
+    return cut
+
+
+def _client_gone(environ: dict, engine: Engine, timeout: float) -> bool:
+    sock = environ.get(SOCKET_KEY)
+    if sock is None:
+        engine.sleep(timeout)
+        return False
+    readable, _, _ = gevent.select.select([sock], [], [], timeout)
+    if not readable:
+        return False
+    try:
+        gone = sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+    if not gone:
+        engine.sleep(timeout)  # the client sent more bytes (pipelining); don't spin on them
+    return gone
+
+
+def _hang(engine: Engine, fault: Fault) -> Response:
+    """Accept the request and answer nothing until the client leaves (or max_s passes)."""
+    request.get_data()  # drain the body so the socket turns readable only when the client closes
+    environ = request.environ
+    deadline = engine.clock() + fault.max_s
+    try:
+        while engine.clock() < deadline:
+            if _client_gone(environ, engine, 0.5):
+                _cutter(environ)()
+                return Response(b"", status=499)  # nobody reads this; the client is gone
+    finally:
+        engine.stats.fault_responses += 1  # counted when the hang ends, so tests can see it end
+    raise Unavailable(f"emulated fault: hang ended after {fault.max_s} s")
+
+
+def _stream(engine: Engine, turn: Turn, framer: Framer, include_usage: bool,
+            cut: Callable[[], None]) -> Iterator[bytes]:
+    """SSE in vLLM's order: role chunk, content chunks, finish chunk, [usage], [params], [DONE]."""
+    stats, placement = engine.stats, engine.config.stream_params
+    itl = engine.config.itl_ms / 1000.0
+    stats.stream_opened()
+    outcome = "aborted"
+    try:
+        if framer.chat:
+            yield framer.role()
+        last = turn.completion_tokens - 1  # the last token rides on the finish chunk
+        for i in range(last + 1):
+            if i:
+                engine.sleep(itl)
+            if turn.fault.mode == "die_after" and i >= turn.fault.tokens:
+                outcome = "died"
+                stats.fault_responses += 1
+                cut()
+                return  # no finish chunk, no [DONE], no chunked terminator
+            if i < last:
+                yield framer.token(i, turn.words[i])
+        params = engine.finish(turn)
+        text = framer.piece(last, turn.words[last]) if turn.finish_reason == "length" else ""
+        yield framer.finish(text, turn.finish_reason, params if placement == "final" else None)
+        if include_usage:
+            yield framer.usage(len(turn.tokens), turn.completion_tokens)
+        if params is not None and placement == "separate":
+            yield framer.params_only(params)
+        yield DONE
+        outcome = "completed"
+    except GeneratorExit:  # the server closes us after a failed write: the client went away
+        stats.aborted_streams += 1
+        raise
+    finally:
+        stats.streams_in_flight -= 1
+        if outcome == "completed":
+            stats.completed += 1
+        engine.record(turn, outcome)
+
+
+def _body(engine: Engine, turn: Turn, framer: Framer, cut: Callable[[], None], headers: dict) -> Response:
+    itl = engine.config.itl_ms / 1000.0
+    fault = turn.fault
+    if fault.mode == "die_after" and fault.tokens < turn.completion_tokens:
+        engine.sleep(itl * fault.tokens)
+        engine.stats.fault_responses += 1
+        engine.record(turn, "died")
+        cut()
+        return Response(b"", status=500)  # never arrives: the connection is already shut
+    engine.sleep(itl * (turn.completion_tokens - 1))
+    params = engine.finish(turn)
+    body = framer.body(reply_text(turn.kind, turn.words), turn.finish_reason, len(turn.tokens),
+                       turn.completion_tokens, params)
+    engine.stats.completed += 1
+    engine.record(turn, "completed")
+    return Response(body, headers=headers, content_type="application/json")
+
+
+def create_app(engine: Engine) -> Flask:
+    """The Flask app of one engine; every error leaves as vLLM's envelope."""
+    app = Flask(__name__)
+    app.json.compact = True  # vLLM bodies are one line; line-based clients depend on it
+    cfg, stats = engine.config, engine.stats
+
+    @app.errorhandler(EngineError)
+    def engine_error(exc: EngineError) -> Response:
+        return _error(exc)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Response:
+        kind = {404: NotFound, 405: MethodNotAllowed}.get(exc.code or 400, BadRequest)
+        return _error(kind(f"{exc.name}: {request.method} {request.path}"))
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception) -> Response:
+        log.exception("unexpected error on %s", request.path)
+        return _error(InternalError(f"emulator bug: {exc!r}"))
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response(b"", status=503 if engine.faults.down else 200)
+
+    @app.get("/version")
+    def version() -> Response:
+        return _json({"version": "emulated"})
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        if engine.faults.down:
+            raise Unavailable("emulated fault: down")
+        created = int(time.time())
+        permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                      "created": created, "allow_create_engine": False, "allow_sampling": True,
+                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
+        return _json({"object": "list", "data": [
+            {"id": cfg.model, "object": "model", "created": created, "owned_by": "vllm", "root": cfg.model,
+             "parent": None, "max_model_len": cfg.max_model_len, "permission": [permission]}]})
+
+    @app.get("/stats")
+    def get_stats() -> Response:
+        return _json(engine.snapshot())
+
+    @app.get("/stats/requests")
+    def recent_requests() -> Response:
+        return _json(list(stats.recent))
+
+    @app.post("/stats/reset")
+    def reset_stats() -> Response:
+        stats.reset()
+        return _json(engine.snapshot())
+
+    @app.route("/faults", methods=["GET", "POST"])
+    def faults() -> Response:
+        if request.method == "POST":
+            try:
+                engine.faults.set(Fault.from_dict(request.get_json(force=True, silent=True)))
+            except ValueError as exc:
+                raise BadRequest(str(exc), "mode") from exc
+            log.info("fault set to %s", engine.faults.current)
+        return _json(engine.faults.current.to_dict())
+
+    def serve(kind: str) -> Response:
+        arrival = engine.clock()
+        stats.requests += 1
+        fault = engine.faults.take()
+        if fault.mode == "hang":
+            return _hang(engine, fault)
+        if fault.mode in ("down", "error500"):
+            stats.fault_responses += 1
+            raise (Unavailable if fault.mode == "down" else InternalError)(f"emulated fault: {fault.mode}")
+        if fault.mode == "slow":
+            engine.sleep(fault.delay_s)
+        try:
+            req = parse_request(kind, request.get_data(), cfg.model, cfg.max_model_len)
+        except EngineError:
+            stats.bad_requests += 1
+            raise
+        xid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{xid}"
+        # vLLM appends a random suffix to internal ids, so remote_request_id != the response id.
+        internal_id = f"{response_id}-{secrets.token_hex(4)}"
+        framer = Framer(kind, response_id, cfg.model, int(time.time()))
+        headers = {"X-Request-Id": xid}
+        try:
+            turn = engine.start(req, internal_id, fault, arrival)
+        except KVLoadError as exc:
+            if not req.stream:
+                raise
+            # vLLM has sent 200 and its headers before a stream fails, so the error is an SSE event.
+            return Response([framer.error(exc.envelope()), DONE], headers=headers, content_type=SSE)
+        ready = engine.clock() - arrival
+        stats.first_token_seconds += ready
+        headers["X-Engine-Prefill-Ms"] = f"{ready * 1000:.3f}"
+        cut = _cutter(request.environ)
+        if req.stream:
+            return Response(_stream(engine, turn, framer, req.include_usage, cut), headers=headers,
+                            content_type=SSE)
+        return _body(engine, turn, framer, cut, headers)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions() -> Response:
+        return serve("chat")
+
+    @app.post("/v1/completions")
+    def completions() -> Response:
+        return serve("completion")
+
+    return app
