@@ -45,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
                      backlog=BACKLOG, log=access)
     kv = WSGIServer((config.host, config.kv_port), create_kv_app(engine.engine_id, engine.leases),
                     backlog=BACKLOG, log=access)
-    api.start()
-    kv.start()
     log.info("%s engine %s serving %s on http://%s:%d, KV port %d (advertised as %s:%d), fault %s",
              config.role, engine.engine_id, config.model, config.host, config.port, config.kv_port,
              config.advertise_host, config.kv_port, config.fault.mode)
+    api.start()  # binding errors (port taken) surface here and end the process
+    kv.start()
     stopping = Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         gevent.signal_handler(signum, stopping.set)

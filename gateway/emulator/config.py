@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -62,6 +63,8 @@ class EngineConfig:
         _check(self.stream_params in STREAM_PARAMS, "stream_params", f"must be one of {STREAM_PARAMS}")
         _check(self.kv_load_failure_policy in FAILURE_POLICIES, "kv_load_failure_policy",
                f"must be one of {FAILURE_POLICIES}")
+        _check(isinstance(logging.getLevelName(self.log_level.upper()), int), "log_level",
+               f"must be a logging level name, got {self.log_level!r}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -95,7 +98,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("prefill_ms_per_token", float, "emulated compute per prompt token that is neither cached nor pulled"),
     Flag("pull_ms_per_block", float, "emulated transfer time per pulled block"),
     Flag("itl_ms", float, "inter-token latency"),
-    Flag("output_tokens", int, "natural reply length in words; then EOS (finish_reason stop)"),
+    Flag("output_tokens", int, "reply length in words when a request sets no max_tokens; then EOS "
+         "(finish_reason stop). max_tokens is always obeyed exactly (finish_reason length)"),
     Flag("block_size", int, "tokens per KV block; all engines of a deployment must agree"),
     Flag("kv_ttl", float, "seconds finished blocks wait for one pull (default: prefill 30, decode 480)"),
     Flag("recompute_threshold", int, "P recomputes instead of pulling fewer tokens than this (vLLM: 64)"),

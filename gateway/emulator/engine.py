@@ -84,12 +84,20 @@ class Engine:
         """Prefill the prompt (pulling what it can) and decide the reply; raises KVLoadError."""
         turn = Turn(req.kind, internal_id, req.tokens, req.kv_transfer_params, fault, arrival, [])
         self._prefill(turn)
-        room = self.config.max_model_len - len(req.tokens)
-        cap = req.max_tokens if req.max_tokens is not None else room
-        natural = max(self.config.output_tokens, req.min_tokens)
-        count, turn.finish_reason = (cap, "length") if req.ignore_eos or cap <= natural else (natural, "stop")
+        count, turn.finish_reason = self._reply_length(req)
         turn.words = generate(req.tokens, count)
         return turn
+
+    def _reply_length(self, req: CompletionRequest) -> tuple[int, str]:
+        """Words to emit and the finish reason: max_tokens is obeyed exactly (so benchmarks control
+        output length); without it the reply is --output-tokens words and then EOS."""
+        room = self.config.max_model_len - len(req.tokens)
+        if req.max_tokens is not None:
+            return req.max_tokens, "length"
+        natural = max(self.config.output_tokens, req.min_tokens)
+        if req.ignore_eos or natural >= room:
+            return room, "length"  # vLLM's default max_tokens is what is left of the context
+        return natural, "stop"
 
     def _prefill(self, turn: Turn) -> None:
         started = self.clock()

@@ -49,8 +49,14 @@ def test_length_finish_carries_the_last_token(make_api, sse):
     assert finish["finish_reason"] == "length" and finish["delta"]["content"].startswith(" ")
     body = chat(api, max_completion_tokens=2, max_tokens=50).get_json()
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 2
-    assert chat(api, max_tokens=11).get_json()["choices"][0]["finish_reason"] == "stop"
-    assert chat(api, max_tokens=11, ignore_eos=True).get_json()["usage"]["completion_tokens"] == 11
+    longer = chat(api, max_tokens=25).get_json()  # max_tokens is obeyed exactly, past --output-tokens
+    assert longer["choices"][0]["finish_reason"] == "length" and longer["usage"]["completion_tokens"] == 25
+    natural = chat(api).get_json()  # no max_tokens: --output-tokens words, then EOS
+    assert natural["choices"][0]["finish_reason"] == "stop" and natural["usage"]["completion_tokens"] == 11
+    assert len(natural["choices"][0]["message"]["content"].split()) == 10
+    assert chat(api, min_tokens=12).get_json()["usage"]["completion_tokens"] == 13
+    room = chat(api, ignore_eos=True, stream=False)
+    assert room.get_json()["usage"]["completion_tokens"] == 32768 - N_PROMPT
 
 
 def test_non_stream_body_is_one_line_with_top_level_params(make_api):
