@@ -56,7 +56,7 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
             wanted_engine = body["remote_engine_id"]
             block_ids = flat_block_ids(body["remote_block_ids"]) if "remote_block_ids" in body else None
             first_block = int(body.get("first_block", 0))
-            num_tokens = body.get("num_tokens")
+            num_tokens = None if body.get("num_tokens") is None else int(body["num_tokens"])
             if first_block < 0 or not isinstance(request_id, str):
                 raise ValueError("bad first_block or remote_request_id")
         except (ValueError, KeyError, TypeError) as exc:
@@ -75,7 +75,7 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
             return _reply(start_response, "409 Conflict", {"error": str(exc)})
         if path == "/kv/release":
             return _reply(start_response, "200 OK", {"released": len(lease.block_ids)})
-        end = len(lease.tokens) if num_tokens is None else max(0, min(int(num_tokens), len(lease.tokens)))
+        end = len(lease.tokens) if num_tokens is None else max(0, min(num_tokens, len(lease.tokens)))
         tokens = list(lease.tokens[first_block * bs:end])
         return _reply(start_response, "200 OK", {
             "engine_id": engine_id, "request_id": request_id, "tokens": tokens,

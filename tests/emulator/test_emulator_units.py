@@ -165,11 +165,14 @@ def test_kv_port_refuses_the_wrong_engine_without_freeing(kv):
     assert len(store) == 0
 
 
-def test_kv_port_rejects_malformed_requests(kv):
-    _, client = kv
+def test_kv_port_rejects_malformed_requests_without_freeing(kv):
+    store, client = kv
+    store.put("r1", ("a",))
     assert client.post("/kv/pull", data=b"{nope").status_code == 400
     assert client.post("/kv/pull", json={"remote_engine_id": "engine-A"}).status_code == 400
+    assert _pull(client, remote_engine_id="engine-A", remote_request_id="r1", num_tokens="all")[0] == 400
     assert client.get("/kv/pull").status_code == 404
+    assert len(store) == 1
 
 
 # --- settings and faults ------------------------------------------------------------------------
