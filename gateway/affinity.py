@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from typing import Iterator, Mapping
 
 from .config import Settings
-from .errors import GatewayError, ServiceUnavailable, sse_error_event
+from .errors import BadGateway, GatewayError, ServiceUnavailable, sse_error_event
 from .upstream import Instance, Upstream
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Affinity:
         self.targets = [Instance(f"http://{settings.private_host}:{base + s}", "worker", s)
                         for s in range(self.workers)]
         self.upstream = upstream
+        self.owner_wait = settings.owner_wait
 
     def forward_to(self, root: str, environ: Mapping[str, object]) -> Instance | None:
         """The owner worker to forward to, or None to serve here."""
@@ -63,14 +65,22 @@ class Affinity:
                 headers: Mapping[str, str]) -> tuple[int, dict, Iterator[bytes]] | None:
         """Relay the request through its owner; None if the owner is away (serve it here)."""
         sent = {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
-        try:
-            response = self.upstream.forward(target, path, raw, sent)
-        except ServiceUnavailable:
-            # Restarting or not up yet: this worker serves it, a miss rather than an error.
-            log.info("owner %s is away; serving here", target.name)
-            return None
-        except GatewayError:
-            return None
+        deadline = time.monotonic() + self.owner_wait
+        while True:
+            try:
+                response = self.upstream.forward(target, path, raw, sent)
+                break
+            except (ServiceUnavailable, BadGateway):
+                # Refused, or a pooled connection to a dead owner broke: the owner is
+                # restarting (gunicorn respawns a dead worker in about a second). Waiting
+                # keeps its conversations to one miss; serving here would leave the next
+                # turn's entry in the wrong worker.
+                if time.monotonic() >= deadline:
+                    log.info("owner %s is away; serving here", target.name)
+                    return None
+                time.sleep(0.05)
+            except GatewayError:
+                return None
         relayed = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
         return response.status, relayed, self._relay(response, relayed)
 

@@ -107,6 +107,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Address of the per-worker private listeners used for forwarding."),
     Setting("private_base_port", 0, lambda v: 0 if int(v) == 0 else _port(v),
             "Worker slot N listens privately on this port + N; 0 means the gateway port + 1."),
+    Setting("owner_wait", 3.0, lambda v: max(0.0, float(v)),
+            "Seconds a request waits for its owner worker to come back (a restart) before "
+            "this worker serves it itself, as a miss."),
     Setting("routing", "affinity", _choice("affinity", "round_robin"),
             "How P and D are chosen: per conversation (rendezvous hash, D that holds the "
             "entry first, load fallback) or round robin."),
@@ -165,6 +168,7 @@ class Settings:
     affinity: bool = _default("affinity")
     private_host: str = _default("private_host")
     private_base_port: int = _default("private_base_port")
+    owner_wait: float = _default("owner_wait")
     routing: str = _default("routing")
     overload_factor: float = _default("overload_factor")
     attempts: int = _default("attempts")

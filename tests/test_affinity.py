@@ -1,0 +1,151 @@
+"""Multi-worker affinity: conversations stick to the worker holding their cache; P/D choice."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+
+import pytest
+import requests
+
+from gateway.affinity import Affinity, owner
+from gateway.config import Settings
+from gateway.conversation import identify
+from gateway.emulator.process import EmulatorProcess
+from gateway.launch import GatewayProcess, wait_until
+from tests import workload
+
+
+def worker_health(gateway, slot: int) -> dict:
+    return requests.get(f"http://127.0.0.1:{gateway.port + 1 + slot}/health", timeout=5).json()
+
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_four_workers_keep_conversations_on_their_owner(fresh_engines, gateway_factory,
+                                                        worker_class):
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], workers=4, worker_class=worker_class)
+    convs = workload.run(gateway.url, conversations=200, turns=5)
+    hits, later = workload.later_hits(convs)
+    assert workload.errors(convs) == []
+    assert later == 800 and hits / later >= 0.99, (hits, later)
+    assert p.stats()["hits"] >= 0.99 * 800
+    assert p.stats()["wrong_reuse"] == 0
+    print(f"\n{worker_class}, 4 workers, affinity on: {hits}/{later} later turns hit")
+
+
+def test_without_affinity_most_later_turns_miss(fresh_engines, gateway_factory):
+    """The baseline the forwarding fixes: the kernel spreads connections over the workers."""
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], workers=4, affinity="off")
+    convs = workload.run(gateway.url, conversations=200, turns=5)
+    hits, later = workload.later_hits(convs)
+    assert workload.errors(convs) == []
+    print(f"\n4 workers, affinity off: {hits}/{later} later turns hit")
+    assert hits / later < 0.9
+
+
+def test_forwarding_is_off_with_one_worker_or_when_switched_off():
+    environ = {"PD_GATEWAY_WORKER_SLOT": "0"}
+    assert not Affinity(Settings(workers=1), None, environ).enabled
+    assert not Affinity(Settings(workers=4, affinity=False), None, environ).enabled
+    assert not Affinity(Settings(workers=4), None, {}).enabled        # not under gunicorn
+    assert Affinity(Settings(workers=4), None, environ).enabled
+
+
+def test_owner_is_stable_and_spreads():
+    roots = [uuid.uuid4().hex for _ in range(4000)]
+    counts = [0] * 4
+    for root in roots:
+        counts[owner(root, 4)] += 1
+    assert min(counts) > 800
+    # Rendezvous: going from 4 to 5 slots only moves keys to the new slot.
+    assert all(owner(r, 5) in (owner(r, 4), 4) for r in roots)
+
+
+def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines):
+    p, d = fresh_engines
+    with GatewayProcess([p.url], [d.url], workers=4) as gateway:
+        for slot in range(4):
+            wait_until(lambda: worker_health(gateway, slot), 20, f"worker {slot}")
+        victim = worker_health(gateway, 2)
+        # A request the killed process itself had accepted loses its connection before any
+        # response; the client retries it, as the OpenAI SDK does by default (max_retries=2).
+        convs = [workload.Conversation(gateway.url, stream=False, retries=2) for _ in range(96)]
+        workload.drive(convs, turns=2)
+        killed = threading.Event()
+
+        def kill_once(conversation):
+            if not killed.is_set():
+                killed.set()
+                os.kill(victim["pid"], signal.SIGKILL)
+
+        workload.drive(convs, turns=3, before_turn=kill_once)   # killed amid the run
+        assert workload.errors(convs) == []
+        owned = {c.cid for c in convs if owner(identify({}, {}, c.cid).root, 4) == 2}
+        misses = {c.cid: c.caches[1:].count("miss") for c in convs}
+        assert all(n <= 1 for n in misses.values()), misses
+        # Every conversation of the dead slot lost its entry: exactly one miss each. Another
+        # conversation can miss only if its request was in flight through the killed process.
+        assert all(misses[cid] == 1 for cid in owned), {cid: misses[cid] for cid in owned}
+        others = [cid for cid, n in misses.items() if n and cid not in owned]
+        assert len(others) <= 16, others
+        print(f"\nSIGKILL of slot 2: {len(owned)} owned conversations missed once, "
+              f"{len(others)} others (in flight through it) missed once")
+        wait_until(lambda: worker_health(gateway, 2)["pid"] != victim["pid"], 20, "replacement")
+        assert worker_health(gateway, 2)["worker"] == 2
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    """Two P and two D engines on their own loopback addresses."""
+    with EmulatorProcess("prefill", host="127.0.0.4", itl_ms=1) as p1, \
+            EmulatorProcess("prefill", host="127.0.0.5", itl_ms=1) as p2, \
+            EmulatorProcess("decode", host="127.0.0.6", itl_ms=1) as d1, \
+            EmulatorProcess("decode", host="127.0.0.7", itl_ms=1) as d2:
+        yield [p1, p2], [d1, d2]
+
+
+def pulled_on_d(two_by_two, routing: str, gateway_factory) -> tuple[int, int]:
+    ps, ds = two_by_two
+    for engine in ps + ds:
+        engine.reset_stats()
+    gateway = gateway_factory([p.url for p in ps], [d.url for d in ds], routing=routing)
+    # Replies of ~100 tokens, as in vLLM's multi-turn benchmark config (80-120): D produced
+    # most of the history itself.
+    convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8, max_tokens=100)
+    assert workload.errors(convs) == []
+    assert sum(p.stats()["wrong_reuse"] for p in ps) == 0
+    return sum(d.stats()["pulled_tokens"] for d in ds), sum(p.stats()["hits"] for p in ps)
+
+
+def test_conversation_affine_choice_cuts_decode_pulls(two_by_two, gateway_factory):
+    rr_pulled, rr_hits = pulled_on_d(two_by_two, "round_robin", gateway_factory)
+    affine_pulled, affine_hits = pulled_on_d(two_by_two, "affinity", gateway_factory)
+    print(f"\nD pulled tokens, 2P x 2D, 40 conversations x 5 turns: round robin {rr_pulled}, "
+          f"affinity {affine_pulled} ({1 - affine_pulled / rr_pulled:.0%} fewer)")
+    assert rr_hits == affine_hits == 160
+    assert affine_pulled <= 0.3 * rr_pulled
+
+
+def test_failed_connection_marks_down_and_probe_brings_back(gateway_factory):
+    with EmulatorProcess("prefill", host="127.0.0.8", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.9", itl_ms=1) as d1, \
+            EmulatorProcess("decode", host="127.0.0.10", itl_ms=1) as d2:
+        gateway = GatewayProcess([p.url], [d1.url, d2.url], probe_interval=0.2)
+        try:
+            health = lambda: requests.get(gateway.url + "/health", timeout=5).json()
+            assert [i["state"] for i in health()["decode"]] == ["up", "up"]
+            d2.stop()
+            convs = workload.run(gateway.url, conversations=20, turns=2, concurrency=4)
+            # A refused connection is retried on the other D: no client sees it.
+            assert workload.errors(convs) == []
+            assert health()["decode"][1]["state"] == "down"
+            assert health()["status"] == "ok"
+            d2.start()
+            wait_until(lambda: health()["decode"][1]["state"] == "up", 10, "probe")
+            report = health()["decode"][1]
+            assert report["inflight"] == 0 and report["consecutive_failures"] == 0
+        finally:
+            gateway.stop()
