@@ -15,7 +15,7 @@ import time
 from typing import Iterator, Mapping
 
 from .config import Settings
-from .errors import BadGateway, GatewayError, ServiceUnavailable, sse_error_event
+from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
 from .upstream import Instance, Upstream
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,6 @@ class Affinity:
             yield from response.chunks()
         except GatewayError as exc:
             if headers.get("Content-Type", "").startswith("text/event-stream"):
-                yield sse_error_event(exc)
+                yield error_event(exc)
         finally:
             response.close()

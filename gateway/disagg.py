@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
+from . import metrics
 from .conversation import Identity
-from .errors import BadGateway, GatewayError, ServiceUnavailable, UpstreamRejected, sse_error_event
+from .errors import BadGateway, GatewayError, ServiceUnavailable, UpstreamRejected, error_event
 from .parse import ClientRequest
 from .sse import EventRelay, Turn
 from .store import ConversationStore, Entry
@@ -21,6 +23,48 @@ MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_eng
 # Fields P must not see: it generates exactly one token, never streams.
 PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens",
                    "stream_options")
+
+
+def _int(low: int, high: int | None = None) -> Callable[[Any], bool]:
+    return lambda v: (isinstance(v, int) and not isinstance(v, bool) and v >= low
+                      and (high is None or v <= high))
+
+
+def _block_ids(value: Any) -> bool:
+    is_id = _int(0)
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(group, list) and all(is_id(b) for b in group) for group in value)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 512
+
+
+# D's kv_transfer_params as the gateway keeps them: known fields only, each checked, because
+# they go back to P verbatim next turn (llm-d's required-field list plus vLLM's extras).
+REQUIRED_PARAMS = {"remote_block_ids": _block_ids, "remote_engine_id": _text,
+                   "remote_request_id": _text, "remote_port": _int(1, 65535)}
+OPTIONAL_PARAMS = {"remote_host": _text, "tp_size": _int(1), "dcp_size": _int(1),
+                   "pp_size": _int(1), "remote_num_tokens": _int(0),
+                   "remote_blocks_expiry_time": lambda v: v is None or (
+                       isinstance(v, (int, float)) and not isinstance(v, bool)),
+                   "transfer_mode": _text, "remote_control_host": _text,
+                   "remote_control_port": _int(1, 65535)}
+
+
+def clean_params(params: Any) -> dict | None:
+    """The allowlisted, type-checked copy of D's params, or None if they are malformed."""
+    if not isinstance(params, dict):
+        return None
+    if not all(name in params and check(params[name]) for name, check in REQUIRED_PARAMS.items()):
+        return None
+    clean = {name: params[name] for name in REQUIRED_PARAMS}
+    for name, check in OPTIONAL_PARAMS.items():
+        if name in params:
+            if not check(params[name]):
+                return None
+            clean[name] = params[name]
+    return clean
 
 
 @dataclass
@@ -71,7 +115,9 @@ class Disagg:
             if entry is None:
                 continue
             if identity.extends(entry.history_digest, entry.history_len):
+                metrics.ENTRIES.labels("hit").inc()
                 return entry
+            metrics.ENTRIES.labels("mismatch").inc()
             if identity.explicit:
                 # Someone else's history under this id: leave the entry to its conversation.
                 self.store.put(key, entry)
@@ -102,6 +148,7 @@ class Disagg:
                 if len(tried) >= min(self.attempts, len(pool.instances)):
                     raise
                 log.info("retrying %s after: %s", pool.role, exc.message)
+                metrics.RETRIES.labels(pool.role).inc()
                 continue
             pool.succeeded(instance)
             if not hold:
@@ -109,6 +156,7 @@ class Disagg:
             return instance, result, len(tried)
 
     def run(self, request: ClientRequest, identity: Identity, headers: dict) -> Reply:
+        started = time.perf_counter()
         entry = self.take_entry(identity)
 
         def prefill_call(instance: Instance, attempt: int) -> dict:
@@ -118,10 +166,12 @@ class Disagg:
 
         prefill, prefill_reply, retries = self._attempt(self.prefill, identity.root, None,
                                                         prefill_call)
+        metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
         hit = entry is not None and retries == 0
         body = decode_body(request.body, prefill_reply, prefill)
         prefer = entry.decode_url if entry else None
         reply_headers = {"X-Gateway-Cache": "hit" if hit else "miss"}
+        metrics.REQUESTS.labels(request.path, reply_headers["X-Gateway-Cache"]).inc()
         turn = Turn()
         if not request.stream:
             decode, reply, _ = self._attempt(
@@ -135,12 +185,13 @@ class Disagg:
             lambda d, _: self.upstream.open_stream(d, request.path, body, headers), hold=True)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
-                     stream=self._relay(stream, identity, turn, decode),
+                     stream=self._relay(stream, identity, turn, decode, started),
                      content_type=stream.content_type)
 
-    def _relay(self, stream: Stream, identity: Identity, turn: Turn,
-               decode: Instance) -> Iterator[bytes]:
+    def _relay(self, stream: Stream, identity: Identity, turn: Turn, decode: Instance,
+               started: float) -> Iterator[bytes]:
         relay = EventRelay(turn, "delta")
+        first = True
         try:
             for chunk in stream.chunks():
                 out = relay.feed(chunk)
@@ -149,25 +200,38 @@ class Disagg:
                     turn.stored = True
                     self._remember(identity, turn, decode)
                 if out:
+                    if first:
+                        first = False
+                        metrics.TTFT_SECONDS.observe(time.perf_counter() - started)
                     yield out
             if not turn.done:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
         except GatewayError as exc:
             # Bytes are out, so the status can't change: finish with an error event instead.
             self.decode.failed(decode, unreachable=False)
-            yield sse_error_event(exc)
+            metrics.ERRORS.labels("stream", str(exc.status)).inc()
+            yield error_event(exc)
+        except GeneratorExit:
+            metrics.DISCONNECTS.inc()
+            raise
         finally:
             # Runs on completion, on error and on client disconnect (GeneratorExit).
             stream.close()
             self.decode.release(decode)
 
     def _remember(self, identity: Identity, turn: Turn, decode: Instance) -> None:
-        if not turn.reusable or not isinstance(turn.params, dict):
+        if not turn.reusable or turn.params is None:
+            return
+        params = clean_params(turn.params)
+        if params is None:
+            log.warning("%s returned malformed kv_transfer_params; not stored", decode.name)
+            metrics.ENTRIES.labels("rejected").inc()
             return
         reply = turn.reply_message() if identity.messages is not None else turn.reply_text()
         key, digest, length = identity.after(reply)
         if key is None:
             return
-        params = {**turn.params, "remote_host": decode.host}
+        params["remote_host"] = decode.host
         self.store.put(key, Entry(params=params, decode_url=decode.url,
                                   history_digest=digest, history_len=length))
+        metrics.ENTRIES.labels("stored").inc()

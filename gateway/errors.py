@@ -64,6 +64,7 @@ def envelope(status: int, message: str, type_: str, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
-def sse_error_event(error: GatewayError) -> bytes:
-    """The final events of a stream that failed after its first byte was sent."""
-    return b"data: " + json.dumps(error.envelope()).encode() + b"\n\ndata: [DONE]\n\n"
+def error_event(error: GatewayError, done: bool = True) -> bytes:
+    """The SSE error event of a stream that failed after its first byte, then [DONE]."""
+    event = b"data: " + json.dumps(error.envelope()).encode() + b"\n\n"
+    return event + b"data: [DONE]\n\n" if done else event

@@ -9,6 +9,13 @@ from gateway.config import Settings
 
 _settings = Settings.from_env()
 
+# Prometheus multiprocess mode: every worker writes its metrics to files in this directory,
+# and /metrics in any worker sums them. Must be set before prometheus_client is imported.
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    import tempfile
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pd-gateway-metrics-")
+
 if _settings.worker_class == "gevent":
     # Patch before anything imports ssl/urllib3; gunicorn's own patching comes too late
     # for modules the master already imported (gunicorn #2177, gevent #1016).
@@ -73,3 +80,6 @@ def post_fork(server, worker):
 
 def child_exit(server, worker):
     server.pd_free_slots.add(worker.pd_slot)
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)

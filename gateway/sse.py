@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import GatewayError, error_event
+
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DATA = re.compile(rb"^data: ?", re.M)
 PARAMS_KEY = "kv_transfer_params"
@@ -137,7 +139,13 @@ class EventRelay:
         if not isinstance(chunk, dict):
             return event
         if "error" in chunk:
+            # The engine's message may name hosts or engine ids; the client gets the gist.
             self.turn.error = True
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+            return error_event(GatewayError(
+                "the decode engine failed during generation",
+                status=error.get("code") if isinstance(error.get("code"), int) else 500),
+                done=False)
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict):
                 self.turn.add_choice(choice, self._delta_key)

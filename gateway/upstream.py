@@ -229,7 +229,8 @@ class Upstream:
             log.warning("%s answered %d: %s", instance.name, response.status_code, message)
             if response.status_code < 500:
                 raise UpstreamRejected(message, status=response.status_code)
-            raise BadGateway(f"{instance.name} failed with HTTP {response.status_code}: {message}")
+            # An engine's own 5xx message may name hosts, ports or engine ids: logged, not sent.
+            raise BadGateway(f"{instance.name} failed with HTTP {response.status_code}")
         return response
 
     def post_json(self, instance: Instance, path: str, body: dict, headers: dict) -> dict:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from flask import Blueprint, Response, jsonify, request
 
+from . import metrics
 from .conversation import identify
 from .errors import GatewayError, PayloadTooLarge, envelope
 from .parse import CHAT, COMPLETIONS, parse
@@ -51,6 +52,7 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
             owner = gateway.affinity.forward_to(identity.root, request.environ)
             if owner is not None:
                 forwarded = gateway.affinity.forward(owner, path, raw, request.headers)
+                metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
                 if forwarded is not None:
                     status, headers, body = forwarded
                     return Response(body, status=status, headers=headers)
@@ -58,6 +60,7 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
             reply = gateway.disagg.run(client_request, identity, headers)
         except GatewayError as exc:
             log.info("request %s failed with %d: %s", request_id, exc.status, exc.message)
+            metrics.ERRORS.labels("request", str(exc.status)).inc()
             return error_response(exc, request_id)
         if reply.stream is not None:
             response = Response(reply.stream, content_type=reply.content_type)
@@ -88,6 +91,11 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
         response = jsonify(report)
         response.status_code = 200 if report["status"] == "ok" else 503
         return response
+
+    @bp.get("/metrics")
+    def prometheus() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, content_type=content_type)
 
     @bp.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:

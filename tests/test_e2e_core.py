@@ -97,3 +97,21 @@ def test_models_and_health(gateway):
     health = requests.get(gateway.url + "/health", timeout=5).json()
     assert health["status"] == "ok"
     assert [i["state"] for i in health["prefill"] + health["decode"]] == ["up", "up"]
+
+
+def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
+    import requests
+    from tests import workload
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], workers=2)
+    convs = workload.run(gateway.url, conversations=10, turns=3, concurrency=4)
+    assert workload.errors(convs) == []
+    text = requests.get(gateway.url + "/metrics", timeout=5).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("pd_gateway_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels] = float(value)
+    assert sum(counts.values()) == 30
+    assert sum(v for k, v in counts.items() if 'cache="hit"' in k) == 20
+    assert "pd_gateway_time_to_first_byte_seconds_bucket" in text

@@ -1,0 +1,40 @@
+"""Prometheus metrics; under gunicorn in multiprocess mode so /metrics sums every worker.
+
+gunicorn_conf sets PROMETHEUS_MULTIPROC_DIR before anything imports prometheus_client, and
+marks dead workers' files; outside gunicorn the metrics live in the default registry.
+"""
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter,
+                               Histogram, generate_latest, multiprocess)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+REQUESTS = Counter("pd_gateway_requests", "Completion requests served by this gateway",
+                   ["endpoint", "cache"])
+ERRORS = Counter("pd_gateway_errors", "Requests that ended in an error, by where it happened",
+                 ["stage", "status"])
+ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored, hit, mismatch "
+                  "(the history does not extend the entry's), rejected (malformed params)",
+                  ["event"])
+RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"])
+FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",
+                    ["result"])
+DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
+PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill call to P",
+                            buckets=_LATENCY)
+TTFT_SECONDS = Histogram("pd_gateway_time_to_first_byte_seconds",
+                         "From request arrival to the first response byte of a stream",
+                         buckets=_LATENCY)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The text format of every metric, summed over workers when under gunicorn."""
+    if os.environ.get(MULTIPROC_ENV):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
