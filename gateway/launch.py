@@ -12,10 +12,22 @@ import time
 import requests
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", run: int = 1) -> int:
+    """A port such that it and the `run - 1` ports after it are free (private worker ports)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + run > 65535:
+            continue
+        try:
+            for offset in range(1, run):
+                with socket.socket() as s:
+                    s.bind((host, port + offset))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no run of {run} free ports on {host}")
 
 
 def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | None = None,
@@ -44,7 +56,8 @@ class GatewayProcess:
     def __init__(self, prefill: list[str], decode: list[str], port: int | None = None,
                  host: str = "127.0.0.1", **settings) -> None:
         self.host = host
-        self.port = port or free_port(host)
+        # The gateway's workers listen privately on the ports right after it.
+        self.port = port or free_port(host, 1 + int(settings.get("workers", 1)))
         self.url = f"http://{host}:{self.port}"
         args = [sys.executable, "-m", "gateway.cli", "--host", host, "--port", str(self.port),
                 "--prefill", *prefill, "--decode", *decode]

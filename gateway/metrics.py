@@ -17,8 +17,9 @@ REQUESTS = Counter("pd_gateway_requests", "Completion requests served by this ga
                    ["endpoint", "cache"])
 ERRORS = Counter("pd_gateway_errors", "Requests that ended in an error, by where it happened",
                  ["stage", "status"])
-ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored, hit, mismatch "
-                  "(the history does not extend the entry's), rejected (malformed params)",
+ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored; hit; mismatch "
+                  "(an entry whose history the request does not extend); absent (no entry "
+                  "for the id or any history prefix); rejected (malformed D params)",
                   ["event"])
 RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"])
 FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",

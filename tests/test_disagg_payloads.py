@@ -189,3 +189,93 @@ def test_only_stop_and_length_turns_are_stored(client, store, finish, stored):
                    content_type="text/event-stream")
     client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
     assert len(store) == stored
+
+
+def stream_with(delta_events, params, finish="stop"):
+    events = [{"id": "c", "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+              for d in delta_events]
+    events.append({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+                   "kv_transfer_params": params})
+    return sse(*events, b"[DONE]")
+
+
+def two_turns(client, first_deltas, echo, finish="stop"):
+    """Turn 1 streams `first_deltas`; turn 2 echoes `echo`; returns turn 2's cache header."""
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=stream_with(first_deltas, d_params(), finish),
+                   content_type="text/event-stream")
+    client.post(CHAT, json={"messages": MESSAGES, "stream": True})
+    responses.post(D_URL + CHAT, body=stream_with([{"content": "k"}], d_params(2)),
+                   content_type="text/event-stream")
+    reply = client.post(CHAT, json={"messages": MESSAGES + [echo, {"role": "user",
+                                                                   "content": "next"}],
+                                    "stream": True})
+    return reply.headers["X-Gateway-Cache"]
+
+
+TOOL_DELTAS = [{"role": "assistant", "content": None, "tool_calls": [
+    {"index": 0, "id": "call_1", "type": "function",
+     "function": {"name": "lookup", "arguments": "{\"q\": "}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": "\"kv\"}"}}]}]
+
+
+@responses.activate
+def test_tool_call_reply_echoed_canonically_is_reused(client):
+    echo = {"content": None, "role": "assistant", "tool_calls": [
+        {"type": "function", "id": "call_1",
+         "function": {"arguments": "{\"q\": \"kv\"}", "name": "lookup"}}]}
+    assert two_turns(client, TOOL_DELTAS, echo) == "hit"
+
+
+@responses.activate
+def test_tool_call_echoed_differently_is_a_counted_miss(client):
+    from gateway import metrics
+    before = metrics.ENTRIES.labels("absent")._value.get()
+    echo = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "lookup", "arguments": "{\"q\":\"kv\"}"}}]}
+    assert two_turns(client, TOOL_DELTAS, echo) == "miss"
+    # Two turns, two misses counted: the first turn's and the re-serialised arguments'.
+    assert metrics.ENTRIES.labels("absent")._value.get() == before + 2
+
+
+@responses.activate
+def test_stripped_reasoning_misses(client):
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning_content": "let me think"},
+              {"content": "answer"}]
+    stripped = {"role": "assistant", "content": "answer"}
+    assert two_turns(client, deltas, stripped) == "miss"
+
+
+@responses.activate
+def test_reasoning_echoed_back_is_reused(client):
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning_content": "let me think"},
+              {"content": "answer"}]
+    kept = {"role": "assistant", "content": "answer", "reasoning_content": "let me think"}
+    assert two_turns(client, deltas, kept) == "hit"
+
+
+@responses.activate
+@pytest.mark.parametrize("bad", [
+    {"remote_port": "5700"}, {"remote_block_ids": [7, 8]}, {"remote_block_ids": [["7"]]},
+    {"remote_engine_id": None}, {"tp_size": "1"}, {"remote_num_tokens": -1}])
+def test_malformed_decode_params_are_not_stored_and_are_counted(client, store, bad):
+    from gateway import metrics
+    before = metrics.ENTRIES.labels("rejected")._value.get()
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events([" a"], {**d_params(), **bad}),
+                   content_type="text/event-stream")
+    client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
+    assert len(store) == 0
+    assert metrics.ENTRIES.labels("rejected")._value.get() == before + 1
+
+
+@responses.activate
+def test_only_allowlisted_params_are_stored(client, store):
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events([" a"], {**d_params(), "evil": "x",
+                                                           "remote_host": "attacker"}),
+                   content_type="text/event-stream")
+    client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
+    (entry,) = list(store._cache.values())
+    assert "evil" not in entry.params and entry.params["remote_host"] == "10.9.0.2"
