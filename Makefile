@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 # Point the demo at real engines: make run PREFILL="http://p1:8100 http://p2:8100" DECODE=http://d:8200
 PREFILL ?=
 DECODE ?=
 
-.PHONY: install run test
+.PHONY: install run test bench bench-quick
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +24,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Benchmarks (docs/BENCHMARKS.md): the gateway beside the seed proxy over the same emulated engines.
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench.run
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python -m bench.run --quick

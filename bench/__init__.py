@@ -1,0 +1,1 @@
+"""Benchmark harness: pd-gateway beside the seed proxy over shared emulated engines."""

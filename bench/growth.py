@@ -1,0 +1,93 @@
+"""Growth runs: gateway CPU per turn against history length and cached conversations; memory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import requests
+
+from bench import procstat
+from bench.fill import FILL_ENV
+from bench.measure import Load, run_load
+from bench.systems import PROXY_HOST, Engines, Running, System, quiet_ports, start, stop_process
+from gateway.config import Settings
+from gateway.launch import wait_until
+
+
+@dataclass(frozen=True)
+class GrowthPlan:
+    history_kb: tuple[int, ...]
+    cached: tuple[int, ...]
+    conversations: int  # per point, 4 in flight for history, 8 for cached
+    turns: int
+
+
+QUICK = GrowthPlan(history_kb=(1, 10, 100), cached=(0, 10_000, 100_000), conversations=8, turns=2)
+FULL = GrowthPlan(history_kb=(1, 3, 10, 30, 100), cached=(0, 1_000, 10_000, 30_000, 100_000),
+                  conversations=32, turns=5)
+HISTORY_SYSTEMS = (System("gateway, ids", "gateway", True, {"workers": 1}),
+                   System("gateway, no ids", "gateway", False, {"workers": 1}),
+                   System("seed, ids", "seed", True))
+
+
+def cpu_ms_per_turn(measured) -> float:
+    turns = len(measured.load["turns"])
+    return measured.proxy_cpu_s / turns * 1000 if turns else float("nan")
+
+
+def history_growth(plan: GrowthPlan, systems: list[System], engines: Engines,
+                   out_dir: str) -> list[dict]:
+    """Proxy CPU per turn for conversations that start with 1 KB .. 100 KB of history."""
+    rows = []
+    for system in systems:
+        running = start(system, engines, out_dir)
+        try:
+            for kb in plan.history_kb:
+                load = Load(concurrency=4, conversations=plan.conversations, turns=plan.turns,
+                            duration=60, ids=system.ids, history_bytes=kb * 1024)
+                m = run_load(system.label, running, engines, load, f"hist{kb}k-{len(rows)}", out_dir)
+                rows.append({"system": system.label, "history_kb": kb,
+                             "cpu_ms_per_turn": cpu_ms_per_turn(m), "turns": len(m.load["turns"]),
+                             "errors": len(m.load["errors"])})
+        finally:
+            running.stop()
+    return rows
+
+
+def start_filled(engines: Engines, entries: int, log_dir: str) -> Running:
+    """A one-worker gevent gateway whose store holds `entries` synthetic entries before any turn."""
+    port = quiet_ports(1)
+    settings = Settings.from_args(["--host", PROXY_HOST, "--port", str(port), "--workers", "1",
+                                   "--prefill", engines.prefill.url, "--decode", engines.decode.url])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env.update(settings.to_env(), **{FILL_ENV: str(entries)})
+    log_path = os.path.join(log_dir, f"gateway-fill-{entries}.log")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "python:bench.gunicorn_fill"],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{PROXY_HOST}:{port}"
+    # /health answers only once the worker has filled its store and started serving.
+    wait_until(lambda: requests.get(url + "/health", timeout=2).status_code in (200, 503), 120,
+               "filled gateway", process, log_path)
+    return Running(url, process, lambda: stop_process(process))
+
+
+def cache_growth(plan: GrowthPlan, engines: Engines, out_dir: str) -> list[dict]:
+    """Proxy CPU per turn and worker RSS with 0 .. 100k conversations already cached."""
+    rows = []
+    for entries in plan.cached:
+        running = start_filled(engines, entries, out_dir)
+        try:
+            worker = procstat.children(running.pid)[0]
+            rss_filled = procstat.rss_bytes(worker)
+            load = Load(concurrency=8, conversations=plan.conversations, turns=plan.turns, duration=60)
+            m = run_load("gateway, ids", running, engines, load, f"cached{entries}", out_dir)
+            rows.append({"entries": entries, "cpu_ms_per_turn": cpu_ms_per_turn(m),
+                         "rss_mb_filled": rss_filled / 2**20,
+                         "rss_mb_after": procstat.rss_bytes(worker) / 2**20,
+                         "turns": len(m.load["turns"]), "errors": len(m.load["errors"])})
+        finally:
+            running.stop()
+    return rows

@@ -1,0 +1,175 @@
+"""`make bench`: gateway configurations, the seed proxy and an nginx relay over the same engines."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib.metadata import version
+
+from bench import growth, report, seed_env
+from bench.measure import Load, run_load
+from bench.metrics import summarize
+from bench.systems import Engines, System, nginx_binary, start
+from bench.workload import REPLY_WORDS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Small fixed engine timings, so the figures are about the proxies: 8 ms between tokens,
+# 0.02 ms per computed prompt token (a 1,000-token miss costs 20 ms), 0.05 ms per pulled block.
+ENGINE_TIMING = {"itl_ms": 8, "prefill_ms_per_token": 0.02, "pull_ms_per_block": 0.05}
+GTHREADS = 256  # one thread per stream: enough for 256 conversations in one worker
+
+SYSTEMS = {
+    "gw-gevent-1": System("gw gevent x1", "gateway", True, {"workers": 1}),
+    "gw-gthread-1": System("gw gthread x1", "gateway", True,
+                           {"workers": 1, "worker_class": "gthread", "threads": GTHREADS}),
+    "gw-gevent-4": System("gw gevent x4", "gateway", True, {"workers": 4}),
+    "gw-gthread-4": System("gw gthread x4", "gateway", True,
+                           {"workers": 4, "worker_class": "gthread", "threads": GTHREADS // 4}),
+    "gw-noid-1": System("gw gevent x1, no ids", "gateway", False, {"workers": 1}),
+    "gw-noid-4": System("gw gevent x4, no ids", "gateway", False, {"workers": 4}),
+    "seed": System("seed", "seed", True),
+    "seed-noid": System("seed, no ids", "seed", False),
+    "nginx": System("nginx -> D only", "nginx", True),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    systems: tuple[str, ...]
+    concurrencies: tuple[int, ...]
+    turns: int
+    duration: float  # no turn starts after this many seconds
+    min_conversations: int  # low concurrencies run more conversations back to back
+    growth: growth.GrowthPlan
+
+
+QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-noid-1", "seed", "nginx"),
+             (8, 64, 256), turns=5, duration=2, min_conversations=8, growth=growth.QUICK)
+FULL = Plan("full", tuple(SYSTEMS), (8, 64, 256), turns=8, duration=60, min_conversations=32,
+            growth=growth.FULL)
+
+
+def available(plan: Plan, notes: list[str]) -> list[System]:
+    """The plan's systems that can run here; what is skipped goes into the notes."""
+    missing = set()
+    problem = seed_env.ensure()
+    if problem:
+        notes.append(f"The seed was skipped: {problem}.")
+        missing.add("seed")
+    if nginx_binary() is None:
+        notes.append("nginx was skipped: not installed and not installable here (needs root and apt).")
+        missing.add("nginx")
+    return [SYSTEMS[key] for key in plan.systems if SYSTEMS[key].kind not in missing]
+
+
+def matrix(plan: Plan, systems: list[System], engines: Engines, out_dir: str,
+           notes: list[str]) -> list[dict]:
+    rows = []
+    for index, system in enumerate(systems):
+        try:
+            running = start(system, engines, out_dir)
+        except RuntimeError as exc:  # did not come up: say so, and measure the others
+            notes.append(f"`{system.label}` did not start: {str(exc)[:300]}")
+            continue
+        try:
+            for conc in plan.concurrencies:
+                load = Load(conc, max(conc, plan.min_conversations), plan.turns, plan.duration,
+                            system.ids)
+                measured = run_load(system.label, running, engines, load, f"{plan.name}{index}c{conc}",
+                                    out_dir)
+                rows.append(summarize(measured, ENGINE_TIMING["itl_ms"]))
+                print(report.table(rows[-1:]), flush=True)
+        finally:
+            running.stop()
+    return rows
+
+
+def versions() -> str:
+    ours = ", ".join(f"{p} {version(p)}" for p in ("flask", "gunicorn", "gevent", "requests"))
+    seed = ", ".join(f"{p} {v}" for p, v in seed_env.versions().items()) or "not installed"
+    nginx = nginx_binary()
+    nginx_version = (subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip()
+                     if nginx else "not installed")
+    return (f"Python {platform.python_version()}; gateway: {ours}; seed venv: {seed} "
+            f"(plain uvicorn: asyncio loop and h11, as `pip install fastapi uvicorn httpx` gives); "
+            f"{nginx_version}")
+
+
+def machine() -> str:
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                     platform.machine())
+    with open("/proc/meminfo") as f:
+        mem_gib = int(f.readline().split()[1]) / 2**20
+    return f"{os.cpu_count()} CPUs ({model}), {mem_gib:.0f} GiB, Linux {platform.release()}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the < 3 minute variant")
+    parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "BENCHMARKS.md"))
+    parser.add_argument("--plots", default=os.path.join(ROOT, "docs", "bench"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "out"), help="raw results, logs")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    os.makedirs(args.out, exist_ok=True)
+    began, load_before, clock = datetime.now(timezone.utc), os.getloadavg(), time.monotonic()
+    notes: list[str] = []
+    systems = available(plan, notes)
+    engines = Engines.start(**ENGINE_TIMING)
+    try:
+        rows = matrix(plan, systems, engines, args.out, notes)
+        history_systems = [s for s in growth.HISTORY_SYSTEMS if s.kind != "seed" or
+                           any(x.kind == "seed" for x in systems)]
+        history = growth.history_growth(plan.growth, history_systems, engines, args.out)
+        cached = growth.cache_growth(plan.growth, engines, args.out)
+    finally:
+        engines.stop()
+    notes += [f"`{r['system']}` at {r['conversations']} conversations: {r['errors']} errors; "
+              f"the first: `{r['first_error']}`" for r in rows if r["errors"]]
+    ratio_rows = report.ratios(rows, systems)
+    print("\n" + report.table(rows) + "\n\n" + report.table(ratio_rows, report.RATIO_COLUMNS))
+    print("\n" + report.table(history, report.HISTORY_COLUMNS) + "\n\n"
+          + report.table(cached, report.CACHED_COLUMNS))
+    with open(os.path.join(args.out, f"results-{plan.name}.json"), "w") as f:
+        json.dump({"rows": rows, "ratios": ratio_rows, "history": history, "cached": cached}, f,
+                  indent=1)
+    report.plot_matrix(rows, os.path.join(args.plots, "matrix.png"))
+    report.plot_growth(history, "history_kb", "cpu_ms_per_turn", "history at the first turn (KB)",
+                       "proxy CPU ms / turn", os.path.join(args.plots, "growth_history.png"))
+    report.plot_growth(cached, "entries", "cpu_ms_per_turn", "cached conversations",
+                       "gateway worker CPU ms / turn", os.path.join(args.plots, "growth_cached.png"),
+                       group=None)
+    report.plot_growth(cached, "entries", "rss_mb_filled", "cached conversations",
+                       "worker RSS (MB)", os.path.join(args.plots, "growth_memory.png"), group=None,
+                       scale="linear")
+    busy = [r["machine_busy"] for r in rows]
+    report.write_doc(args.doc, args.plots, {
+        "date": began.strftime("%Y-%m-%d %H:%M UTC"), "plan": plan.name,
+        "command": "make bench-quick" if args.quick else "make bench",
+        "minutes": f"{(time.monotonic() - clock) / 60:.1f}", "machine": machine(),
+        "load": (f"load average {load_before[0]:.1f} at the start and {os.getloadavg()[0]:.1f} at "
+                 f"the end; all CPUs were {min(busy):.0%}–{max(busy):.0%} busy during the runs"),
+        "versions": versions(), "timing": ", ".join(f"`--{k.replace('_', '-')} {v}`"
+                                                    for k, v in ENGINE_TIMING.items()),
+        "reply_words": REPLY_WORDS, "turns": plan.turns, "duration": f"{plan.duration:g}",
+        "min_conversations": plan.min_conversations, "gthreads": GTHREADS,
+        "table": report.table(rows, markdown=True),
+        "ratios": report.table(ratio_rows, report.RATIO_COLUMNS, markdown=True),
+        "history": report.table(history, report.HISTORY_COLUMNS, markdown=True),
+        "cached": report.table(cached, report.CACHED_COLUMNS, markdown=True),
+        "notes": "\n".join(f"- {n}" for n in notes) or "- Nothing was skipped.",
+    })
+    print(f"\nwrote {os.path.relpath(args.doc, ROOT)} and plots in {os.path.relpath(args.plots, ROOT)}/",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

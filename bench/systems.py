@@ -1,0 +1,207 @@
+"""The systems under test (gateway configurations, the seed proxy, an nginx relay) and the engines."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import requests
+
+from gateway.emulator.process import EmulatorProcess
+from gateway.launch import GatewayProcess, wait_until
+
+from bench import seed_env
+
+PROXY_HOST = "127.0.0.1"
+PREFILL_HOST = "127.0.0.2"
+DECODE_HOST = "127.0.0.3"
+NGINX_CONF = """daemon off;
+worker_processes 1;
+pid {dir}/nginx.pid;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream decode {{ server {decode}; keepalive 512; }}
+    server {{
+        listen {listen};
+        location / {{
+            proxy_pass http://decode;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+class Engine(EmulatorProcess):
+    """An emulated engine started through `bench.engine` (TCP_NODELAY, as vLLM's server has)."""
+
+    def start(self) -> None:
+        self.argv = ["bench.engine" if arg == "gateway.emulator.cli" else arg for arg in self.argv]
+        super().start()
+
+
+@dataclass(frozen=True)
+class Engines:
+    """One emulated P and one emulated D, shared by every system in a run."""
+
+    prefill: Engine
+    decode: Engine
+
+    @classmethod
+    def start(cls, **timing: object) -> Engines:
+        return cls(Engine("prefill", host=PREFILL_HOST, **timing),
+                   Engine("decode", host=DECODE_HOST, **timing))
+
+    def __iter__(self):
+        return iter((self.prefill, self.decode))
+
+    def pids(self) -> list[int]:
+        # EmulatorProcess has no public pid; the bench only reads its CPU time.
+        return [engine._proc.pid for engine in self if engine._proc is not None]
+
+    def stop(self) -> None:
+        for engine in self:
+            engine.stop()
+
+
+@dataclass(frozen=True)
+class System:
+    """One configuration to measure; `ids` says whether the client sends conversation ids."""
+
+    label: str
+    kind: str  # gateway | seed | nginx
+    ids: bool = True
+    options: dict = field(default_factory=dict)  # gateway flags
+
+
+class Running:
+    """A started system: where to send turns, which process tree to charge CPU to, how to stop."""
+
+    def __init__(self, url: str, process: subprocess.Popen, stop=None) -> None:
+        self.url = url
+        self.process = process
+        self.stop = stop or (lambda: stop_process(process))
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+def start(system: System, engines: Engines, log_dir: str) -> Running:
+    starters = {"gateway": _gateway, "seed": _seed, "nginx": _nginx}
+    return starters[system.kind](system, engines, log_dir)
+
+
+def quiet_ports(count: int, low: int = 20000, high: int = 32000) -> int:
+    """The first of `count` consecutive free ports below the kernel's ephemeral range.
+
+    A port from the ephemeral range (what binding port 0 gives) can be taken a moment later as
+    the local end of some outgoing connection; a gateway's private listeners, bound after fork
+    at port + 1 .. port + workers, then fail with EADDRINUSE under load.
+    """
+    for base in random.sample(range(low, high - count), 200):
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind((PROXY_HOST, port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports in {low}..{high}")
+
+
+def _gateway(system: System, engines: Engines, log_dir: str) -> Running:
+    port = quiet_ports(1 + system.options.get("workers", 1))
+    gateway = GatewayProcess([engines.prefill.url], [engines.decode.url], host=PROXY_HOST,
+                             port=port, **system.options)
+
+    def stop() -> None:
+        gateway.stop()
+        shutil.copy(gateway.log_path, os.path.join(log_dir, f"{slug(system.label)}.log"))
+
+    return Running(gateway.url, gateway.process, stop)
+
+
+def slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in label).strip("-")
+
+
+def _spawn(argv: list[str], log_path: str, url: str, ready_path: str) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+    wait_until(lambda: requests.get(url + ready_path, timeout=2).status_code < 500, 30,
+               argv[0], process, log_path)
+    return process
+
+
+def _seed(system: System, engines: Engines, log_dir: str) -> Running:
+    url = f"http://{PROXY_HOST}:{quiet_ports(1)}"
+    p, d = urlsplit(engines.prefill.url), urlsplit(engines.decode.url)
+    argv = [seed_env.python(), seed_env.script(), "--host", PROXY_HOST,
+            "--port", url.rsplit(":", 1)[1], "--prefiller-host", p.hostname,
+            "--prefiller-port", str(p.port), "--decoder-host", d.hostname,
+            "--decoder-port", str(d.port)]
+    return Running(url, _spawn(argv, os.path.join(log_dir, "seed.log"), url, "/health"))
+
+
+def _which_nginx() -> str | None:
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+
+
+def nginx_binary() -> str | None:
+    """Debian's nginx, installed on first use where we may (root, apt); None where it can't be."""
+    found = _which_nginx()
+    if found or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return found
+    # RUNLEVEL=1: the package must not start a system-wide nginx on port 80.
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", "RUNLEVEL": "1"}
+
+    def apt(*args: str) -> bool:
+        return subprocess.run(["apt-get", *args, "-q"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=600).returncode == 0
+
+    if not apt("install", "-y", "nginx"):
+        apt("update") and apt("install", "-y", "nginx")
+    return _which_nginx()
+
+
+def _nginx(system: System, engines: Engines, log_dir: str) -> Running:
+    work = tempfile.mkdtemp(prefix="bench-nginx-")
+    url = f"http://{PROXY_HOST}:{quiet_ports(1)}"
+    conf = os.path.join(work, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(NGINX_CONF.format(dir=work, decode=urlsplit(engines.decode.url).netloc,
+                                  listen=urlsplit(url).netloc))
+    argv = [nginx_binary() or "nginx", "-p", work, "-c", conf, "-e", os.path.join(work, "error.log")]
+    process = _spawn(argv, os.path.join(log_dir, "nginx.log"), url, "/health")
+
+    def stop() -> None:
+        stop_process(process)
+        shutil.rmtree(work, ignore_errors=True)
+
+    return Running(url, process, stop)
