@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
@@ -52,6 +53,7 @@ class Gateway:
         ok = all(any(i["state"] != "down" for i in report) for report in pools.values())
         return {"status": "ok" if ok else "degraded", "worker": self.affinity.slot,
                 "pid": os.getpid(), "affinity": self.affinity.enabled,
+                "threads": threading.active_count(),    # greenlets too, under gevent
                 "conversations": len(self.store), **pools}
 
 

@@ -127,6 +127,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("connect_timeout", 5.0, _positive(float), "Seconds to connect to an engine."),
     Setting("read_timeout", 600.0, _positive(float),
             "Longest silence, in seconds, between bytes from an engine (prefill included)."),
+    Setting("total_timeout", 900.0, lambda v: max(0.0, float(v)),
+            "Deadline, in seconds, for a whole request, stream included; 0 for none."),
     Setting("max_body_bytes", 32 * 1024 * 1024, _positive(int),
             "Largest request body accepted; larger ones get 413."),
     Setting("upstream_api_key", os.environ.get("OPENAI_API_KEY") or "", str,
@@ -177,6 +179,7 @@ class Settings:
     probe_interval: float = _default("probe_interval")
     connect_timeout: float = _default("connect_timeout")
     read_timeout: float = _default("read_timeout")
+    total_timeout: float = _default("total_timeout")
     max_body_bytes: int = _default("max_body_bytes")
     upstream_api_key: str = _default("upstream_api_key")
     graceful_timeout: float = _default("graceful_timeout")

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from . import metrics
 from .conversation import Identity
-from .errors import BadGateway, GatewayError, ServiceUnavailable, UpstreamRejected, error_event
+from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
 from .parse import ClientRequest
 from .sse import EventRelay, Turn
 from .store import ConversationStore, Entry
@@ -143,11 +143,10 @@ class Disagg:
             pool.acquire(instance)
             try:
                 result = call(instance, len(tried))
-            except UpstreamRejected:
-                pool.release(instance)
-                raise
             except GatewayError as exc:
                 pool.release(instance)
+                if not exc.instance_fault:
+                    raise
                 pool.failed(instance, unreachable=isinstance(exc, ServiceUnavailable))
                 tried.append(instance)
                 if len(tried) >= min(self.attempts, len(pool.instances)):
@@ -213,7 +212,8 @@ class Disagg:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
         except GatewayError as exc:
             # Bytes are out, so the status can't change: finish with an error event instead.
-            self.decode.failed(decode, unreachable=False)
+            if exc.instance_fault:
+                self.decode.failed(decode, unreachable=False)
             metrics.ERRORS.labels("stream", str(exc.status)).inc()
             yield error_event(exc)
         except GeneratorExit:

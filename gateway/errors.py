@@ -9,14 +9,19 @@ class GatewayError(Exception):
 
     status = 500
     type = "internal_error"
+    # Did the engine fail (count it against the instance, try another)? Not for the client's
+    # own mistakes, its disconnect, or the request's deadline.
+    instance_fault = False
 
     def __init__(self, message: str, *, param: str | None = None,
-                 status: int | None = None) -> None:
+                 status: int | None = None, instance_fault: bool | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if status is not None:
             self.status = status
+        if instance_fault is not None:
+            self.instance_fault = instance_fault
 
     def envelope(self) -> dict:
         return envelope(self.status, self.message, self.type, self.param)
@@ -48,16 +53,26 @@ class BadGateway(GatewayError):
 
     status = 502
     type = "upstream_error"
+    instance_fault = True
+
+
+class ClientGone(GatewayError):
+    """The client closed its connection; nobody is left to answer (nginx's 499)."""
+
+    status = 499
+    type = "client_closed_request"
 
 
 class ServiceUnavailable(GatewayError):
     status = 503
     type = "service_unavailable"
+    instance_fault = True
 
 
 class GatewayTimeout(GatewayError):
     status = 504
     type = "timeout"
+    instance_fault = True
 
 
 def envelope(status: int, message: str, type_: str, param: str | None = None) -> dict:

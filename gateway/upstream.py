@@ -1,10 +1,13 @@
 """P and D instance pools and the HTTP calls to them; the only module that knows `requests`."""
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import itertools
 import json
 import logging
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,9 +16,12 @@ from urllib.parse import urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from .errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable, UpstreamRejected
+from .errors import (BadGateway, ClientGone, GatewayError, GatewayTimeout, ServiceUnavailable,
+                     UpstreamRejected)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +69,8 @@ class Instance:
             return "down"
         if now < self.open_until:
             return "open"
-        return "half-open" if self.failures else "up"
+        # Cooled down but not yet proven: the next failure opens it again at once.
+        return "half-open" if self.open_until else "up"
 
 
 def _weight(key: bytes, instance: Instance) -> bytes:
@@ -118,10 +125,11 @@ class Pool:
             instance.inflight -= 1
 
     def succeeded(self, instance: Instance) -> None:
-        if instance.failures or instance.down:
+        if instance.failures or instance.down or instance.open_until:
             with self._lock:
                 instance.failures = 0
                 instance.down = False
+                instance.open_until = 0.0
 
     def failed(self, instance: Instance, unreachable: bool) -> None:
         """Record a failure: unreachable marks it down at once; others count toward the breaker."""
@@ -129,7 +137,7 @@ class Pool:
             instance.failures += 1
             if unreachable:
                 instance.down = True
-            elif instance.failures >= self.policy.breaker_failures:
+            elif instance.failures >= self.policy.breaker_failures or instance.open_until:
                 instance.open_until = self._clock() + self.policy.breaker_cooldown
         log.warning("%s (%s) %s", instance.name, instance.url,
                     "marked down" if unreachable else f"failed {instance.failures} time(s)")
@@ -142,6 +150,131 @@ class Pool:
                  "consecutive_failures": i.failures} for i in self.instances]
 
 
+_WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("pd_gateway_watch",
+                                                                     default=None)
+
+
+class Watch:
+    """Ends one request's engine calls when its client goes away or its deadline passes.
+
+    WSGI has no disconnect event: a gone client is only noticed at the next write, which
+    during a long prefill is never. So a background thread (a greenlet under gevent) polls the
+    client socket and, on EOF or at the deadline, shuts down the engine sockets this request
+    is using; the blocked read fails at once and the caller sees `ClientGone` or a timeout.
+    """
+
+    POLL_SECONDS = 0.5   # how long a finished request's watcher may linger
+
+    def __init__(self, client: socket.socket | None, deadline: float | None) -> None:
+        self.client = client
+        self.deadline = deadline
+        self.gone = False
+        self.expired = False
+        self._connections: list[HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._done = False
+        self._token = _WATCH.set(self)
+        if client is not None or deadline is not None:
+            threading.Thread(target=self._run, name="pd-gateway-watch", daemon=True).start()
+
+    def track(self, connection: HTTPConnection) -> None:
+        with self._lock:
+            self._connections.append(connection)
+
+    def untrack(self, connection: HTTPConnection | None = None) -> None:
+        with self._lock:
+            if connection is None:
+                self._connections.clear()
+            elif connection in self._connections:
+                self._connections.remove(connection)
+
+    def error(self) -> GatewayError | None:
+        """Why this request's engine calls were cut, if they were."""
+        if self.gone:
+            return ClientGone("the client closed the connection")
+        if self.expired:
+            return GatewayTimeout("the request took longer than its total deadline",
+                                  instance_fault=False)
+        return None
+
+    def stop(self) -> None:
+        self._done = True
+        self.untrack()
+        try:
+            _WATCH.reset(self._token)
+        except ValueError:        # stopped from another context (a generator's close)
+            _WATCH.set(None)
+
+    def _run(self) -> None:
+        poller = None
+        if self.client is not None:
+            poller = select.poll()
+            poller.register(self.client, select.POLLIN | select.POLLHUP)
+        while not self._done:
+            wait = self.POLL_SECONDS
+            if self.deadline is not None:
+                wait = min(wait, self.deadline - time.monotonic())
+                if wait <= 0:
+                    self.expired = True
+                    return self._cut()
+            if poller is None:
+                time.sleep(wait)
+                continue
+            if poller.poll(wait * 1000) and not self._done:
+                try:
+                    peeked = self.client.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    peeked = b""
+                if peeked:
+                    poller = None      # a pipelined next request: keep only the deadline
+                    continue
+                self.gone = True
+                return self._cut()
+
+    def _cut(self) -> None:
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            # shutdown, not close: close from another thread would race the reader's own use
+            # of the descriptor; shutdown just makes its blocked recv return.
+            # (A pooled P connection is returned to the pool inside requests a moment before
+            # `untrack`; cutting it then only makes the pool open a fresh one.)
+            sock = getattr(connection, "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class _Tracked:
+    """A urllib3 connection that registers with the current request's Watch when used."""
+
+    def request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        watch = _WATCH.get()
+        if watch is not None:
+            watch.track(self)
+        return super().request(*args, **kwargs)
+
+
+class _TrackedHTTPConnection(_Tracked, HTTPConnection):
+    pass
+
+
+class _TrackedHTTPSConnection(_Tracked, HTTPSConnection):
+    pass
+
+
+class _TrackedHTTPPool(HTTPConnectionPool):
+    ConnectionCls = _TrackedHTTPConnection
+
+
+class _TrackedHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _TrackedHTTPSConnection
+
+
 class Stream:
     """An open streamed response from an engine; iterate its raw bytes, always `close()`."""
 
@@ -150,6 +283,7 @@ class Stream:
         self.instance = instance
         self.status = response.status_code
         self.headers = response.headers
+        self._watch = _WATCH.get()
         self.content_type = response.headers.get("Content-Type", "text/event-stream")
 
     def chunks(self) -> Iterator[bytes]:
@@ -162,13 +296,19 @@ class Stream:
                     return
                 yield data
         except (Urllib3Error, requests.RequestException, OSError) as exc:
-            raise _translate(exc, self.instance) from exc
+            raise _translate(exc, self.instance, self._watch) from exc
 
     def close(self) -> None:
         self._response.close()
+        if self._watch is not None:
+            self._watch.untrack()
 
 
-def _translate(exc: Exception, instance: Instance) -> GatewayError:
+def _translate(exc: Exception, instance: Instance,
+               watch: Watch | None = None) -> GatewayError:
+    cut = watch.error() if watch is not None else None
+    if cut is not None:
+        return cut
     log.warning("%s (%s) failed: %r", instance.name, instance.url, exc)
     text = str(exc).lower()
     if isinstance(exc, requests.ConnectTimeout):
@@ -201,6 +341,8 @@ class Upstream:
         # waiting forever (requests passes no pool timeout).
         adapter = HTTPAdapter(pool_connections=16, pool_maxsize=pool_size, max_retries=0,
                               pool_block=False)
+        adapter.poolmanager.pool_classes_by_scheme = {"http": _TrackedHTTPPool,
+                                                      "https": _TrackedHTTPSPool}
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self.timeout = (connect_timeout, read_timeout)
@@ -216,13 +358,17 @@ class Upstream:
 
     def _post(self, instance: Instance, path: str, body: dict, headers: dict,
               stream: bool) -> requests.Response:
+        watch = _WATCH.get()
         try:
             response = self.session.post(
                 instance.url + path, data=json.dumps(body, ensure_ascii=False).encode(),
                 headers={**headers, "Content-Type": "application/json"},
                 timeout=self.timeout, stream=stream)
         except requests.RequestException as exc:
-            raise _translate(exc, instance) from exc
+            raise _translate(exc, instance, watch) from exc
+        finally:
+            if watch is not None and not stream:
+                watch.untrack()
         if response.status_code >= 400:
             message = _error_message(response)
             response.close()
@@ -254,7 +400,7 @@ class Upstream:
             response = self.session.post(instance.url + path, data=raw, headers=headers,
                                          timeout=self.timeout, stream=True)
         except requests.RequestException as exc:
-            raise _translate(exc, instance) from exc
+            raise _translate(exc, instance, _WATCH.get()) from exc
         return Stream(response, instance)
 
     def probe(self, instance: Instance, timeout: float = 1.0) -> bool:
@@ -264,6 +410,11 @@ class Upstream:
                 return response.status_code == 200
         except requests.RequestException:
             return False
+
+    @staticmethod
+    def watch(client: socket.socket | None, deadline: float | None) -> Watch:
+        """Watch the current request's client and deadline until `Watch.stop`."""
+        return Watch(client, deadline)
 
     def get_json(self, instance: Instance, path: str) -> dict:
         try:

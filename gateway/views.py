@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,21 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
     def complete(path: str) -> Response:
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
+        total = gateway.settings.total_timeout
+        watch = gateway.upstream.watch(request.environ.get("gunicorn.socket"),
+                                       time.monotonic() + total if total else None)
+        try:
+            response = _complete(path, request_id)
+        except BaseException:
+            watch.stop()
+            raise
+        if response.is_streamed:
+            response.call_on_close(watch.stop)     # the stream outlives this function
+        else:
+            watch.stop()
+        return response
+
+    def _complete(path: str, request_id: str) -> Response:
         try:
             raw = _read_body(gateway.settings.max_body_bytes)
             client_request = parse(path, raw)

@@ -279,3 +279,34 @@ def test_only_allowlisted_params_are_stored(client, store):
     client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
     (entry,) = list(store._cache.values())
     assert "evil" not in entry.params and entry.params["remote_host"] == "10.9.0.2"
+
+
+@responses.activate
+def test_prefill_retry_never_replays_decode_params(store):
+    from gateway.app import create_app
+    from gateway.config import Settings
+    from gateway.conversation import identify
+    from gateway.store import Entry
+    p2 = "http://10.9.0.3:8100"
+    app = create_app(Settings(prefill=[P_URL, p2], decode=[D_URL], worker_class="gthread"),
+                     store=store)
+    identity = identify({"messages": MESSAGES}, {}, "conv")
+    # An entry holding the first message, so the first attempt replays D's params.
+    store.put(identity.root, Entry(params=d_params(), decode_url=D_URL,
+                                   history_digest=identity.messages[0].hex(), history_len=1))
+    sent = []
+
+    def prefill(request):
+        sent.append(json.loads(request.body)["kv_transfer_params"])
+        if len(sent) == 1:
+            return 500, {}, json.dumps({"error": {"message": "boom"}})
+        return 200, {}, json.dumps(p_reply(p_params()))
+
+    responses.add_callback(responses.POST, P_URL + CHAT, callback=prefill)
+    responses.add_callback(responses.POST, p2 + CHAT, callback=prefill)
+    responses.post(D_URL + CHAT, json={"choices": [], "kv_transfer_params": None})
+    reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "conversation_id": "conv"})
+    assert reply.status_code == 200
+    assert sent[0]["remote_engine_id"] == "d-engine-1"      # first attempt: D's blocks
+    assert sent[1] == MISS                                  # the retry: the plain stub
+    assert reply.headers["X-Gateway-Cache"] == "miss"

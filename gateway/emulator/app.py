@@ -80,8 +80,14 @@ def _hang(engine: Engine, fault: Fault) -> Response:
     raise Unavailable(f"emulated fault: hang ended after {fault.max_s} s")
 
 
+# From this inter-token gap up, a stream also watches its socket while it waits, so a client
+# that leaves is noticed at once (as vLLM aborts on disconnect) rather than at the next write.
+# Below it the next write comes soon enough, and a select per token would cost CPU.
+WATCHED_ITL = 0.05
+
+
 def _stream(engine: Engine, turn: Turn, framer: Framer, include_usage: bool,
-            cut: Callable[[], None]) -> Iterator[bytes]:
+            cut: Callable[[], None], environ: dict) -> Iterator[bytes]:
     """SSE in vLLM's order: role chunk, content chunks, finish chunk, [usage], [params], [DONE]."""
     stats, placement = engine.stats, engine.config.stream_params
     itl = engine.config.itl_ms / 1000.0
@@ -92,7 +98,11 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, include_usage: bool,
             yield framer.role()
         last = turn.completion_tokens - 1  # the last token rides on the finish chunk
         for i in range(last + 1):
-            if i:
+            if i and itl >= WATCHED_ITL:
+                if _client_gone(environ, engine, itl):
+                    stats.aborted_streams += 1
+                    return
+            elif i:
                 engine.sleep(itl)
             if turn.fault.mode == "die_after" and i >= turn.fault.tokens:
                 outcome = "died"
@@ -236,8 +246,8 @@ def create_app(engine: Engine) -> Flask:
         headers["X-Engine-Prefill-Ms"] = f"{ready * 1000:.3f}"
         cut = _cutter(request.environ)
         if req.stream:
-            return Response(_stream(engine, turn, framer, req.include_usage, cut), headers=headers,
-                            content_type=SSE)
+            return Response(_stream(engine, turn, framer, req.include_usage, cut, request.environ),
+                            headers=headers, content_type=SSE)
         return _body(engine, turn, framer, cut, headers)
 
     @app.post("/v1/chat/completions")

@@ -1,0 +1,215 @@
+"""Faults: failover, breakers, mid-stream deaths, disconnects, timeouts, graceful shutdown."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from gateway.emulator.process import EmulatorProcess
+from gateway.launch import GatewayProcess, wait_until
+from tests import workload
+from tests.conftest import MODEL
+
+
+@pytest.fixture(scope="module")
+def pair_of_each():
+    with EmulatorProcess("prefill", host="127.0.0.11", itl_ms=1) as p1, \
+            EmulatorProcess("prefill", host="127.0.0.12", itl_ms=1) as p2, \
+            EmulatorProcess("decode", host="127.0.0.13", itl_ms=1) as d1, \
+            EmulatorProcess("decode", host="127.0.0.14", itl_ms=1) as d2:
+        yield [p1, p2], [d1, d2]
+
+
+@pytest.fixture
+def engines2(pair_of_each):
+    ps, ds = pair_of_each
+    for engine in ps + ds:
+        if not engine.running:
+            engine.start()
+        engine.set_fault("none")
+        engine.reset_stats()
+    return ps, ds
+
+
+def health(gateway) -> dict:
+    return requests.get(gateway.url + "/health", timeout=5).json()
+
+
+@pytest.mark.parametrize("fault", ["refused", "error500", "hang"])
+def test_a_failing_prefill_is_retried_on_the_other(engines2, fault):
+    ps, ds = engines2
+    if fault == "refused":
+        ps[1].stop()
+    else:
+        ps[1].set_fault(fault)
+    with GatewayProcess([p.url for p in ps], [d.url for d in ds], read_timeout=1) as gateway:
+        convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8)
+        assert workload.errors(convs) == []
+        hits, later = workload.later_hits(convs)
+        print(f"\nP[1] {fault}: 200 turns, 0 errors, {hits}/{later} later turns hit")
+        assert sum(p.stats()["wrong_reuse"] for p in ps if p.running) == 0
+        state = health(gateway)["prefill"][1]["state"]
+        assert state == ("down" if fault == "refused" else "open")
+
+
+@pytest.mark.parametrize("fault", ["refused", "error500"])
+def test_a_failing_decode_is_retried_on_the_other_with_the_same_prefill(engines2, fault):
+    ps, ds = engines2
+    if fault == "refused":
+        ds[1].stop()
+    else:
+        ds[1].set_fault(fault)
+    with GatewayProcess([p.url for p in ps], [d.url for d in ds]) as gateway:
+        convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8)
+        assert workload.errors(convs) == []
+        hits, later = workload.later_hits(convs)
+        # P's blocks were never read by the failed D, so the retried D still pulls them.
+        assert ds[0].stats()["failed_pulls"] + ds[0].stats()["stale_pulls"] == 0
+        assert hits == later == 160
+
+
+def sse_events(response) -> tuple[list, float]:
+    """Events of a streamed reply and the seconds from the first content to the end."""
+    events, first = [], None
+    for line in response.iter_lines():
+        if line.startswith(b"data: "):
+            events.append(line[6:].decode() if line == b"data: [DONE]" else json.loads(line[6:]))
+            first = first or time.monotonic()
+    return events, time.monotonic() - (first or time.monotonic())
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event(fresh_engines, gateway_factory):
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url])
+    messages = [{"role": "user", "content": "die please"}]
+    d.set_fault("die_after", tokens=3, count=1)
+    response = requests.post(gateway.url + "/v1/chat/completions", stream=True, timeout=10,
+                             json={"model": MODEL, "messages": messages, "stream": True,
+                                   "max_tokens": 10, "conversation_id": "dies"})
+    events, tail = sse_events(response)
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert events[-2]["error"]["code"] == 502
+    assert tail < 1.0
+    content = "".join(e["choices"][0]["delta"].get("content") or ""
+                      for e in events if isinstance(e, dict) and e.get("choices"))
+    follow = messages + [{"role": "assistant", "content": content}, {"role": "user", "content": "x"}]
+    again = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
+                          json={"model": MODEL, "messages": follow, "conversation_id": "dies"})
+    assert again.headers["X-Gateway-Cache"] == "miss"        # nothing was stored
+
+
+def open_and_abandon(gateway, body: dict, after) -> None:
+    """Send a request on a raw socket, wait for `after(sock)`, then close the connection."""
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection((gateway.host, gateway.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw))
+    after(sock)
+    sock.close()
+
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_client_disconnect_during_prefill_closes_the_engine_call(fresh_engines, gateway_factory,
+                                                                 worker_class):
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], worker_class=worker_class)
+    requests.post(gateway.url + "/v1/chat/completions", timeout=10,   # warm up (gthread pool)
+                  json={"model": MODEL, "messages": [{"role": "user", "content": "warm"}]})
+    threads_before = health(gateway)["threads"]
+    p.set_fault("hang")
+    open_and_abandon(gateway, {"model": MODEL, "messages": [{"role": "user", "content": "h"}],
+                               "stream": True, "conversation_id": "gone"},
+                     lambda sock: wait_until(lambda: p.stats()["requests"] == 1, 10, "P call"))
+    closed_at = time.monotonic()
+    wait_until(lambda: p.stats()["fault_responses"] == 1, 5, "P connection closed")
+    assert time.monotonic() - closed_at < 1.0
+    p.set_fault("none")
+    assert d.stats()["requests"] == 1                       # only the warm-up
+    wait_until(lambda: health(gateway)["threads"] <= threads_before, 5, "watchers gone")
+    assert health(gateway)["conversations"] == 1            # only the warm-up's
+
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
+    with EmulatorProcess("prefill", host="127.0.0.15", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.16", itl_ms=3000) as d, \
+            GatewayProcess([p.url], [d.url], worker_class=worker_class) as gateway:
+        # Warm up, so gthread's pool has its request thread before we count.
+        requests.post(gateway.url + "/v1/chat/completions", timeout=10,
+                      json={"model": MODEL, "max_tokens": 1, "stream": True,
+                            "messages": [{"role": "user", "content": "warm"}]}).content
+        threads_before = health(gateway)["threads"]
+
+        def first_event(sock):
+            sock.settimeout(10)
+            received = b""
+            while b"data: " not in received:
+                chunk = sock.recv(65536)
+                assert chunk, received
+                received += chunk
+
+        open_and_abandon(gateway, {"model": MODEL, "stream": True, "max_tokens": 5,
+                                   "messages": [{"role": "user", "content": "slow"}]},
+                         first_event)
+        closed_at = time.monotonic()
+        wait_until(lambda: d.stats()["aborted_streams"] == 1, 5, "D stream aborted")
+        # Tokens come every 3 s: only the disconnect watcher can close D this early.
+        assert time.monotonic() - closed_at < 1.0
+        wait_until(lambda: health(gateway)["threads"] <= threads_before, 5, "watchers gone")
+        assert health(gateway)["conversations"] == 1        # only the warm-up's
+
+
+def test_hung_prefill_gives_504(fresh_engines, gateway_factory):
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], read_timeout=1)
+    p.set_fault("hang")
+    response = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == 504
+
+
+def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
+    with EmulatorProcess("prefill", host="127.0.0.17", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.18", itl_ms=5000) as d:
+        for settings, code in (({"read_timeout": 1}, 504), ({"total_timeout": 1.5}, 504)):
+            with GatewayProcess([p.url], [d.url], **settings) as gateway:
+                started = time.monotonic()
+                response = requests.post(
+                    gateway.url + "/v1/chat/completions", stream=True, timeout=10,
+                    json={"model": MODEL, "stream": True, "max_tokens": 5,
+                          "messages": [{"role": "user", "content": "x"}]})
+                events, _ = sse_events(response)
+                assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == code, settings
+                assert time.monotonic() - started < 4
+
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_sigterm_lets_streams_in_flight_finish(worker_class):
+    with EmulatorProcess("prefill", host="127.0.0.19", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.20", itl_ms=200) as d:
+        gateway = GatewayProcess([p.url], [d.url], worker_class=worker_class,
+                                 graceful_timeout=15)
+
+        def stream(n):
+            response = requests.post(
+                gateway.url + "/v1/chat/completions", stream=True, timeout=20,
+                json={"model": MODEL, "stream": True, "max_tokens": 10,
+                      "messages": [{"role": "user", "content": f"stream {n}"}]})
+            return sse_events(response)[0]
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(stream, n) for n in range(6)]
+            wait_until(lambda: d.stats()["streams_in_flight"] == 6, 10, "streams open")
+            gateway.process.send_signal(signal.SIGTERM)
+            results = [f.result() for f in futures]
+        assert gateway.process.wait(20) == 0
+        for events in results:
+            assert events[-1] == "[DONE]"
+            assert not any(isinstance(e, dict) and "error" in e for e in events)
+            assert sum(1 for e in events if isinstance(e, dict) and e.get("choices")) == 11
