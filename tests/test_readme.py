@@ -1,0 +1,24 @@
+"""README stays true: its settings table is the one the code generates."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gateway.config import settings_markdown
+
+
+def test_readme_settings_table_matches_the_code():
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    assert settings_markdown() in readme
+
+
+def test_blueprint_mounts_on_another_flask_app():
+    from flask import Flask
+
+    from gateway.app import Gateway
+    from gateway.config import Settings
+    from gateway.views import create_blueprint
+    legacy = Flask("legacy")
+    legacy.register_blueprint(create_blueprint(Gateway(Settings(prefill=["http://127.0.0.1:9"],
+                                                                decode=["http://127.0.0.1:9"]))))
+    reply = legacy.test_client().post("/v1/chat/completions", data=b"{")
+    assert reply.status_code == 400 and reply.get_json()["error"]["code"] == 400
