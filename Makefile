@@ -35,3 +35,18 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python -m bench.run --quick
+
+# Bounded headless load run (locust) against the gateway and emulated engines:
+# make load USERS=300 DURATION=60s; CSV files land in bench/out/load/.
+USERS ?= 300
+DURATION ?= 60s
+LOAD_STAMP := $(VENV)/.installed-load
+
+.PHONY: load
+
+$(LOAD_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,load]'
+	touch $@
+
+load: $(LOAD_STAMP)
+	$(BIN)/python -m bench.load --users $(USERS) --duration $(DURATION)

@@ -1,0 +1,27 @@
+"""A short bounded locust run (30 multi-turn streaming users, 15 s) through the gateway: 0 failures."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from bench.load import run_locust
+
+# Found without importing it: importing locust monkey-patches this whole process with gevent.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("locust") is None,
+                                reason="locust is not installed: pip install -e '.[test,load]'")
+
+
+def test_short_load_run_has_no_failures(fresh_engines, gateway_factory, tmp_path):
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url])
+    result = run_locust(gateway.url, users=30, spawn_rate=30, duration="15s",
+                        csv_prefix=tmp_path / "locust",
+                        extra=["--turns", "3", "--think", "0.2", "0.6"], timeout=120)
+    assert result.ok, result.problems
+    # At least one turn per user per 1.5 s: a stalled gateway would not reach it.
+    assert result.turns >= 30 * 15 / 1.5
+    assert result.ttft_p50 is not None and result.ttft_p99 is not None
+    prefill = p.stats()
+    # Later turns reused D's blocks (the users fail a turn that is not a hit), never wrongly.
+    assert prefill["hits"] > 0 and prefill["wrong_reuse"] == 0
