@@ -103,4 +103,6 @@ def summarize(m: Measured, itl_ms: float) -> dict:
         "hit_rate": p.get("hits", 0) / n if n else 0.0,
         "proxy_cpu_s": m.proxy_cpu_s, "engine_cpu_s": m.engine_cpu_s,
         "client_cpu_s": m.load["cpu_s"], "elapsed_s": elapsed, "machine_busy": m.machine_busy,
+        # The client's share of one core: near 100 % it, not the proxy, would set the pace.
+        "client_core_share": m.load["cpu_s"] / elapsed if elapsed > 0 else float("nan"),
     }

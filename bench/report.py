@@ -22,7 +22,7 @@ COLUMNS = (
     ("turns/s", "turns_per_s", "{:.1f}"), ("events/s/core", "events_per_core_s", "{:.0f}"),
     ("CPU ms/turn", "cpu_ms_per_turn", "{:.2f}"), ("computed/ideal", "computed_over_ideal", "{:.2f}"),
     ("D pulled/turn", "pulled_per_turn", "{:.0f}"), ("P hits", "hit_rate", "{:.0%}"),
-    ("machine busy", "machine_busy", "{:.0%}"),
+    ("client CPU", "client_core_share", "{:.0%}"), ("machine busy", "machine_busy", "{:.0%}"),
 )
 # Ratios gateway / seed: below 1 is better for the times and CPU, above 1 for the rates.
 RATIOS = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"),
@@ -69,6 +69,15 @@ def ratios(rows: list[dict], systems) -> list[dict]:
 
 RATIO_COLUMNS = (("gateway / seed", "system", "{}"), ("conv", "conversations", "{}"),
                  *((name, name, "{:.2f}") for name, _ in RATIOS))
+
+
+def summary(ratio_rows: list[dict], label: str) -> str:
+    """One sentence per concurrency for the configuration `label` (a ratio row's system)."""
+    lines = [f"- {r['conversations']} conversations: TTFT p50 {r['TTFT p50']:.2f}x, "
+             f"turns/s {r['turns/s']:.2f}x, CPU per turn {r['CPU/turn']:.2f}x, "
+             f"events per core {r['events/s/core']:.2f}x"
+             for r in ratio_rows if r["system"] == label]
+    return f"`{label}`:\n" + "\n".join(lines) if lines else ""
 
 
 def _lines(ax, rows: list[dict], x: str, y: str, group: str = "system") -> None:

@@ -84,8 +84,11 @@ def matrix(plan: Plan, systems: list[System], engines: Engines, out_dir: str,
                             system.ids)
                 measured = run_load(system.label, running, engines, load, f"{plan.name}{index}c{conc}",
                                     out_dir)
-                rows.append(summarize(measured, ENGINE_TIMING["itl_ms"]))
-                print(report.table(rows[-1:]), flush=True)
+                row = summarize(measured, ENGINE_TIMING["itl_ms"])
+                rows.append(row)
+                print(f"{row['system']:>22} x{conc:<3} {row['turns']:5} turns {row['errors']:4} errors "
+                      f"TTFT p50 {row['ttft_p50_ms']:6.0f} ms  {row['turns_per_s']:6.1f} turns/s  "
+                      f"{row['cpu_ms_per_turn']:5.2f} CPU ms/turn", flush=True)
         finally:
             running.stop()
     return rows
@@ -100,6 +103,16 @@ def versions() -> str:
     return (f"Python {platform.python_version()}; gateway: {ours}; seed venv: {seed} "
             f"(plain uvicorn: asyncio loop and h11, as `pip install fastapi uvicorn httpx` gives); "
             f"{nginx_version}")
+
+
+def revision() -> str:
+    """The commit measured, and whether gateway/ had uncommitted changes when it ran."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "gateway")
+    head = git("log", "-1", "--format=%h of %cs") or "unknown (not a git checkout)"
+    return f"commit `{head}`" + (" plus uncommitted changes in `gateway/`" if dirty else "")
 
 
 def machine() -> str:
@@ -157,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
         "minutes": f"{(time.monotonic() - clock) / 60:.1f}", "machine": machine(),
         "load": (f"load average {load_before[0]:.1f} at the start and {os.getloadavg()[0]:.1f} at "
                  f"the end; all CPUs were {min(busy):.0%}–{max(busy):.0%} busy during the runs"),
-        "versions": versions(), "timing": ", ".join(f"`--{k.replace('_', '-')} {v}`"
+        "versions": versions(), "revision": revision(),
+        "summary": report.summary(ratio_rows, f"{SYSTEMS['gw-gevent-1'].label} / seed"),
+        "timing": ", ".join(f"`--{k.replace('_', '-')} {v}`"
                                                     for k, v in ENGINE_TIMING.items()),
         "reply_words": REPLY_WORDS, "turns": plan.turns, "duration": f"{plan.duration:g}",
         "min_conversations": plan.min_conversations, "gthreads": GTHREADS,

@@ -26,6 +26,9 @@ pid {dir}/nginx.pid;
 events {{ worker_connections 4096; }}
 http {{
     access_log off;
+    # Bodies stay in memory: the workers (user nobody) can't write to our temp directory.
+    client_body_buffer_size 4m;
+    client_max_body_size 32m;
     client_body_temp_path {dir}/body;
     proxy_temp_path {dir}/proxy;
     fastcgi_temp_path {dir}/fastcgi;
@@ -46,25 +49,17 @@ http {{
 """
 
 
-class Engine(EmulatorProcess):
-    """An emulated engine started through `bench.engine` (TCP_NODELAY, as vLLM's server has)."""
-
-    def start(self) -> None:
-        self.argv = ["bench.engine" if arg == "gateway.emulator.cli" else arg for arg in self.argv]
-        super().start()
-
-
 @dataclass(frozen=True)
 class Engines:
     """One emulated P and one emulated D, shared by every system in a run."""
 
-    prefill: Engine
-    decode: Engine
+    prefill: EmulatorProcess
+    decode: EmulatorProcess
 
     @classmethod
     def start(cls, **timing: object) -> Engines:
-        return cls(Engine("prefill", host=PREFILL_HOST, **timing),
-                   Engine("decode", host=DECODE_HOST, **timing))
+        return cls(EmulatorProcess("prefill", host=PREFILL_HOST, **timing),
+                   EmulatorProcess("decode", host=DECODE_HOST, **timing))
 
     def __iter__(self):
         return iter((self.prefill, self.decode))
@@ -197,7 +192,8 @@ def _nginx(system: System, engines: Engines, log_dir: str) -> Running:
     with open(conf, "w") as f:
         f.write(NGINX_CONF.format(dir=work, decode=urlsplit(engines.decode.url).netloc,
                                   listen=urlsplit(url).netloc))
-    argv = [nginx_binary() or "nginx", "-p", work, "-c", conf, "-e", os.path.join(work, "error.log")]
+    argv = [nginx_binary() or "nginx", "-p", work, "-c", conf, "-e",
+            os.path.join(log_dir, "nginx-error.log")]
     process = _spawn(argv, os.path.join(log_dir, "nginx.log"), url, "/health")
 
     def stop() -> None:
