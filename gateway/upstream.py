@@ -222,7 +222,11 @@ class Watch:
                 continue
             if poller.poll(wait * 1000) and not self._done:
                 try:
-                    peeked = self.client.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    # The raw socket: gevent's recv would wait on the socket's read event on
+                    # EAGAIN, which the request's own greenlet may be using (it reads the next
+                    # request on a kept-alive connection): ConcurrentObjectUseError.
+                    raw = getattr(self.client, "_sock", self.client)
+                    peeked = raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     continue
                 except OSError:

@@ -115,3 +115,15 @@ def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
     assert sum(counts.values()) == 30
     assert sum(v for k, v in counts.items() if 'cache="hit"' in k) == 20
     assert "pd_gateway_time_to_first_byte_seconds_bucket" in text
+
+
+def test_keep_alive_connection_serves_many_streams(gateway):
+    """Back-to-back streams on one kept-alive connection (the disconnect watcher must not
+    touch a socket the next request is being read from)."""
+    import requests
+    session = requests.Session()
+    for i in range(40):
+        response = session.post(gateway.url + "/v1/chat/completions", timeout=10, json={
+            "model": MODEL, "stream": True, "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"keep alive {i}"}]})
+        assert response.status_code == 200 and response.content.endswith(b"data: [DONE]\n\n")
