@@ -1,11 +1,9 @@
-"""Load: multi-turn streaming chat users against the gateway, time to first token as its own metric.
-
-Each user holds one conversation at a time: a task is one turn (a streamed chat completion whose
-reply is echoed into the next request), and after `--turns` turns the user starts a new
-conversation. Half the conversations carry an `X-Session-ID`, half rely on history digests.
-Run it bounded and headless, e.g. `make load` (bench/load.py) or
-`locust -f locustfile.py --headless -u 300 -r 50 -t 60s --host http://127.0.0.1:8000`.
-"""
+"""Load: multi-turn streaming chat users on the gateway, time to first token as its own metric."""
+# Each user holds one conversation at a time: a task is one turn (a streamed chat completion
+# whose reply is echoed into the next request); after --turns turns it starts a new one. Half
+# the conversations carry an X-Session-ID, half rely on history digests. Run it bounded and
+# headless: `make load` (bench/load.py), or
+# locust -f locustfile.py --headless -u 300 -r 50 -t 60s --host http://127.0.0.1:8000
 from __future__ import annotations
 
 import json

@@ -1,7 +1,8 @@
-"""Fuzzed bodies, headers and framing: never a 5xx, every error an OpenAI envelope, big bodies 413."""
+"""Fuzzed bodies, headers and framing: no 5xx, every error an OpenAI envelope, big bodies 413."""
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import math
 import socket
@@ -51,8 +52,9 @@ prompt = text | st.lists(text, min_size=1, max_size=3) | token_ids | st.lists(to
 common = {"model": text, "stream": st.booleans(), "max_tokens": st.integers(1, 16),
           "conversation_id": text.filter(bool), "temperature": st.floats(0, 2),
           "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}
+chat_fields = {**common, "tools": st.lists(json_values, max_size=2)}
 VALID = {CHAT: st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=2)},
-                                     optional={**common, "tools": st.lists(json_values, max_size=2)}),
+                                     optional=chat_fields),
          COMPLETIONS: st.fixed_dictionaries({"prompt": prompt},
                                             optional={**common, "echo": st.booleans(),
                                                       "suffix": text})}
@@ -74,7 +76,7 @@ def put(doc: dict, path: str, value: object) -> None:
     """Set (or with DELETE remove) `path` like "messages.0.role", building what is missing."""
     keys = [int(k) if k.isdigit() else k for k in path.split(".")]
     node = doc
-    for key, below in zip(keys, keys[1:]):
+    for key, below in itertools.pairwise(keys):
         kind = list if isinstance(below, int) else dict
         child = _get(node, key)
         if not isinstance(child, kind) or child == []:

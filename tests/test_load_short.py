@@ -1,4 +1,4 @@
-"""A short bounded locust run (30 multi-turn streaming users, 15 s) through the gateway: 0 failures."""
+"""A short bounded locust run: 30 multi-turn streaming users for 15 s, and not one failure."""
 from __future__ import annotations
 
 import importlib.util
