@@ -48,13 +48,24 @@ class Gateway:
                 continue
         raise BadGateway("no decode instance answered /v1/models")
 
-    def health(self) -> dict:
+    def health(self, debug: bool = False) -> dict:
         pools = {pool.role: pool.report() for pool in (self.prefill, self.decode)}
         ok = all(any(i["state"] != "down" for i in report) for report in pools.values())
         return {"status": "ok" if ok else "degraded", "worker": self.affinity.slot,
                 "pid": os.getpid(), "affinity": self.affinity.enabled,
-                "threads": threading.active_count(),    # greenlets too, under gevent
-                "conversations": len(self.store), **pools}
+                # Under gevent these threads are greenlets; request watchers are named.
+                "threads": threading.active_count(),
+                "watchers": sum(t.name == "pd-gateway-watch" for t in threading.enumerate()),
+                "conversations": len(self.store), **pools,
+                **({"greenlets": _greenlets()} if debug else {})}
+
+
+def _greenlets() -> int:
+    """Live greenlets (gevent workers' requests and watchers); walks the heap, so only on ask."""
+    import gc
+
+    from greenlet import greenlet
+    return sum(isinstance(o, greenlet) and not o.dead for o in gc.get_objects())
 
 
 def create_app(settings: Settings | None = None, store: ConversationStore | None = None) -> Flask:

@@ -136,6 +136,9 @@ SETTINGS: tuple[Setting, ...] = (
             "empty forwards the client's Authorization header."),
     Setting("graceful_timeout", 120.0, _positive(float),
             "Seconds in-flight streams may run after SIGTERM."),
+    Setting("keepalive", 75, _positive(int),
+            "Seconds an idle client connection is kept open; above a fronting proxy's idle "
+            "timeout. With gevent, SIGTERM also waits for idle connections up to this long."),
     Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "Log level."),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -183,6 +186,7 @@ class Settings:
     max_body_bytes: int = _default("max_body_bytes")
     upstream_api_key: str = _default("upstream_api_key")
     graceful_timeout: float = _default("graceful_timeout")
+    keepalive: int = _default("keepalive")
     log_level: str = _default("log_level")
 
     def __post_init__(self) -> None:

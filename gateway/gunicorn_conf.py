@@ -37,7 +37,7 @@ worker_connections = _settings.worker_connections
 timeout = 60
 graceful_timeout = int(_settings.graceful_timeout)
 # Above a fronting proxy's idle timeout, so it never reuses a connection we are closing.
-keepalive = 75
+keepalive = _settings.keepalive
 # Recycling a worker wipes its conversation cache.
 max_requests = 0
 loglevel = _settings.log_level

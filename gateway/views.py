@@ -103,7 +103,7 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
 
     @bp.get("/health")
     def health() -> Response:
-        report = gateway.health()
+        report = gateway.health(debug=request.args.get("debug") == "1")
         response = jsonify(report)
         response.status_code = 200 if report["status"] == "ok" else 503
         return response

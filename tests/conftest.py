@@ -67,16 +67,25 @@ def fresh_engines(engines):
     return engines
 
 
+# Idle keep-alive connections hold a gevent worker's graceful shutdown for up to `keepalive`
+# seconds; tests leave such connections behind, so they keep it short to stop quickly.
+TEST_SETTINGS = {"keepalive": 2}
+
+
+def gateway_process(prefill, decode, **settings):
+    from gateway.launch import GatewayProcess
+    return GatewayProcess(prefill, decode, **{**TEST_SETTINGS, **settings})
+
+
 @pytest.fixture(scope="session")
 def gateway_factory():
-    """Start gateways under gunicorn; all stopped at the end of the session."""
-    from gateway.launch import GatewayProcess
+    """Start gateways under gunicorn, shared by settings; all stopped at the session's end."""
     started = {}
 
     def start(prefill, decode, **settings):
         key = (tuple(prefill), tuple(decode), tuple(sorted(settings.items())))
         if key not in started:
-            started[key] = GatewayProcess(prefill, decode, **settings)
+            started[key] = gateway_process(prefill, decode, **settings)
         return started[key]
 
     yield start

@@ -13,8 +13,9 @@ from gateway.affinity import Affinity, owner
 from gateway.config import Settings
 from gateway.conversation import identify
 from gateway.emulator.process import EmulatorProcess
-from gateway.launch import GatewayProcess, wait_until
+from gateway.launch import wait_until
 from tests import workload
+from tests.conftest import gateway_process
 
 
 def worker_health(gateway, slot: int) -> dict:
@@ -66,7 +67,7 @@ def test_owner_is_stable_and_spreads():
 
 def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines):
     p, d = fresh_engines
-    with GatewayProcess([p.url], [d.url], workers=4) as gateway:
+    with gateway_process([p.url], [d.url], workers=4) as gateway:
         for slot in range(4):
             wait_until(lambda: worker_health(gateway, slot), 20, f"worker {slot}")
         victim = worker_health(gateway, 2)
@@ -133,7 +134,7 @@ def test_failed_connection_marks_down_and_probe_brings_back(gateway_factory):
     with EmulatorProcess("prefill", host="127.0.0.8", itl_ms=1) as p, \
             EmulatorProcess("decode", host="127.0.0.9", itl_ms=1) as d1, \
             EmulatorProcess("decode", host="127.0.0.10", itl_ms=1) as d2:
-        gateway = GatewayProcess([p.url], [d1.url, d2.url], probe_interval=0.2)
+        gateway = gateway_process([p.url], [d1.url, d2.url], probe_interval=0.2)
         try:
             health = lambda: requests.get(gateway.url + "/health", timeout=5).json()
             assert [i["state"] for i in health()["decode"]] == ["up", "up"]

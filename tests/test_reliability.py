@@ -11,9 +11,9 @@ import pytest
 import requests
 
 from gateway.emulator.process import EmulatorProcess
-from gateway.launch import GatewayProcess, wait_until
+from gateway.launch import wait_until
 from tests import workload
-from tests.conftest import MODEL
+from tests.conftest import MODEL, gateway_process
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,27 @@ def health(gateway) -> dict:
     return requests.get(gateway.url + "/health", timeout=5).json()
 
 
+def live_tasks(gateway) -> tuple[int, int, int]:
+    """(request watchers, threads, greenlets) alive in the gateway's worker."""
+    report = requests.get(gateway.url + "/health?debug=1", timeout=5).json()
+    return report["watchers"], report["threads"], report["greenlets"]
+
+
+def settle(gateway, before: tuple[int, int, int]) -> None:
+    """Wait until no watcher is left and threads and greenlets are back to `before`."""
+    seen = []
+
+    def settled():
+        seen.append(live_tasks(gateway))
+        watchers, threads, greenlets = seen[-1]
+        return watchers == 0 and threads <= before[1] and greenlets <= before[2]
+
+    try:
+        wait_until(settled, 5, "tasks to end")
+    except RuntimeError:
+        raise AssertionError(f"leak: before {before}, after {seen[-1]}") from None
+
+
 @pytest.mark.parametrize("fault", ["refused", "error500", "hang"])
 def test_a_failing_prefill_is_retried_on_the_other(engines2, fault):
     ps, ds = engines2
@@ -47,7 +68,7 @@ def test_a_failing_prefill_is_retried_on_the_other(engines2, fault):
         ps[1].stop()
     else:
         ps[1].set_fault(fault)
-    with GatewayProcess([p.url for p in ps], [d.url for d in ds], read_timeout=1) as gateway:
+    with gateway_process([p.url for p in ps], [d.url for d in ds], read_timeout=1) as gateway:
         convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8)
         assert workload.errors(convs) == []
         hits, later = workload.later_hits(convs)
@@ -64,7 +85,7 @@ def test_a_failing_decode_is_retried_on_the_other_with_the_same_prefill(engines2
         ds[1].stop()
     else:
         ds[1].set_fault(fault)
-    with GatewayProcess([p.url for p in ps], [d.url for d in ds]) as gateway:
+    with gateway_process([p.url for p in ps], [d.url for d in ds]) as gateway:
         convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8)
         assert workload.errors(convs) == []
         hits, later = workload.later_hits(convs)
@@ -120,30 +141,30 @@ def test_client_disconnect_during_prefill_closes_the_engine_call(fresh_engines, 
     gateway = gateway_factory([p.url], [d.url], worker_class=worker_class)
     requests.post(gateway.url + "/v1/chat/completions", timeout=10,   # warm up (gthread pool)
                   json={"model": MODEL, "messages": [{"role": "user", "content": "warm"}]})
-    threads_before = health(gateway)["threads"]
+    before, stored = live_tasks(gateway), health(gateway)["conversations"]
     p.set_fault("hang")
     open_and_abandon(gateway, {"model": MODEL, "messages": [{"role": "user", "content": "h"}],
                                "stream": True, "conversation_id": "gone"},
-                     lambda sock: wait_until(lambda: p.stats()["requests"] == 1, 10, "P call"))
+                     lambda sock: wait_until(lambda: p.stats()["requests"] == 2, 10, "P call"))
     closed_at = time.monotonic()
     wait_until(lambda: p.stats()["fault_responses"] == 1, 5, "P connection closed")
     assert time.monotonic() - closed_at < 1.0
     p.set_fault("none")
     assert d.stats()["requests"] == 1                       # only the warm-up
-    wait_until(lambda: health(gateway)["threads"] <= threads_before, 5, "watchers gone")
-    assert health(gateway)["conversations"] == 1            # only the warm-up's
+    settle(gateway, before)
+    assert health(gateway)["conversations"] == stored       # nothing stored for it
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
     with EmulatorProcess("prefill", host="127.0.0.15", itl_ms=1) as p, \
             EmulatorProcess("decode", host="127.0.0.16", itl_ms=3000) as d, \
-            GatewayProcess([p.url], [d.url], worker_class=worker_class) as gateway:
+            gateway_process([p.url], [d.url], worker_class=worker_class) as gateway:
         # Warm up, so gthread's pool has its request thread before we count.
         requests.post(gateway.url + "/v1/chat/completions", timeout=10,
                       json={"model": MODEL, "max_tokens": 1, "stream": True,
                             "messages": [{"role": "user", "content": "warm"}]}).content
-        threads_before = health(gateway)["threads"]
+        before, stored = live_tasks(gateway), health(gateway)["conversations"]
 
         def first_event(sock):
             sock.settimeout(10)
@@ -160,8 +181,8 @@ def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
         wait_until(lambda: d.stats()["aborted_streams"] == 1, 5, "D stream aborted")
         # Tokens come every 3 s: only the disconnect watcher can close D this early.
         assert time.monotonic() - closed_at < 1.0
-        wait_until(lambda: health(gateway)["threads"] <= threads_before, 5, "watchers gone")
-        assert health(gateway)["conversations"] == 1        # only the warm-up's
+        settle(gateway, before)
+        assert health(gateway)["conversations"] == stored   # nothing stored for it
 
 
 def test_hung_prefill_gives_504(fresh_engines, gateway_factory):
@@ -178,7 +199,7 @@ def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
     with EmulatorProcess("prefill", host="127.0.0.17", itl_ms=1) as p, \
             EmulatorProcess("decode", host="127.0.0.18", itl_ms=5000) as d:
         for settings, code in (({"read_timeout": 1}, 504), ({"total_timeout": 1.5}, 504)):
-            with GatewayProcess([p.url], [d.url], **settings) as gateway:
+            with gateway_process([p.url], [d.url], **settings) as gateway:
                 started = time.monotonic()
                 response = requests.post(
                     gateway.url + "/v1/chat/completions", stream=True, timeout=10,
@@ -193,7 +214,7 @@ def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
 def test_sigterm_lets_streams_in_flight_finish(worker_class):
     with EmulatorProcess("prefill", host="127.0.0.19", itl_ms=1) as p, \
             EmulatorProcess("decode", host="127.0.0.20", itl_ms=200) as d:
-        gateway = GatewayProcess([p.url], [d.url], worker_class=worker_class,
+        gateway = gateway_process([p.url], [d.url], worker_class=worker_class,
                                  graceful_timeout=15)
 
         def stream(n):
