@@ -1,6 +1,8 @@
 """Shared fixtures: apps from the factory, a fake clock, and real servers on free ports."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from gateway.app import create_app
@@ -49,6 +51,17 @@ def client(app):
 # Engines on distinct loopback addresses: a pull only works if the gateway rewrote remote_host.
 P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
 MODEL = "emulated-model"
+
+
+@contextlib.contextmanager
+def two_of_each(first_host: int):
+    """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
+    from gateway.emulator.process import EmulatorProcess
+    with contextlib.ExitStack() as stack:
+        engines = [stack.enter_context(EmulatorProcess(role, host=f"127.0.0.{first_host + i}",
+                                                       itl_ms=1))
+                   for i, role in enumerate(["prefill", "prefill", "decode", "decode"])]
+        yield engines[:2], engines[2:]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from gateway.conversation import identify
 from gateway.emulator.process import EmulatorProcess
 from gateway.launch import wait_until
 from tests import workload
-from tests.conftest import gateway_process
+from tests.conftest import gateway_process, two_of_each
 
 
 def worker_health(gateway, slot: int) -> dict:
@@ -100,12 +100,8 @@ def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines
 
 @pytest.fixture(scope="module")
 def two_by_two():
-    """Two P and two D engines on their own loopback addresses."""
-    with EmulatorProcess("prefill", host="127.0.0.4", itl_ms=1) as p1, \
-            EmulatorProcess("prefill", host="127.0.0.5", itl_ms=1) as p2, \
-            EmulatorProcess("decode", host="127.0.0.6", itl_ms=1) as d1, \
-            EmulatorProcess("decode", host="127.0.0.7", itl_ms=1) as d2:
-        yield [p1, p2], [d1, d2]
+    with two_of_each(4) as engines:
+        yield engines
 
 
 def pulled_on_d(two_by_two, routing: str, gateway_factory) -> tuple[int, int]:

@@ -13,16 +13,13 @@ import requests
 from gateway.emulator.process import EmulatorProcess
 from gateway.launch import wait_until
 from tests import workload
-from tests.conftest import MODEL, gateway_process
+from tests.conftest import MODEL, gateway_process, two_of_each
 
 
 @pytest.fixture(scope="module")
 def pair_of_each():
-    with EmulatorProcess("prefill", host="127.0.0.11", itl_ms=1) as p1, \
-            EmulatorProcess("prefill", host="127.0.0.12", itl_ms=1) as p2, \
-            EmulatorProcess("decode", host="127.0.0.13", itl_ms=1) as d1, \
-            EmulatorProcess("decode", host="127.0.0.14", itl_ms=1) as d2:
-        yield [p1, p2], [d1, d2]
+    with two_of_each(11) as engines:
+        yield engines
 
 
 @pytest.fixture
