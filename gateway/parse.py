@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,27 @@ class ClientRequest:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    # 1e999 parses to inf, which would go to the engines as the non-JSON constant Infinity.
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"{text} is out of range")
+    return number
+
+
+# A JSON escape of half a UTF-16 pair decodes to a lone surrogate, which no engine can
+# tokenize and UTF-8 cannot encode; only bodies holding such an escape are checked in full.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(body: Any) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -55,9 +78,17 @@ def _check_messages(messages: Any) -> None:
             isinstance(content, list) and all(isinstance(p, dict) for p in content)),
             f"{where}.content", f"'{where}.content' must be a string or a list of parts")
         _optional(m, "name", lambda v: isinstance(v, str), "a string")
-        _optional(m, "tool_calls", lambda v: isinstance(v, list)
-                  and all(isinstance(c, dict) for c in v), "a list of objects")
+        _optional(m, "tool_calls", lambda v: isinstance(v, list) and all(map(_is_tool_call, v)),
+                  "a list of tool calls, each with a 'function' object of strings")
         _optional(m, "tool_call_id", lambda v: isinstance(v, str), "a string")
+
+
+def _is_tool_call(call: Any) -> bool:
+    if not isinstance(call, dict):
+        return False
+    function = call.get("function") or {}
+    return isinstance(function, dict) and all(
+        isinstance(function.get(k) or "", str) for k in ("name", "arguments"))
 
 
 def _is_prompt(prompt: Any) -> bool:
@@ -72,10 +103,14 @@ def _is_prompt(prompt: Any) -> bool:
 def parse(path: str, raw: bytes) -> ClientRequest:
     """Validate `raw` for `path`; raises BadRequest naming the offending field."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        # UTF-8 only (RFC 8259): json.loads would also guess UTF-16/32 from bytes.
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         # UnicodeDecodeError and JSONDecodeError are both ValueErrors.
         raise BadRequest(f"Request body is not valid JSON: {exc}"[:300]) from exc
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+        raise BadRequest("Request body holds an unpaired UTF-16 surrogate escape")
     _check(isinstance(body, dict), "body", "Request body must be a JSON object")
     if path == CHAT:
         _check("messages" in body, "messages", "'messages' is required")

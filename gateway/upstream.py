@@ -20,8 +20,8 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from .errors import (BadGateway, ClientGone, GatewayError, GatewayTimeout, ServiceUnavailable,
-                     UpstreamRejected)
+from .errors import (BadGateway, BadRequest, ClientGone, GatewayError, GatewayTimeout,
+                     ServiceUnavailable, UpstreamRejected)
 
 log = logging.getLogger(__name__)
 
@@ -357,10 +357,16 @@ class Upstream:
         self.api_key = api_key
 
     def headers(self, request_id: str, authorization: str | None) -> dict[str, str]:
+        """Headers for the engine calls; a client credential requests can't send is a 400."""
         out = {"X-Request-Id": request_id, "Accept-Encoding": "identity"}
         if self.api_key:
             out["Authorization"] = f"Bearer {self.api_key}"
         elif authorization:
+            try:
+                requests.utils.check_header_validity(("Authorization", authorization))
+            except requests.exceptions.InvalidHeader as exc:
+                raise BadRequest("The Authorization header has characters that cannot be "
+                                 "forwarded", param="Authorization") from exc
             out["Authorization"] = authorization
         return out
 

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from . import metrics
 from .conversation import identify
-from .errors import GatewayError, PayloadTooLarge, envelope
+from .errors import BadRequest, GatewayError, PayloadTooLarge, envelope
 from .parse import CHAT, COMPLETIONS, parse
 
 if TYPE_CHECKING:
@@ -32,7 +32,10 @@ def error_response(error: GatewayError, request_id: str | None = None) -> Respon
 def _read_body(limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
-    raw = request.stream.read(limit + 1)
+    try:
+        raw = request.stream.read(limit + 1)
+    except (OSError, ValueError) as exc:      # gunicorn's NoMoreData: a cut chunked body
+        raise BadRequest("Request body ended before it was complete") from exc
     if len(raw) > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
     return raw
