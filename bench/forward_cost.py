@@ -5,7 +5,7 @@ Two workers; every turn is sent straight to one worker's private port, either th
 interleaved, so both see the same engines and load. Prints p50/p99 TTFT of each path, their
 difference, and gateway CPU per turn of each path.
 
-    .venv/bin/python -m bench.forward_cost [--turns 400]
+    .venv/bin/python -m bench.forward_cost [--turns 400] [--max-tokens 100]
 """
 from __future__ import annotations
 
@@ -46,9 +46,11 @@ def percentile(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=400, help="turns per path")
+    parser.add_argument("--max-tokens", type=int, default=100,
+                        help="tokens per reply: every one is one more event to relay")
     args = parser.parse_args(argv)
-    with EmulatorProcess("prefill", host="127.0.0.2", itl_ms=2) as p, \
-            EmulatorProcess("decode", host="127.0.0.3", itl_ms=2) as d, \
+    with EmulatorProcess("prefill", host="127.0.0.2", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.3", itl_ms=1) as d, \
             GatewayProcess([p.url], [d.url], workers=2) as gateway:
         ports = [gateway.port + 1, gateway.port + 2]
         for port in ports:
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
             cid = uuid.uuid4().hex
             slot = owner(identify({}, {}, cid).root, 2)
             for path, port in (("direct", ports[slot]), ("forwarded", ports[1 - slot])):
-                body = {"model": MODEL, "stream": True, "max_tokens": 4, "conversation_id": cid,
+                body = {"model": MODEL, "stream": True, "max_tokens": args.max_tokens,
+                        "conversation_id": cid,
                         "messages": [{"role": "user", "content": f"{path} {cid}"}]}
                 before = cpu_seconds(workers)
                 samples[path].append(ttft(f"http://127.0.0.1:{port}", body))

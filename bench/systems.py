@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -13,7 +11,7 @@ from urllib.parse import urlsplit
 import requests
 
 from gateway.emulator.process import EmulatorProcess
-from gateway.launch import GatewayProcess, wait_until
+from gateway.launch import GatewayProcess, free_port, wait_until
 
 from bench import seed_env
 
@@ -111,22 +109,8 @@ def start(system: System, engines: Engines, log_dir: str) -> Running:
     return starters[system.kind](system, engines, log_dir)
 
 
-def quiet_ports(count: int, low: int = 20000, high: int = 32000) -> int:
-    """The first of `count` consecutive free ports below the kernel's ephemeral range.
-
-    A port from the ephemeral range (what binding port 0 gives) can be taken a moment later as
-    the local end of some outgoing connection; a gateway's private listeners, bound after fork
-    at port + 1 .. port + workers, then fail with EADDRINUSE under load.
-    """
-    for base in random.sample(range(low, high - count), 200):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind((PROXY_HOST, port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports in {low}..{high}")
+def quiet_ports(count: int) -> int:
+    return free_port(PROXY_HOST, count)
 
 
 def _gateway(system: System, engines: Engines, log_dir: str) -> Running:

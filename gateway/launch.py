@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,22 +13,23 @@ import time
 import requests
 
 
-def free_port(host: str = "127.0.0.1", run: int = 1) -> int:
-    """A port such that it and the `run - 1` ports after it are free (private worker ports)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + run > 65535:
-            continue
+def free_port(host: str = "127.0.0.1", run: int = 1, low: int = 20000,
+              high: int = 32000) -> int:
+    """The first of `run` consecutive free ports below the kernel's ephemeral range.
+
+    A port from the ephemeral range (what binding port 0 gives) can be taken a moment later as
+    the local end of some outgoing connection; a gateway's private listeners, bound after fork
+    at port + 1 .. port + workers, then fail with EADDRINUSE under load.
+    """
+    for base in random.sample(range(low, high - run), 200):
         try:
-            for offset in range(1, run):
-                with socket.socket() as s:
-                    s.bind((host, port + offset))
-            return port
+            for port in range(base, base + run):
+                with socket.socket() as sock:
+                    sock.bind((host, port))
         except OSError:
             continue
-    raise RuntimeError(f"no run of {run} free ports on {host}")
+        return base
+    raise RuntimeError(f"no {run} consecutive free ports in {low}..{high} on {host}")
 
 
 def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | None = None,
