@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         model = requests.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         chat(gateway.url, model, stats)
         print(f"\nThe gateway keeps serving on {gateway.url} (OpenAI API at {gateway.url}/v1); "
-              "Ctrl-C stops it and the engines.")
+              f"Ctrl-C stops it{'' if stats is None else ' and the emulated engines'}.")
         try:
             while gateway.process.poll() is None:
                 time.sleep(0.5)

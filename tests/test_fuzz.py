@@ -4,7 +4,6 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
-import math
 import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
