@@ -53,8 +53,10 @@ class Gateway:
         ok = all(any(i["state"] != "down" for i in report) for report in pools.values())
         return {"status": "ok" if ok else "degraded", "worker": self.affinity.slot,
                 "pid": os.getpid(), "affinity": self.affinity.enabled,
-                # Under gevent these threads are greenlets; request watchers are named.
-                "threads": threading.active_count(),
+                # Besides gthread's request pool (which grows with concurrency and stays):
+                # the main thread, the prober, request watchers. Under gevent, greenlets.
+                "threads": sum(not t.name.startswith("ThreadPoolExecutor")
+                               for t in threading.enumerate()),
                 "watchers": sum(t.name == "pd-gateway-watch" for t in threading.enumerate()),
                 "conversations": len(self.store), **pools,
                 **({"greenlets": _greenlets()} if debug else {})}

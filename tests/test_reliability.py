@@ -37,20 +37,22 @@ def health(gateway) -> dict:
     return requests.get(gateway.url + "/health", timeout=5).json()
 
 
-def live_tasks(gateway) -> tuple[int, int, int]:
-    """(request watchers, threads, greenlets) alive in the gateway's worker."""
+def live_tasks(gateway) -> tuple[int, int, int, int]:
+    """(request watchers, threads, greenlets, requests in flight) in the gateway's worker."""
     report = requests.get(gateway.url + "/health?debug=1", timeout=5).json()
-    return report["watchers"], report["threads"], report["greenlets"]
+    inflight = sum(i["inflight"] for i in report["prefill"] + report["decode"])
+    return report["watchers"], report["threads"], report["greenlets"], inflight
 
 
-def settle(gateway, before: tuple[int, int, int]) -> None:
-    """Wait until no watcher is left and threads and greenlets are back to `before`."""
+def settle(gateway, before: tuple[int, int, int, int]) -> None:
+    """Wait until no watcher or engine call is left and threads and greenlets are back."""
     seen = []
 
     def settled():
         seen.append(live_tasks(gateway))
-        watchers, threads, greenlets = seen[-1]
-        return watchers == 0 and threads <= before[1] and greenlets <= before[2]
+        watchers, threads, greenlets, inflight = seen[-1]
+        return (watchers == 0 and inflight == 0 and threads <= before[1]
+                and greenlets <= before[2])
 
     try:
         wait_until(settled, 5, "tasks to end")
