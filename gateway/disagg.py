@@ -194,7 +194,7 @@ class Disagg:
 
     def _relay(self, stream: Stream, identity: Identity, turn: Turn, decode: Instance,
                started: float) -> Iterator[bytes]:
-        relay = EventRelay(turn, "delta")
+        relay = EventRelay(turn)
         first = True
         try:
             for chunk in stream.chunks():

@@ -94,9 +94,8 @@ class EventRelay:
     re-serialised without it, or dropped if nothing else is left in them.
     """
 
-    def __init__(self, turn: Turn, delta_key: str = "delta") -> None:
+    def __init__(self, turn: Turn) -> None:
         self.turn = turn
-        self._delta_key = delta_key
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -118,11 +117,6 @@ class EventRelay:
             rewritten |= kept is not event
             out.append(kept)
         return b"".join(out) if rewritten else complete
-
-    @property
-    def leftover(self) -> bytes:
-        """Bytes of an event D never finished (the stream broke inside it)."""
-        return self._pending
 
     def _event(self, event: bytes) -> bytes:
         match = _DATA.search(event)
@@ -148,7 +142,7 @@ class EventRelay:
                 done=False)
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict):
-                self.turn.add_choice(choice, self._delta_key)
+                self.turn.add_choice(choice, "delta")
         if PARAMS_KEY not in chunk:
             return event
         self.turn.params = chunk.pop(PARAMS_KEY)
