@@ -1,6 +1,7 @@
 """`ConversationStore`: where each conversation's latest decode KV params wait for the next turn."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -30,23 +31,39 @@ class ConversationStore(Protocol):
 
 
 class LocalStore:
-    """A per-process store: a TTL-bounded LRU cache behind one lock."""
+    """A per-process store: a TTL-bounded LRU cache behind one lock.
+
+    D's params are kept as compact JSON: a block-id list as Python ints costs 36 bytes an id,
+    as JSON about 6, and the store holds up to `store_size` entries in every worker.
+    """
 
     def __init__(self, maxsize: int, ttl: float,
                  timer: Callable[[], float] = time.monotonic) -> None:
         # TTLCache is not thread-safe (even a read reorders its LRU links), so every
         # operation holds the lock; none does I/O while holding it.
-        self._cache: TTLCache[str, Entry] = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer)
+        self._cache: TTLCache[str, tuple] = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer)
         self._lock = threading.Lock()
 
     def take(self, key: str) -> Entry | None:
         with self._lock:
-            return self._cache.pop(key, None)
+            packed = self._cache.pop(key, None)
+        return None if packed is None else unpack(packed)
 
     def put(self, key: str, entry: Entry) -> None:
+        packed = pack(entry)
         with self._lock:
-            self._cache[key] = entry
+            self._cache[key] = packed
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._cache)
+
+
+def pack(entry: Entry) -> tuple:
+    return (json.dumps(entry.params, separators=(",", ":")).encode(),
+            entry.decode_url, entry.history_digest, entry.history_len)
+
+
+def unpack(packed: tuple) -> Entry:
+    params, *rest = packed
+    return Entry(json.loads(params), *rest)

@@ -5,8 +5,9 @@ from gateway.store import Entry, LocalStore
 
 
 def entry(n=0):
-    return Entry(params={"remote_request_id": f"r{n}"}, decode_url="http://d", history_digest="h",
-                 history_len=2)
+    return Entry(params={"remote_request_id": f"r{n}", "remote_block_ids": [[n, 7, 9], [3]],
+                         "remote_port": 5600 + n, "remote_blocks_expiry_time": 17.5},
+                 decode_url="http://d", history_digest="h", history_len=2)
 
 
 def test_take_is_single_use(store):
