@@ -54,10 +54,12 @@ class Affinity:
         self.upstream = upstream
         self.owner_wait = settings.owner_wait
 
-    def forward_to(self, root: str, environ: Mapping[str, object]) -> Instance | None:
-        """The owner worker to forward to, or None to serve here."""
-        if not self.enabled or environ.get("SERVER_PORT") in self.private_ports:
-            return None
+    def may_forward(self, environ: Mapping[str, object]) -> bool:
+        """Could this request belong to another worker? Never if it came on a private port."""
+        return self.enabled and environ.get("SERVER_PORT") not in self.private_ports
+
+    def forward_to(self, root: str) -> Instance | None:
+        """The owner worker to forward to, or None if this worker owns the conversation."""
         slot = owner(root, self.workers)
         return None if slot == self.slot else self.targets[slot]
 

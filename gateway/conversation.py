@@ -4,7 +4,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from itertools import islice
+from typing import Any, Iterable, Iterator, Mapping
 
 # Request fields that change the prompt an engine renders from the same messages: two requests
 # differing in any of them must never share KV blocks, so they are part of the digest scope.
@@ -99,26 +100,47 @@ class Identity:
 def identify(body: Mapping[str, Any], headers: Mapping[str, str],
              conversation_id: str | None) -> Identity:
     """Build the identity of a validated request (chat if it has `messages`, else completions)."""
+    tenant, scope, explicit_id = _scope(body, headers, conversation_id)
+    messages = tuple(_chain(scope, body["messages"])) if "messages" in body else None
+    prompt = body.get("prompt") if messages is None and isinstance(body.get("prompt"), str) else None
+    return Identity(root=_root(body, tenant, scope, explicit_id, messages),
+                    explicit=bool(explicit_id), scope=scope, messages=messages, prompt=prompt)
+
+
+def root_key(body: Mapping[str, Any], headers: Mapping[str, str],
+             conversation_id: str | None) -> str:
+    """Just `identify(...).root`, digesting only the messages up to the first user message:
+    all a worker needs to know when it forwards the request to the conversation's owner."""
+    tenant, scope, explicit_id = _scope(body, headers, conversation_id)
+    chain = _chain(scope, body["messages"]) if "messages" in body else None
+    return _root(body, tenant, scope, explicit_id, chain)
+
+
+def _scope(body: Mapping[str, Any], headers: Mapping[str, str],
+           conversation_id: str | None) -> tuple[bytes, bytes, str | None]:
     tenant = tenant_of(headers.get("Authorization"))
     scope = _h(b"scope", tenant, _dump({k: body.get(k) for k in PROMPT_FIELDS if k in body}))
     explicit_id = conversation_id or next(
         (headers[h] for h in ID_HEADERS if headers.get(h)), None)
-    messages = None
-    if "messages" in body:
-        chain, digests = scope, []
-        for message in body["messages"]:
-            chain = _h(chain, canonical_message(message))
-            digests.append(chain)
-        messages = tuple(digests)
+    return tenant, scope, explicit_id
+
+
+def _chain(scope: bytes, messages: Iterable[Mapping[str, Any]]) -> Iterator[bytes]:
+    """The chained digest of each message prefix, lazily."""
+    chain = scope
+    for message in messages:
+        chain = _h(chain, canonical_message(message))
+        yield chain
+
+
+def _root(body: Mapping[str, Any], tenant: bytes, scope: bytes, explicit_id: str | None,
+          chain: Iterable[bytes] | None) -> str:
     if explicit_id:
-        root = _h(b"id", tenant, explicit_id.encode()).hex()
-    elif messages is not None:
+        return _h(b"id", tenant, explicit_id.encode()).hex()
+    if chain is not None:
         # Up to the first user message: every turn of the conversation shares it.
-        first_user = next((i for i, m in enumerate(body["messages"]) if m.get("role") == "user"),
+        messages = body["messages"]
+        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"),
                           len(messages) - 1)
-        root = messages[first_user].hex()
-    else:
-        root = _h(scope, str(body.get("prompt", ""))[:256].encode()).hex()
-    prompt = body.get("prompt") if messages is None and isinstance(body.get("prompt"), str) else None
-    return Identity(root=root, explicit=bool(explicit_id), scope=scope,
-                    messages=messages, prompt=prompt)
+        return next(islice(chain, first_user, None)).hex()
+    return _h(scope, str(body.get("prompt", ""))[:256].encode()).hex()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from flask import Blueprint, Response, jsonify, request
 
 from . import metrics
-from .conversation import identify
+from .conversation import identify, root_key
 from .errors import BadRequest, GatewayError, PayloadTooLarge, envelope
 from .parse import CHAT, COMPLETIONS, parse
 
@@ -66,15 +66,16 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
         try:
             raw = _read_body(gateway.settings.max_body_bytes)
             client_request = parse(path, raw)
-            identity = identify(client_request.body, request.headers,
-                                client_request.conversation_id)
-            owner = gateway.affinity.forward_to(identity.root, request.environ)
-            if owner is not None:
-                forwarded = gateway.affinity.forward(owner, path, raw, request.headers)
-                metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
-                if forwarded is not None:
-                    status, headers, body = forwarded
-                    return Response(body, status=status, headers=headers)
+            id_args = (client_request.body, request.headers, client_request.conversation_id)
+            if gateway.affinity.may_forward(request.environ):
+                owner = gateway.affinity.forward_to(root_key(*id_args))
+                if owner is not None:
+                    forwarded = gateway.affinity.forward(owner, path, raw, request.headers)
+                    metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
+                    if forwarded is not None:
+                        status, headers, body = forwarded
+                        return Response(body, status=status, headers=headers)
+            identity = identify(*id_args)
             headers = gateway.upstream.headers(request_id, request.headers.get("Authorization"))
             reply = gateway.disagg.run(client_request, identity, headers)
         except GatewayError as exc:

@@ -6,7 +6,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from gateway.conversation import identify
+from gateway.conversation import identify, root_key
 
 text = st.text(max_size=30)
 part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
@@ -46,6 +46,16 @@ def test_digests_are_stable_under_key_order_and_spacing(msgs, seed, indent):
                                    separators=None if indent else (",", ":")))
     assert ident(relaid).messages == ident(msgs).messages
     assert ident(relaid).root == ident(msgs).root
+
+
+@settings(max_examples=200)
+@given(st.one_of(st.fixed_dictionaries({"model": st.just("m"), "messages": messages}),
+                 st.fixed_dictionaries({"model": st.just("m"), "prompt": text})),
+       st.sampled_from([None, "c1"]), st.sampled_from([{}, {"X-Session-ID": "s"}]))
+def test_the_forwarding_root_is_the_identity_root(body, cid, headers):
+    """A non-owner routes by root_key alone; the owner must arrive at the same root."""
+    headers = {"Authorization": "Bearer a", **headers}
+    assert root_key(body, headers, cid) == identify(body, headers, cid).root
 
 
 @settings(max_examples=200)
