@@ -138,7 +138,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds in-flight streams may run after SIGTERM."),
     Setting("keepalive", 75, _positive(int),
             "Seconds an idle client connection is kept open; above a fronting proxy's idle "
-            "timeout. With gevent, SIGTERM also waits for idle connections up to this long."),
+            "timeout. After SIGTERM, idle connections are closed within 2 s."),
     Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "Log level."),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}

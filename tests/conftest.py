@@ -80,14 +80,9 @@ def fresh_engines(engines):
     return engines
 
 
-# Idle keep-alive connections hold a gevent worker's graceful shutdown for up to `keepalive`
-# seconds; tests leave such connections behind, so they keep it short to stop quickly.
-TEST_SETTINGS = {"keepalive": 2}
-
-
 def gateway_process(prefill, decode, **settings):
     from gateway.launch import GatewayProcess
-    return GatewayProcess(prefill, decode, **{**TEST_SETTINGS, **settings})
+    return GatewayProcess(prefill, decode, **settings)
 
 
 @pytest.fixture(scope="session")

@@ -233,3 +233,30 @@ def test_sigterm_lets_streams_in_flight_finish(worker_class):
             assert events[-1] == "[DONE]"
             assert not any(isinstance(e, dict) and "error" in e for e in events)
             assert sum(1 for e in events if isinstance(e, dict) and e.get("choices")) == 11
+
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_sigterm_does_not_wait_out_idle_keep_alive_connections(fresh_engines, worker_class):
+    """With the default 75 s keep-alive, an idle client connection and the workers' own pooled
+    connections to each other's private listeners must not hold a graceful stop."""
+    p, d = fresh_engines
+    gateway = gateway_process([p.url], [d.url], worker_class=worker_class, workers=2,
+                              keepalive=75, graceful_timeout=60)
+    with requests.Session() as client:
+        # New connections per conversation land on either worker: some are forwarded,
+        # which leaves the forwarding worker's connection to its peer idle in its pool.
+        for n in range(16):
+            with requests.post(gateway.url + "/v1/chat/completions", timeout=10,
+                               json={"model": MODEL, "messages": [
+                                   {"role": "user", "content": f"idle {n}"}]}) as response:
+                assert response.status_code == 200
+        assert client.get(gateway.url + "/health", timeout=10).status_code == 200  # kept alive
+        forwarded = requests.get(gateway.url + "/metrics", timeout=10).text
+        assert 'pd_gateway_forwarded_total{result="sent"}' in forwarded
+        started = time.monotonic()
+        gateway.process.send_signal(signal.SIGTERM)
+        assert gateway.process.wait(60) == 0
+        stopped_in = time.monotonic() - started
+    gateway.stop()
+    # The bound is generous against a loaded machine; waiting out keep-alive takes 75 s.
+    assert stopped_in < 20, stopped_in
