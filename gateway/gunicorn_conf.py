@@ -23,6 +23,11 @@ if _settings.worker_class == "gevent":
 
     monkey.patch_all()
 
+import itertools  # noqa: E402
+import socket  # noqa: E402
+
+from gunicorn.sock import TCPSocket  # noqa: E402
+
 from gateway.affinity import SLOT_ENV, base_port  # noqa: E402  (after patching: imports requests)
 
 wsgi_app = "gateway.wsgi:app"
@@ -53,20 +58,20 @@ control_socket_disable = True
 # the smallest free slot, and a replacement for a dead worker gets the slot it left. A slot
 # owns a share of conversations (gateway.affinity) and a private port, base + slot.
 def on_starting(server):
-    server.pd_free_slots = set(range(server.cfg.workers))
+    server.pd_slots = {}    # slot -> the worker holding it
 
 
-def nworkers_changed(server, new_value, old_value):
-    free = getattr(server, "pd_free_slots", set())
-    if old_value is not None and new_value > old_value:
-        free.update(range(old_value, new_value))
-    server.pd_free_slots = free
+def on_reload(server):
+    # SIGHUP: gunicorn starts a whole new set of workers, then stops the old set. The new set
+    # takes slots 0..n-1 again; new and old worker of a slot share its private port
+    # (SO_REUSEPORT) until the old one has stopped.
+    server.pd_slots = {}
 
 
 def pre_fork(server, worker):
     # Runs in the single-threaded master, so taking a slot needs no lock.
-    worker.pd_slot = min(server.pd_free_slots) if server.pd_free_slots else server.cfg.workers
-    server.pd_free_slots.discard(worker.pd_slot)
+    worker.pd_slot = next(slot for slot in itertools.count() if slot not in server.pd_slots)
+    server.pd_slots[worker.pd_slot] = worker
 
 
 def post_fork(server, worker):
@@ -74,14 +79,21 @@ def post_fork(server, worker):
     if _settings.affinity and _settings.workers > 1:
         # Appended before the worker's accept loop starts, so gunicorn serves it like the
         # public socket; only this process listens on it.
-        from gunicorn.sock import TCPSocket
-
         address = (_settings.private_host, base_port(_settings) + worker.pd_slot)
-        worker.sockets = [*worker.sockets, TCPSocket(address, worker.cfg, worker.log)]
+        worker.sockets = [*worker.sockets, _PrivateSocket(address, worker.cfg, worker.log)]
+
+
+class _PrivateSocket(TCPSocket):
+    def set_options(self, sock, bound=False):
+        # Only for the overlap of a reload (see on_reload); the public socket keeps
+        # gunicorn's own setting, so no other process can bind it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        return super().set_options(sock, bound)
 
 
 def child_exit(server, worker):
-    server.pd_free_slots.add(worker.pd_slot)
+    if server.pd_slots.get(worker.pd_slot) is worker:   # not if a reload gave it away
+        del server.pd_slots[worker.pd_slot]
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid)

@@ -98,6 +98,41 @@ def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines
         assert worker_health(gateway, 2)["worker"] == 2
 
 
+def workers_of(gateway) -> set[int]:
+    pid = gateway.process.pid
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return {int(child) for child in f.read().split()}
+
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_engines,
+                                                                         worker_class):
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], workers=2, worker_class=worker_class) as gateway:
+        for slot in range(2):
+            wait_until(lambda: worker_health(gateway, slot), 20, f"worker {slot}")
+        old = workers_of(gateway)
+        convs = [workload.Conversation(gateway.url) for _ in range(40)]
+        workload.drive(convs, turns=1)
+        reloaded = threading.Event()
+
+        def hup_once(conversation):
+            if not reloaded.is_set():
+                reloaded.set()
+                gateway.process.send_signal(signal.SIGHUP)
+
+        workload.drive(convs, turns=3, before_turn=hup_once)   # reloaded amid the run
+        assert workload.errors(convs) == []
+        # gunicorn starts a new set of workers, then stops the old set.
+        wait_until(lambda: len(workers_of(gateway)) == 2 and not workers_of(gateway) & old,
+                   60, "the old workers to stop")
+        assert [worker_health(gateway, slot)["worker"] for slot in range(2)] == [0, 1]
+        fresh = workload.run(gateway.url, conversations=40, turns=3)
+        hits, later = workload.later_hits(fresh)
+        assert workload.errors(fresh) == [] and hits == later == 80, (hits, later)
+        assert p.stats()["wrong_reuse"] == 0
+
+
 @pytest.fixture(scope="module")
 def two_by_two():
     with two_of_each(4) as engines:
