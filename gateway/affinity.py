@@ -45,8 +45,9 @@ class Affinity:
                  environ: Mapping[str, str] = os.environ) -> None:
         self.slot = int(environ.get(SLOT_ENV, "-1"))
         self.workers = settings.workers
-        # Off with one worker, outside gunicorn (no slot), or when switched off.
-        self.enabled = settings.affinity and self.workers > 1 and self.slot >= 0
+        # Off with one worker, with a shared store, outside gunicorn (no slot), or when
+        # switched off.
+        self.enabled = settings.forwards and self.slot >= 0
         base = base_port(settings)
         self.private_ports = {str(base + s) for s in range(self.workers)}
         self.targets = [Instance(f"http://{settings.private_host}:{base + s}", "worker", s)

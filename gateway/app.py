@@ -12,7 +12,7 @@ from .affinity import Affinity
 from .config import Settings
 from .disagg import Disagg
 from .errors import BadGateway, GatewayError, envelope
-from .store import ConversationStore, LocalStore
+from .store import ConversationStore, create_store
 from .upstream import Policy, Pool, Prober, Upstream
 from .views import create_blueprint
 
@@ -22,8 +22,7 @@ class Gateway:
 
     def __init__(self, settings: Settings, store: ConversationStore | None = None) -> None:
         self.settings = settings
-        self.store = store if store is not None else LocalStore(settings.store_size,
-                                                                settings.store_ttl)
+        self.store = store if store is not None else create_store(settings)
         concurrency = (settings.threads if settings.worker_class == "gthread"
                        else settings.worker_connections)
         self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
@@ -58,7 +57,7 @@ class Gateway:
                 "threads": sum(not t.name.startswith("ThreadPoolExecutor")
                                for t in threading.enumerate()),
                 "watchers": sum(t.name == "pd-gateway-watch" for t in threading.enumerate()),
-                "conversations": len(self.store), **pools,
+                **self.store.report(), **pools,
                 **({"greenlets": _greenlets()} if debug else {})}
 
 

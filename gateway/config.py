@@ -43,6 +43,12 @@ def _choice(*allowed: str) -> Callable[[Any], str]:
     return convert
 
 
+def _store_url(value: Any) -> str:
+    if value == "local" or str(value).startswith(("redis://", "rediss://", "unix://")):
+        return str(value)
+    raise ValueError(f"{value!r} is neither 'local' nor a redis://, rediss:// or unix:// URL")
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -96,10 +102,17 @@ SETTINGS: tuple[Setting, ...] = (
             "Threads per worker with gthread: the number of concurrent streams a worker serves."),
     Setting("worker_connections", 2000, _positive(int),
             "Concurrent connections per worker with gevent."),
+    Setting("store", "local", _store_url,
+            "Where conversation entries live: 'local' (each worker's memory; affinity "
+            "forwards a conversation to its worker) or a Redis URL (redis://host:6379/0, "
+            "Redis 6.2+ or Valkey) shared by every worker and gateway host, forwarding off."),
+    Setting("store_timeout", 0.5, _positive(float),
+            "Seconds one call to a Redis store may take; a failed call makes the turn a miss."),
     Setting("store_ttl", 450.0, _positive(float),
             "Seconds a conversation entry is kept; keep it below D's KV block TTL (480 s)."),
     Setting("store_size", 100_000, _positive(int),
-            "Conversation entries kept per worker before the least recently used are evicted."),
+            "Conversation entries kept per worker before the least recently used are evicted "
+            "(local store; bound a Redis store with its maxmemory)."),
     Setting("affinity", True, _bool,
             "Forward each conversation to the worker that holds its cache (on/off); "
             "off by itself with one worker."),
@@ -168,6 +181,8 @@ class Settings:
     worker_class: str = _default("worker_class")
     threads: int = _default("threads")
     worker_connections: int = _default("worker_connections")
+    store: str = _default("store")
+    store_timeout: float = _default("store_timeout")
     store_ttl: float = _default("store_ttl")
     store_size: int = _default("store_size")
     affinity: bool = _default("affinity")
@@ -225,6 +240,12 @@ class Settings:
         except SettingsError as exc:
             parser.error(str(exc))
         raise AssertionError("unreachable")
+
+    @property
+    def forwards(self) -> bool:
+        """Do workers forward conversations to their owner? Only several workers with stores
+        of their own need to."""
+        return self.affinity and self.workers > 1 and self.store == "local"
 
     def to_env(self) -> dict[str, str]:
         """The GATEWAY_* variables that reproduce these settings in another process."""

@@ -110,23 +110,22 @@ class Disagg:
 
     def take_entry(self, identity: Identity) -> Entry | None:
         """The previous turn's entry, if this request's history extends what its blocks hold."""
-        for key in identity.lookups():
-            entry = self.store.take(key)
-            if entry is None:
-                continue
-            if identity.extends(entry.history_digest, entry.history_len):
-                metrics.ENTRIES.labels("hit").inc()
-                return entry
-            # Edited history, a rewritten or stripped reply, or another conversation's id.
-            metrics.ENTRIES.labels("mismatch").inc()
-            log.debug("conversation %s: history does not extend its entry; miss", key[:12])
-            if identity.explicit:
-                # Someone else's history under this id: leave the entry to its conversation.
-                self.store.put(key, entry)
+        found = self.store.take_first(identity.lookups())
+        if found is None:
+            # First turn, expired, evicted, taken by a concurrent request, or an echo that is
+            # not canonical-equal to the reply (its digest leads nowhere).
+            metrics.ENTRIES.labels("absent").inc()
             return None
-        # First turn, expired, evicted, taken by a concurrent request, or an echo that is not
-        # canonical-equal to the reply (its digest leads nowhere).
-        metrics.ENTRIES.labels("absent").inc()
+        key, entry = found
+        if identity.extends(entry.history_digest, entry.history_len):
+            metrics.ENTRIES.labels("hit").inc()
+            return entry
+        # Edited history, a rewritten or stripped reply, or another conversation's id.
+        metrics.ENTRIES.labels("mismatch").inc()
+        log.debug("conversation %s: history does not extend its entry; miss", key[:12])
+        if identity.explicit:
+            # Someone else's history under this id: leave the entry to its conversation.
+            self.store.put(key, entry)
         return None
 
     def _attempt(self, pool: Pool, key: str, prefer: str | None,

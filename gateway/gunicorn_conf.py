@@ -76,7 +76,7 @@ def pre_fork(server, worker):
 
 def post_fork(server, worker):
     os.environ[SLOT_ENV] = str(worker.pd_slot)
-    if _settings.affinity and _settings.workers > 1:
+    if _settings.forwards:
         # Appended before the worker's accept loop starts, so gunicorn serves it like the
         # public socket; only this process listens on it.
         address = (_settings.private_host, base_port(_settings) + worker.pd_slot)

@@ -24,6 +24,8 @@ ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored; hit;
 RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"])
 FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",
                     ["result"])
+STORE_ERRORS = Counter("pd_gateway_store_errors", "Calls to a Redis store that failed (a take "
+                       "becomes a miss, a put leaves no entry)", ["operation"])
 DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
 PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill call to P",
                             buckets=_LATENCY)

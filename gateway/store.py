@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from cachetools import TTLCache
+
+from . import metrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,36 +26,58 @@ class Entry:
 
 
 class ConversationStore(Protocol):
-    def take(self, key: str) -> Entry | None:
-        """Remove and return the entry: D hands its blocks over once, so an entry is single use."""
+    def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
+        """Remove and return the entry under the first of `keys` that has one (keys are tried
+        in order, longest history first). D hands its blocks over once: entries are single use."""
+
+    def take(self, key: str) -> Entry | None: ...
 
     def put(self, key: str, entry: Entry) -> None:
         """Store the entry, replacing any older one for the key."""
 
-    def __len__(self) -> int: ...
+    def report(self) -> dict:
+        """What /health shows of the store."""
 
 
-class LocalStore:
-    """A per-process store: a TTL-bounded LRU cache behind one lock.
+class _Takes:
+    def take(self, key: str) -> Entry | None:
+        found = self.take_first([key])
+        return None if found is None else found[1]
 
-    D's params are kept as compact JSON: a block-id list as Python ints costs 36 bytes an id,
-    as JSON about 6, and the store holds up to `store_size` entries in every worker.
-    """
+
+def encode(entry: Entry) -> bytes:
+    # Compact JSON: a block-id list as Python ints costs 36 bytes an id, as JSON about 6.
+    return json.dumps([entry.params, entry.decode_url, entry.history_digest,
+                       entry.history_len], separators=(",", ":")).encode()
+
+
+def decode(packed: bytes) -> Entry:
+    params, decode_url, history_digest, history_len = json.loads(packed)
+    if not (isinstance(params, dict) and isinstance(decode_url, str)
+            and isinstance(history_digest, str) and isinstance(history_len, int)):
+        raise ValueError("not a conversation entry")
+    return Entry(params, decode_url, history_digest, history_len)
+
+
+class LocalStore(_Takes):
+    """A per-process store: a TTL-bounded LRU cache behind one lock, entries kept encoded
+    (the store holds up to `store_size` of them in every worker)."""
 
     def __init__(self, maxsize: int, ttl: float,
                  timer: Callable[[], float] = time.monotonic) -> None:
         # TTLCache is not thread-safe (even a read reorders its LRU links), so every
         # operation holds the lock; none does I/O while holding it.
-        self._cache: TTLCache[str, tuple] = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer)
+        self._cache: TTLCache[str, bytes] = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer)
         self._lock = threading.Lock()
 
-    def take(self, key: str) -> Entry | None:
+    def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
         with self._lock:
-            packed = self._cache.pop(key, None)
-        return None if packed is None else unpack(packed)
+            found = next(((key, packed) for key in keys
+                          if (packed := self._cache.pop(key, None)) is not None), None)
+        return None if found is None else (found[0], decode(found[1]))
 
     def put(self, key: str, entry: Entry) -> None:
-        packed = pack(entry)
+        packed = encode(entry)
         with self._lock:
             self._cache[key] = packed
 
@@ -58,12 +85,69 @@ class LocalStore:
         with self._lock:
             return len(self._cache)
 
-
-def pack(entry: Entry) -> tuple:
-    return (json.dumps(entry.params, separators=(",", ":")).encode(),
-            entry.decode_url, entry.history_digest, entry.history_len)
+    def report(self) -> dict:
+        return {"store": "local", "conversations": len(self)}
 
 
-def unpack(packed: tuple) -> Entry:
-    params, *rest = packed
-    return Entry(json.loads(params), *rest)
+_TAKE_FIRST = """
+for i, key in ipairs(KEYS) do
+    local value = redis.call('GETDEL', key)
+    if value then return {i, value} end
+end
+return false
+"""
+
+
+class RedisStore(_Takes):
+    """Entries in Redis (SET with expiry, GETDEL: Redis 6.2+ or Valkey), shared by every worker
+    and gateway host, so any of them can serve any turn.
+
+    Redis failing never fails a request: a take that fails is a miss, a put that fails leaves
+    no entry; both are counted and logged.
+    """
+
+    PREFIX = "pd-gateway:"
+
+    def __init__(self, url: str, ttl: float, timeout: float, client=None) -> None:
+        import redis   # only a Redis-backed gateway needs the client
+
+        self._errors = (redis.RedisError, ValueError, TypeError)   # or a foreign value
+        self._redis = client if client is not None else redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._ttl_ms = int(ttl * 1000)
+        # One round trip however many history prefixes a request tries (a long conversation
+        # whose entry expired tries them all). Its keys must live on one node: no Cluster.
+        self._take_first = self._redis.register_script(_TAKE_FIRST)
+
+    def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
+        if not keys:
+            return None
+        try:
+            found = self._take_first(keys=[self.PREFIX + key for key in keys])
+            return None if found is None else (keys[found[0] - 1], decode(found[1]))
+        except self._errors as exc:
+            self._failed("take", exc)
+            return None
+
+    def put(self, key: str, entry: Entry) -> None:
+        try:
+            self._redis.set(self.PREFIX + key, encode(entry), px=self._ttl_ms)
+        except self._errors as exc:
+            self._failed("put", exc)
+
+    def report(self) -> dict:
+        try:
+            return {"store": "redis", "reachable": bool(self._redis.ping())}
+        except self._errors:
+            return {"store": "redis", "reachable": False}
+
+    @staticmethod
+    def _failed(operation: str, exc: Exception) -> None:
+        log.warning("Redis store %s failed: %r", operation, exc)
+        metrics.STORE_ERRORS.labels(operation).inc()
+
+
+def create_store(settings) -> ConversationStore:
+    if settings.store == "local":
+        return LocalStore(settings.store_size, settings.store_ttl)
+    return RedisStore(settings.store, settings.store_ttl, settings.store_timeout)

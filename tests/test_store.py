@@ -1,7 +1,12 @@
-"""LocalStore: single-use take, TTL on an injected clock, a size bound."""
+"""The stores: single-use take, TTL, a size bound (local), atomic take and failures (Redis)."""
 from __future__ import annotations
 
-from gateway.store import Entry, LocalStore
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gateway.store import Entry, LocalStore, RedisStore
 
 
 def entry(n=0):
@@ -73,3 +78,75 @@ def test_unreachable_marks_down_until_success(clock):
     assert all(pool.choose(str(k)) is b for k in range(20))
     pool.succeeded(a)                                # what a successful /health probe does
     assert a.state(clock()) == "up"
+
+
+# --- RedisStore, against a real redis-server ------------------------------------------------
+
+
+def redis_store(server, ttl=450.0) -> RedisStore:
+    return RedisStore(server.url, ttl=ttl, timeout=2)
+
+
+def test_redis_take_is_single_use_and_put_replaces(redis_server):
+    store = redis_store(redis_server)
+    store.put("k", entry(1))
+    store.put("k", entry(2))
+    assert store.take("k") == entry(2)
+    assert store.take("k") is None
+
+
+def test_redis_entries_expire_at_ttl(redis_server):
+    store = redis_store(redis_server, ttl=450)
+    store.put("ttl", entry())
+    # Redis expires the key itself; what the gateway controls is the expiry it sets.
+    assert 449_000 < redis_server.client.pttl(RedisStore.PREFIX + "ttl") <= 450_000
+
+
+def test_redis_concurrent_takes_get_the_entry_once(redis_server):
+    store = redis_store(redis_server)
+    store.put("race", entry())
+    barrier = threading.Barrier(8)
+
+    def take(_):
+        barrier.wait()
+        return store.take("race")
+
+    with ThreadPoolExecutor(8) as pool:
+        taken = [e for e in pool.map(take, range(8)) if e is not None]
+    assert taken == [entry()]
+
+
+def test_redis_failures_are_misses_not_errors():
+    from gateway import metrics
+    from gateway.launch import free_port
+    failed = metrics.STORE_ERRORS.labels("take")._value.get()
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", ttl=450, timeout=0.5)   # nobody there
+    store.put("k", entry())
+    assert store.take("k") is None
+    assert store.report() == {"store": "redis", "reachable": False}
+    assert metrics.STORE_ERRORS.labels("take")._value.get() == failed + 1
+
+
+def test_a_foreign_value_under_a_key_is_a_miss(redis_server):
+    store = redis_store(redis_server)
+    for value in (b"not json", b"[1, 2]", b"7", b'[{}, "u", "d", "two"]'):
+        redis_server.client.set(RedisStore.PREFIX + "foreign", value)
+        assert store.take("foreign") is None
+
+
+@pytest.fixture(params=["local", "redis"])
+def either_store(request, clock):
+    if request.param == "local":
+        return LocalStore(maxsize=100, ttl=450, timer=clock)
+    server = request.getfixturevalue("redis_server")
+    server.client.flushdb()
+    return redis_store(server)
+
+
+def test_take_first_takes_only_the_first_key_that_has_an_entry(either_store):
+    either_store.put("b", entry(2))
+    either_store.put("c", entry(3))
+    assert either_store.take_first(["a", "b", "c"]) == ("b", entry(2))
+    assert either_store.take_first(["a", "b"]) is None
+    assert either_store.take_first([]) is None
+    assert either_store.take("c") == entry(3)

@@ -1,0 +1,58 @@
+"""A Redis store shared by several gateways: any of them serves any turn, forwarding is off."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import requests
+
+from tests import workload
+from tests.conftest import RedisServer, gateway_process
+
+
+def metric(gateway, name: str) -> str:
+    return "\n".join(line for line in requests.get(gateway.url + "/metrics", timeout=10)
+                     .text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_two_gateways_share_conversations_through_redis(fresh_engines, redis_server,
+                                                        worker_class):
+    p, d = fresh_engines
+    redis_server.client.flushdb()
+    with gateway_process([p.url], [d.url], store=redis_server.url, workers=2,
+                         worker_class=worker_class) as one, \
+            gateway_process([p.url], [d.url], store=redis_server.url, workers=2,
+                            worker_class=worker_class) as two:
+        health = requests.get(one.url + "/health", timeout=5).json()
+        assert health["store"] == "redis" and health["reachable"] and not health["affinity"]
+        # Every turn goes to the other gateway, on a new connection, with no id at all.
+        convs = [workload.Conversation(one.url, explicit=False) for _ in range(30)]
+        hosts = {c.cid: itertools.cycle([one.url, two.url]) for c in convs}
+        workload.drive(convs, turns=4, before_turn=lambda c: setattr(c, "url", next(hosts[c.cid])))
+        hits, later = workload.later_hits(convs)
+        assert workload.errors(convs) == []
+        assert hits == later == 90, (hits, later)
+        assert p.stats()["hits"] == 90 and p.stats()["wrong_reuse"] == 0
+        for gateway in (one, two):
+            assert metric(gateway, "pd_gateway_forwarded_total") == ""
+        print(f"\n{worker_class}: two gateways x 2 workers on one Redis: {hits}/{later} hit")
+
+
+def test_redis_going_away_costs_hits_not_requests(fresh_engines):
+    p, d = fresh_engines
+    server = RedisServer()       # its own, to stop it
+    try:
+        with gateway_process([p.url], [d.url], store=server.url, workers=2) as gateway:
+            convs = [workload.Conversation(gateway.url) for _ in range(10)]
+            workload.drive(convs, turns=2)
+            server.stop()
+            workload.drive(convs, turns=2)
+            assert workload.errors(convs) == []
+            assert [c.caches for c in convs] == [["miss", "hit", "miss", "miss"]] * 10
+            health = requests.get(gateway.url + "/health", timeout=5).json()
+            assert health["status"] == "ok" and health["reachable"] is False
+            assert 'operation="take"' in metric(gateway, "pd_gateway_store_errors_total")
+    finally:
+        if server.process.poll() is None:
+            server.stop()
