@@ -38,7 +38,8 @@ def run_load(system: str, running: Running, engines: Engines, load: Load, salt: 
     """Drive `load` at `running` and collect everything bench.metrics needs."""
     for engine in engines:
         engine.reset_stats()
-    proxy = procstat.tree(running.pid)  # after start-up, so gunicorn's and nginx's workers exist
+    # After start-up, so gunicorn's and nginx's workers exist; a Redis store counts as proxy.
+    proxy = procstat.tree(running.pid) + list(running.helpers)
     out = os.path.join(out_dir, f"load-{salt}.json")
     before = procstat.cpu_seconds(proxy), procstat.cpu_seconds(engines.pids()), procstat.machine_ticks()
     subprocess.run(load.argv(running.url, salt, out), check=True,

