@@ -11,6 +11,17 @@ def test_readme_settings_table_matches_the_code():
     assert settings_markdown() in readme
 
 
+def test_readme_lists_every_metric():
+    from gateway import metrics
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    names = [m.name + ("_total" if m.type == "counter" else "")
+             for value in vars(metrics).values()
+             if isinstance(value, (metrics.Counter, metrics.Histogram))
+             for m in value.describe()]
+    assert len(names) >= 9
+    assert [n for n in names if f"`{n}`" not in readme] == []
+
+
 def test_blueprint_mounts_on_another_flask_app():
     from flask import Flask
 
