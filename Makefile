@@ -50,3 +50,12 @@ $(LOAD_STAMP): $(STAMP)
 
 load: $(LOAD_STAMP)
 	$(BIN)/python -m bench.load --users $(USERS) --duration $(DURATION)
+
+# Soak under chaos (tests/test_soak.py, marked slow): mixed traffic while engines fail one at a
+# time, then a check that nothing leaked; gevent and gthread, SOAK_SECONDS of chaos each.
+SOAK_SECONDS ?= 120
+
+.PHONY: soak
+
+soak: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -m slow -s tests/test_soak.py

@@ -20,6 +20,11 @@ T = TypeVar("T")
 # What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+# What D gets when P's blocks may be gone (a D that failed may have read them): no pull, so D
+# computes the prompt itself, helped by its prefix cache; and, being params, they make D keep
+# its blocks and return its own params for the next turn, as after any turn. (vLLM's
+# NixlConnector: neither flag set means a D-side request with nothing to receive.)
+LOCAL_DECODE_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
 # Fields P must not see: it generates exactly one token, never streams.
 PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens",
                    "stream_options")
@@ -97,6 +102,17 @@ def decode_body(body: dict, prefill_reply: dict, prefill: Instance) -> dict:
     return {**body, "kv_transfer_params": {**params, "remote_host": prefill.host}}
 
 
+def replayable(failure: GatewayError | None) -> bool:
+    """May the KV params of this request go to another instance after `failure`?
+
+    Blocks are handed over once: an instance that got the request may have read them before it
+    failed (then another reading them fails, and vLLM's default kv_load_failure_policy fails the
+    request). Only an instance that never got it, refused or not accepting a connection,
+    certainly left them.
+    """
+    return failure is None or isinstance(failure, ServiceUnavailable)
+
+
 class Disagg:
     """Runs requests through P and D and keeps the conversation store up to date."""
 
@@ -129,19 +145,21 @@ class Disagg:
         return None
 
     def _attempt(self, pool: Pool, key: str, prefer: str | None,
-                 call: Callable[[Instance, int], T], hold: bool = False) -> tuple[Instance, T, int]:
-        """`call(instance, attempt)` on instances of `pool` until one answers.
+                 call: Callable[[Instance, GatewayError | None], T],
+                 hold: bool = False) -> tuple[Instance, T]:
+        """`call(instance, last failure)` on instances of `pool` until one answers.
 
         Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
         request's fault and is not retried. With `hold`, the instance stays counted in flight
         (the caller releases it when the stream ends).
         """
         tried: list[Instance] = []
+        failure = None
         while True:
             instance = pool.choose(key, prefer=prefer, exclude=tried)
             pool.acquire(instance)
             try:
-                result = call(instance, len(tried))
+                result = call(instance, failure)
             except GatewayError as exc:
                 pool.release(instance)
                 if not exc.instance_fault:
@@ -152,40 +170,49 @@ class Disagg:
                     raise
                 log.info("retrying %s after: %s", pool.role, exc.message)
                 metrics.RETRIES.labels(pool.role).inc()
+                failure = exc
                 continue
             pool.succeeded(instance)
             if not hold:
                 pool.release(instance)
-            return instance, result, len(tried)
+            return instance, result
 
     def run(self, request: ClientRequest, identity: Identity, headers: dict) -> Reply:
         started = time.perf_counter()
         entry = self.take_entry(identity)
 
-        def prefill_call(instance: Instance, attempt: int) -> dict:
-            # A retry never replays D's params: the failed P may already have read the blocks.
-            body = prefill_body(request.body, entry if attempt == 0 else None)
-            return self.upstream.post_json(instance, request.path, body, headers)
+        def prefill_call(instance: Instance, failure: GatewayError | None) -> tuple[bool, dict]:
+            reuse = entry is not None and replayable(failure)    # else P computes everything
+            body = prefill_body(request.body, entry if reuse else None)
+            return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
-        prefill, prefill_reply, retries = self._attempt(self.prefill, identity.root, None,
-                                                        prefill_call)
+        prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
+                                                      prefill_call)
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
-        hit = entry is not None and retries == 0
-        body = decode_body(request.body, prefill_reply, prefill)
+        with_blocks = decode_body(request.body, prefill_reply, prefill)
+
+        def decode_body_for(failure: GatewayError | None) -> dict:
+            if replayable(failure):
+                return with_blocks
+            return {**request.body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
+
         prefer = entry.decode_url if entry else None
         reply_headers = {"X-Gateway-Cache": "hit" if hit else "miss"}
         metrics.REQUESTS.labels(request.path, reply_headers["X-Gateway-Cache"]).inc()
         turn = Turn()
         if not request.stream:
-            decode, reply, _ = self._attempt(
+            decode, reply = self._attempt(
                 self.decode, identity.root, prefer,
-                lambda d, _: self.upstream.post_json(d, request.path, body, headers))
+                lambda d, failure: self.upstream.post_json(d, request.path,
+                                                           decode_body_for(failure), headers))
             reply = turn.absorb_body(reply)
             self._remember(identity, turn, decode)
             return Reply(headers=reply_headers, body=reply)
-        decode, stream, _ = self._attempt(
+        decode, stream = self._attempt(
             self.decode, identity.root, prefer,
-            lambda d, _: self.upstream.open_stream(d, request.path, body, headers), hold=True)
+            lambda d, failure: self.upstream.open_stream(d, request.path,
+                                                         decode_body_for(failure), headers),
+            hold=True)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
                      stream=self._relay(stream, identity, turn, decode, started),

@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import requests
 import responses
 from responses import matchers
 
+from gateway.conversation import identify
 from tests.conftest import D_URL, P_URL
 
 CHAT = "/v1/chat/completions"
@@ -282,15 +284,72 @@ def test_only_allowlisted_params_are_stored(client, store):
     assert "evil" not in entry.params and entry.params["remote_host"] == "10.9.0.2"
 
 
-@responses.activate
-def test_prefill_retry_never_replays_decode_params(store):
+def two_instance_app(store, prefill, decode):
     from gateway.app import create_app
     from gateway.config import Settings
-    from gateway.conversation import identify
+    return create_app(Settings(prefill=prefill, decode=decode, worker_class="gthread"),
+                      store=store)
+
+
+REFUSED = requests.ConnectionError("[Errno 111] Connection refused")
+
+
+@responses.activate
+def test_prefill_retry_replays_decode_params_if_the_failed_p_never_got_them(store):
     from gateway.store import Entry
     p2 = "http://10.9.0.3:8100"
-    app = create_app(Settings(prefill=[P_URL, p2], decode=[D_URL], worker_class="gthread"),
-                     store=store)
+    app = two_instance_app(store, [P_URL, p2], [D_URL])
+    identity = identify({"messages": MESSAGES}, {}, "conv")
+    store.put(identity.root, Entry(params=d_params(), decode_url=D_URL,
+                                   history_digest=identity.messages[0].hex(), history_len=1))
+    responses.post(P_URL + CHAT, body=REFUSED)
+    responses.post(p2 + CHAT, body=REFUSED)
+    first = app.extensions["pd_gateway"].prefill.choose(identity.root)
+    responses.replace(responses.POST, [u for u in (P_URL, p2) if u != first.url][0] + CHAT,
+                      json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, json={"choices": [], "kv_transfer_params": None})
+    reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "conversation_id": "conv"})
+    assert reply.status_code == 200
+    sent = [json.loads(c.request.body)["kv_transfer_params"] for c in responses.calls
+            if c.request.url.endswith(CHAT) and "10.9.0.2" not in c.request.url]
+    assert [p["remote_engine_id"] for p in sent] == ["d-engine-1", "d-engine-1"]
+    assert reply.headers["X-Gateway-Cache"] == "hit"
+
+
+@pytest.mark.parametrize("failure", ["refused", "error500", "broken"])
+@responses.activate
+def test_decode_retry_replays_prefill_params_only_if_the_failed_d_never_got_them(store, failure):
+    d2 = "http://10.9.0.4:8200"
+    app = two_instance_app(store, [P_URL], [D_URL, d2])
+    first = app.extensions["pd_gateway"].decode.choose(
+        identify({"messages": MESSAGES}, {}, "conv").root)
+    second = [u for u in (D_URL, d2) if u != first.url][0]
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    if failure == "refused":
+        responses.post(first.url + CHAT, body=REFUSED)
+    elif failure == "error500":
+        responses.post(first.url + CHAT, status=500, json={"error": {"message": "boom"}})
+    else:
+        responses.post(first.url + CHAT, body=requests.ConnectionError("Connection aborted."))
+    responses.post(second + CHAT, body=chat_events([" a"], d_params()),
+                   content_type="text/event-stream")
+    reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "stream": True,
+                                               "conversation_id": "conv"})
+    assert reply.status_code == 200 and b"[DONE]" in reply.data
+    (retried,) = [json.loads(c.request.body) for c in responses.calls
+                  if c.request.url == second + CHAT]
+    if failure == "refused":        # that D never saw P's blocks: the next one pulls them
+        assert retried["kv_transfer_params"]["remote_engine_id"] == "p-engine-1"
+    else:                           # it may have read them: the next one prefills itself
+        assert retried["kv_transfer_params"] == {"do_remote_prefill": False,
+                                                 "do_remote_decode": False}
+
+
+@responses.activate
+def test_prefill_retry_never_replays_decode_params_after_a_5xx(store):
+    from gateway.store import Entry
+    p2 = "http://10.9.0.3:8100"
+    app = two_instance_app(store, [P_URL, p2], [D_URL])
     identity = identify({"messages": MESSAGES}, {}, "conv")
     # An entry holding the first message, so the first attempt replays D's params.
     store.put(identity.root, Entry(params=d_params(), decode_url=D_URL,

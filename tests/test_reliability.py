@@ -77,20 +77,28 @@ def test_a_failing_prefill_is_retried_on_the_other(engines2, fault):
         assert state == ("down" if fault == "refused" else "open")
 
 
-@pytest.mark.parametrize("fault", ["refused", "error500"])
-def test_a_failing_decode_is_retried_on_the_other_with_the_same_prefill(engines2, fault):
+@pytest.mark.parametrize("fault", ["refused", "error500", "dies_after_its_pull"])
+def test_a_failing_decode_is_retried_on_the_other(engines2, fault):
     ps, ds = engines2
     if fault == "refused":
         ds[1].stop()
+    elif fault == "dies_after_its_pull":
+        # Non-streamed: D reads P's blocks, then loses the connection before any response.
+        ds[1].set_fault("die_after", tokens=0)
     else:
         ds[1].set_fault(fault)
     with gateway_process([p.url for p in ps], [d.url for d in ds]) as gateway:
-        convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8)
+        convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8,
+                             stream=fault != "dies_after_its_pull")
         assert workload.errors(convs) == []
         hits, later = workload.later_hits(convs)
-        # P's blocks were never read by the failed D, so the retried D still pulls them.
-        assert ds[0].stats()["failed_pulls"] + ds[0].stats()["stale_pulls"] == 0
         assert hits == later == 160
+        assert sum(p.stats()["wrong_reuse"] for p in ps) == 0
+        # The retried D got P's params only where the failed one never got the request
+        # (refused); otherwise it prefilled itself: never a pull of blocks already read.
+        assert ds[0].stats()["failed_pulls"] + ds[0].stats()["stale_pulls"] == 0
+        if fault != "refused":
+            assert ds[0].stats()["computed_prompt_tokens"] > 0
 
 
 def sse_events(response) -> tuple[list, float]:
