@@ -103,12 +103,11 @@ def decode_body(body: dict, prefill_reply: dict, prefill: Instance) -> dict:
 
 
 def replayable(failure: GatewayError | None) -> bool:
-    """May the KV params of this request go to another instance after `failure`?
+    """May P's params go to another D after `failure`?
 
-    Blocks are handed over once: an instance that got the request may have read them before it
-    failed (then another reading them fails, and vLLM's default kv_load_failure_policy fails the
-    request). Only an instance that never got it, refused or not accepting a connection,
-    certainly left them.
+    Blocks are handed over once: a D that got the request may have read them before it failed
+    (then another D's pull fails, and vLLM's default kv_load_failure_policy fails the request).
+    Only a D that never got it, refused or not accepting a connection, certainly left them.
     """
     return failure is None or isinstance(failure, ServiceUnavailable)
 
@@ -182,7 +181,9 @@ class Disagg:
         entry = self.take_entry(identity)
 
         def prefill_call(instance: Instance, failure: GatewayError | None) -> tuple[bool, dict]:
-            reuse = entry is not None and replayable(failure)    # else P computes everything
+            # A retry never replays D's params: the failed P may already have read the blocks.
+            # (After a refused connection it cannot have; one more miss keeps the rule simple.)
+            reuse = entry is not None and failure is None
             body = prefill_body(request.body, entry if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
