@@ -38,6 +38,12 @@ class Gateway:
         self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
                              attempts=settings.attempts)
 
+    def close(self) -> None:
+        """Stop the background prober and close pooled engine connections (for embedders and
+        tests; a gunicorn worker just exits)."""
+        self.prober.stop()
+        self.upstream.session.close()
+
     def models(self) -> dict:
         """The model list of the first D that answers."""
         for instance in self.decode.instances:

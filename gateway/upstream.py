@@ -477,3 +477,7 @@ class Prober:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(self.interval + 2)    # a probe in progress times out within 1 s

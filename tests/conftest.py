@@ -39,7 +39,10 @@ def app(store: LocalStore):
     # Unroutable example hosts: only `responses` mocks answer them.
     settings = Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
                         max_body_bytes=4096)
-    return create_app(settings, store=store)
+    app = create_app(settings, store=store)
+    yield app
+    # Its prober would go on probing an instance marked down, into later tests' mocks.
+    app.extensions["pd_gateway"].close()
 
 
 @pytest.fixture

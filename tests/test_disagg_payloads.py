@@ -284,11 +284,21 @@ def test_only_allowlisted_params_are_stored(client, store):
     assert "evil" not in entry.params and entry.params["remote_host"] == "10.9.0.2"
 
 
-def two_instance_app(store, prefill, decode):
+@pytest.fixture
+def two_instance_app(store):
+    """make(prefill URLs, decode URLs): an app over those; closed (prober stopped) after the test."""
     from gateway.app import create_app
     from gateway.config import Settings
-    return create_app(Settings(prefill=prefill, decode=decode, worker_class="gthread"),
-                      store=store)
+    apps = []
+
+    def make(prefill, decode):
+        apps.append(create_app(Settings(prefill=prefill, decode=decode, worker_class="gthread"),
+                               store=store))
+        return apps[-1]
+
+    yield make
+    for app in apps:
+        app.extensions["pd_gateway"].close()
 
 
 REFUSED = requests.ConnectionError("[Errno 111] Connection refused")
@@ -296,9 +306,10 @@ REFUSED = requests.ConnectionError("[Errno 111] Connection refused")
 
 @pytest.mark.parametrize("failure", ["refused", "error500", "broken"])
 @responses.activate
-def test_decode_retry_replays_prefill_params_only_if_the_failed_d_never_got_them(store, failure):
+def test_decode_retry_replays_prefill_params_only_if_the_failed_d_never_got_them(
+        two_instance_app, failure):
     d2 = "http://10.9.0.4:8200"
-    app = two_instance_app(store, [P_URL], [D_URL, d2])
+    app = two_instance_app([P_URL], [D_URL, d2])
     first = app.extensions["pd_gateway"].decode.choose(
         identify({"messages": MESSAGES}, {}, "conv").root)
     second = [u for u in (D_URL, d2) if u != first.url][0]
@@ -325,10 +336,10 @@ def test_decode_retry_replays_prefill_params_only_if_the_failed_d_never_got_them
 
 @pytest.mark.parametrize("failure", ["error500", "refused"])
 @responses.activate
-def test_prefill_retry_never_replays_decode_params(store, failure):
+def test_prefill_retry_never_replays_decode_params(store, two_instance_app, failure):
     from gateway.store import Entry
     p2 = "http://10.9.0.3:8100"
-    app = two_instance_app(store, [P_URL, p2], [D_URL])
+    app = two_instance_app([P_URL, p2], [D_URL])
     identity = identify({"messages": MESSAGES}, {}, "conv")
     # An entry holding the first message, so the first attempt replays D's params.
     store.put(identity.root, Entry(params=d_params(), decode_url=D_URL,

@@ -150,3 +150,15 @@ def test_take_first_takes_only_the_first_key_that_has_an_entry(either_store):
     assert either_store.take_first(["a", "b"]) is None
     assert either_store.take_first([]) is None
     assert either_store.take("c") == entry(3)
+
+
+def test_closing_a_gateway_stops_its_prober():
+    from gateway.app import Gateway
+    from gateway.config import Settings
+    gateway = Gateway(Settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+                               probe_interval=0.05))
+    gateway.prefill.failed(gateway.prefill.instances[0], unreachable=True)   # wakes the prober
+    thread = gateway.prober._thread
+    assert thread is not None and thread.is_alive()
+    gateway.close()
+    assert not thread.is_alive()
