@@ -160,6 +160,7 @@ def worker_reports(gateway) -> list[dict]:
                          timeout=10).json() for slot in range(WORKERS)]
 
 
+@pytest.mark.timeout(SECONDS + 300)
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_soak_under_chaos(worker_class):
     with two_of_each(60) as (prefills, decodes):
