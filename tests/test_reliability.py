@@ -221,26 +221,26 @@ def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
 def test_sigterm_lets_streams_in_flight_finish(worker_class):
     with EmulatorProcess("prefill", host="127.0.0.19", itl_ms=1) as p, \
             EmulatorProcess("decode", host="127.0.0.20", itl_ms=200) as d:
-        gateway = gateway_process([p.url], [d.url], worker_class=worker_class,
-                                 graceful_timeout=15)
+        with gateway_process([p.url], [d.url], worker_class=worker_class,
+                             graceful_timeout=15) as gateway:
 
-        def stream(n):
-            response = requests.post(
-                gateway.url + "/v1/chat/completions", stream=True, timeout=20,
-                json={"model": MODEL, "stream": True, "max_tokens": 10,
-                      "messages": [{"role": "user", "content": f"stream {n}"}]})
-            return sse_events(response)[0]
+            def stream(n):
+                response = requests.post(
+                    gateway.url + "/v1/chat/completions", stream=True, timeout=20,
+                    json={"model": MODEL, "stream": True, "max_tokens": 10,
+                          "messages": [{"role": "user", "content": f"stream {n}"}]})
+                return sse_events(response)[0]
 
-        with ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(stream, n) for n in range(6)]
-            wait_until(lambda: d.stats()["streams_in_flight"] == 6, 10, "streams open")
-            gateway.process.send_signal(signal.SIGTERM)
-            results = [f.result() for f in futures]
-        assert gateway.process.wait(20) == 0
-        for events in results:
-            assert events[-1] == "[DONE]"
-            assert not any(isinstance(e, dict) and "error" in e for e in events)
-            assert sum(1 for e in events if isinstance(e, dict) and e.get("choices")) == 11
+            with ThreadPoolExecutor(6) as pool:
+                futures = [pool.submit(stream, n) for n in range(6)]
+                wait_until(lambda: d.stats()["streams_in_flight"] == 6, 10, "streams open")
+                gateway.process.send_signal(signal.SIGTERM)
+                results = [f.result() for f in futures]
+            assert gateway.process.wait(20) == 0
+            for events in results:
+                assert events[-1] == "[DONE]"
+                assert not any(isinstance(e, dict) and "error" in e for e in events)
+                assert sum(1 for e in events if isinstance(e, dict) and e.get("choices")) == 11
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
@@ -248,9 +248,9 @@ def test_sigterm_does_not_wait_out_idle_keep_alive_connections(fresh_engines, wo
     """With the default 75 s keep-alive, an idle client connection and the workers' own pooled
     connections to each other's private listeners must not hold a graceful stop."""
     p, d = fresh_engines
-    gateway = gateway_process([p.url], [d.url], worker_class=worker_class, workers=2,
-                              keepalive=75, graceful_timeout=60)
-    with requests.Session() as client:
+    with gateway_process([p.url], [d.url], worker_class=worker_class, workers=2,
+                         keepalive=75, graceful_timeout=60) as gateway, \
+            requests.Session() as client:
         # New connections per conversation land on either worker: some are forwarded,
         # which leaves the forwarding worker's connection to its peer idle in its pool.
         for n in range(16):
@@ -265,6 +265,5 @@ def test_sigterm_does_not_wait_out_idle_keep_alive_connections(fresh_engines, wo
         gateway.process.send_signal(signal.SIGTERM)
         assert gateway.process.wait(60) == 0
         stopped_in = time.monotonic() - started
-    gateway.stop()
     # The bound is generous against a loaded machine; waiting out keep-alive takes 75 s.
     assert stopped_in < 20, stopped_in
