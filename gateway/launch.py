@@ -105,12 +105,16 @@ class RedisProcess:
 
         self.port = free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
-        self.process = subprocess.Popen(
-            [__redis_executable__, "--bind", host, "--port", str(self.port),
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self.argv = [__redis_executable__, "--bind", host, "--port", str(self.port),
+                     "--save", "", "--appendonly", "no"]
         self.client = redis.Redis(host=host, port=self.port, socket_timeout=5)
-        wait_until(self._answers, 20, f"redis-server on {host}:{self.port}", self.process)
+        self.start()
+
+    def start(self) -> None:
+        """Start (again, on the same port, empty) and wait until it answers."""
+        self.process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        wait_until(self._answers, 20, f"redis-server on port {self.port}", self.process)
 
     def _answers(self) -> bool:
         import redis

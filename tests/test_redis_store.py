@@ -42,7 +42,7 @@ def test_two_gateways_share_conversations_through_redis(fresh_engines, redis_ser
 
 def test_redis_going_away_costs_hits_not_requests(fresh_engines):
     p, d = fresh_engines
-    server = RedisProcess()      # its own, to stop it
+    server = RedisProcess()      # its own, to stop and restart it
     try:
         with gateway_process([p.url], [d.url], store=server.url, workers=2) as gateway:
             convs = [workload.Conversation(gateway.url) for _ in range(10)]
@@ -54,5 +54,10 @@ def test_redis_going_away_costs_hits_not_requests(fresh_engines):
             health = requests.get(gateway.url + "/health", timeout=5).json()
             assert health["status"] == "ok" and health["reachable"] is False
             assert 'operation="take"' in metric(gateway, "pd_gateway_store_errors_total")
+            # Back, empty (its scripts gone too): the workers reconnect and reuse resumes.
+            server.start()
+            workload.drive(convs, turns=2)
+            assert workload.errors(convs) == []
+            assert [c.caches[4:] for c in convs] == [["miss", "hit"]] * 10
     finally:
         server.stop()
