@@ -12,6 +12,7 @@ from .affinity import Affinity
 from .config import Settings
 from .disagg import Disagg
 from .errors import BadGateway, GatewayError, envelope
+from .exactness import Exactness
 from .store import ConversationStore, create_store
 from .upstream import Policy, Pool, Prober, Upstream
 from .views import create_blueprint
@@ -36,7 +37,8 @@ class Gateway:
         self.prefill.on_down = self.decode.on_down = self.prober.wake
         self.affinity = Affinity(settings, self.upstream)
         self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
-                             attempts=settings.attempts)
+                             attempts=settings.attempts,
+                             exactness=Exactness(settings.verify_reuse))
 
     def close(self) -> None:
         """Stop the background prober and close pooled engine connections (for embedders and

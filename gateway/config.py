@@ -123,6 +123,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("owner_wait", 3.0, lambda v: max(0.0, float(v)),
             "Seconds a request waits for its owner worker to come back (a restart) before "
             "this worker serves it itself, as a miss."),
+    Setting("verify_reuse", "auto", _choice("auto", "always", "off"),
+            "How the gateway proves that a turn's prompt tokens extend the tokens D kept "
+            "(docs/exactness.md): auto checks each chat template once and token-verifies only "
+            "turns a digest cannot prove (reasoning, tool calls, templates that rewrite); always "
+            "token-verifies every reuse; off trusts digests and never reuses reasoning or "
+            "tool-call turns."),
     Setting("routing", "affinity", _choice("affinity", "round_robin"),
             "How P and D are chosen: per conversation (rendezvous hash, D that holds the "
             "entry first, load fallback) or round robin."),
@@ -189,6 +195,7 @@ class Settings:
     private_host: str = _default("private_host")
     private_base_port: int = _default("private_base_port")
     owner_wait: float = _default("owner_wait")
+    verify_reuse: str = _default("verify_reuse")
     routing: str = _default("routing")
     overload_factor: float = _default("overload_factor")
     attempts: int = _default("attempts")

@@ -1,4 +1,9 @@
-"""Conversation identity: explicit ids, chained history digests, tenant scope, prefix checks."""
+"""Conversation identity: explicit ids, chained history digests, tenant scope, prefix checks.
+
+A digest match proves the client sent back the history an entry's KV was computed for; whether
+the new prompt's *tokens* extend D's tokens is the template's business (see `gateway.exactness`
+and docs/exactness.md).
+"""
 from __future__ import annotations
 
 import hashlib
@@ -7,11 +12,28 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterable, Iterator, Mapping
 
-# Request fields that change the prompt an engine renders from the same messages: two requests
-# differing in any of them must never share KV blocks, so they are part of the digest scope.
-PROMPT_FIELDS = ("model", "tools", "chat_template", "chat_template_kwargs", "documents",
-                 "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                 "suffix", "echo")
+# Request fields known NOT to change the prompt an engine renders: sampling and output options
+# (vLLM's ChatCompletionRequest and CompletionRequest). Every other field is part of the digest
+# scope, so two requests differing in it never share KV blocks: a field vLLM adds tomorrow
+# (like cache_salt, reasoning_effort or mm_processor_kwargs before it) is safe by default.
+PROMPT_NEUTRAL = frozenset((
+    "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
+    "min_completion_tokens", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed",
+    "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "length_penalty", "use_beam_search",
+    "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "logprob_token_ids",
+    "allowed_token_ids", "bad_words", "skip_special_tokens", "spaces_between_special_tokens",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+    "parallel_tool_calls", "include_reasoning", "thinking_token_budget", "echo", "user",
+    "priority", "request_id", "return_token_ids", "return_tokens_as_token_ids",
+    "return_token_offsets", "return_prompt_text", "return_mm_kwargs", "repetition_detection",
+    "stream_interval", "watermarking", "metadata", "store", "service_tier", "prediction",
+    "kv_transfer_params"))
+# The prompt itself, digested message by message (chat) or as text (completions).
+_PROMPT = ("messages", "prompt")
+# Left truncation (vLLM's default truncation side) drops the prompt's start: no prefix at all.
+NO_REUSE = ("truncate_prompt_tokens", "prompt_embeds")
 ID_HEADERS = ("X-Conversation-Id", "X-Session-ID")
 
 
@@ -68,9 +90,12 @@ class Identity:
     scope: bytes
     messages: tuple[bytes, ...] | None   # chained digests of each message prefix (chat)
     prompt: str | None                   # the prompt (completions)
+    reusable: bool = True                # False: the request's prompt is not what it says
 
     def lookups(self) -> list[str]:
         """Store keys to try, longest history first."""
+        if not self.reusable:
+            return []
         if self.explicit:
             return [self.root]
         if self.messages is None:
@@ -86,8 +111,23 @@ class Identity:
         return (self.prompt is not None and 0 < history_len < len(self.prompt)
                 and _h(self.scope, self.prompt[:history_len].encode()).hex() == history_digest)
 
+    def at_boundary(self, history_len: int) -> bool:
+        """Completions: does the prompt continue the entry's text at a token boundary?
+
+        The text is compared by characters, but D holds tokens: a continuation glued to the last
+        word ("walk" + "ed") re-tokenizes it. A word character followed by whitespace is a
+        boundary in the pre-tokenizers of BPE models (GPT-2/Llama 3/Qwen regexes split before a
+        space-led word) and of SentencePiece (whitespace starts a new piece); anything else may
+        merge. Chat replies end at the template's end-of-turn token, always a boundary.
+        """
+        if self.prompt is None:
+            return True
+        return _boundary(self.prompt, history_len)
+
     def after(self, reply: Mapping[str, Any] | str) -> tuple[str | None, str, int]:
         """(store key, history digest, history length) for the entry this turn leaves behind."""
+        if not self.reusable:
+            return None, "", 0
         if self.messages is not None:
             digest = _h(self.messages[-1], canonical_message(reply)).hex()
             length = len(self.messages) + 1
@@ -97,6 +137,10 @@ class Identity:
         return (self.root if self.explicit else None), digest, len(text)
 
 
+def _boundary(text: str, at: int) -> bool:
+    return 0 < at < len(text) and not text[at - 1].isspace() and text[at].isspace()
+
+
 def identify(body: Mapping[str, Any], headers: Mapping[str, str],
              conversation_id: str | None) -> Identity:
     """Build the identity of a validated request (chat if it has `messages`, else completions)."""
@@ -104,7 +148,8 @@ def identify(body: Mapping[str, Any], headers: Mapping[str, str],
     messages = tuple(_chain(scope, body["messages"])) if "messages" in body else None
     prompt = body.get("prompt") if messages is None and isinstance(body.get("prompt"), str) else None
     return Identity(root=_root(body, tenant, scope, explicit_id, messages),
-                    explicit=bool(explicit_id), scope=scope, messages=messages, prompt=prompt)
+                    explicit=bool(explicit_id), scope=scope, messages=messages, prompt=prompt,
+                    reusable=all(body.get(name) is None for name in NO_REUSE))
 
 
 def root_key(body: Mapping[str, Any], headers: Mapping[str, str],
@@ -119,7 +164,8 @@ def root_key(body: Mapping[str, Any], headers: Mapping[str, str],
 def _scope(body: Mapping[str, Any], headers: Mapping[str, str],
            conversation_id: str | None) -> tuple[bytes, bytes, str | None]:
     tenant = tenant_of(headers.get("Authorization"))
-    scope = _h(b"scope", tenant, _dump({k: body.get(k) for k in PROMPT_FIELDS if k in body}))
+    scope = _h(b"scope", tenant, _dump({k: v for k, v in body.items()
+                                        if k not in PROMPT_NEUTRAL and k not in _PROMPT}))
     explicit_id = conversation_id or next(
         (headers[h] for h in ID_HEADERS if headers.get(h)), None)
     return tenant, scope, explicit_id

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from . import metrics
 from .conversation import Identity
 from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
+from .exactness import Exactness, held_digest, plain_reply
 from .parse import ClientRequest
 from .sse import EventRelay, Turn
 from .store import ConversationStore, Entry
@@ -116,15 +117,18 @@ class Disagg:
     """Runs requests through P and D and keeps the conversation store up to date."""
 
     def __init__(self, store: ConversationStore, upstream: Upstream,
-                 prefill: Pool, decode: Pool, attempts: int = 2) -> None:
+                 prefill: Pool, decode: Pool, attempts: int = 2,
+                 exactness: Exactness | None = None) -> None:
         self.store = store
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
         self.attempts = attempts
+        self.exactness = exactness or Exactness("auto")
 
     def take_entry(self, identity: Identity) -> Entry | None:
-        """The previous turn's entry, if this request's history extends what its blocks hold."""
+        """The previous turn's entry, if this request's history extends the history its blocks
+        were computed for (whether its tokens do is `Exactness.admit`'s question)."""
         found = self.store.take_first(identity.lookups())
         if found is None:
             # First turn, expired, evicted, taken by a concurrent request, or an echo that is
@@ -133,7 +137,7 @@ class Disagg:
             return None
         key, entry = found
         if identity.extends(entry.history_digest, entry.history_len):
-            metrics.ENTRIES.labels("hit").inc()
+            metrics.ENTRIES.labels("found").inc()
             return entry
         # Edited history, a rewritten or stripped reply, or another conversation's id.
         metrics.ENTRIES.labels("mismatch").inc()
@@ -181,33 +185,44 @@ class Disagg:
         entry = self.take_entry(identity)
 
         def prefill_call(instance: Instance, failure: GatewayError | None) -> tuple[bool, dict]:
+            def tokenize(body: dict) -> list:
+                return self.upstream.tokenize(instance, body, headers)
+
+            if identity.reusable:
+                self.exactness.prepare(request, tokenize)
             # A retry never replays D's params: the failed P may already have read the blocks.
             # (After a refused connection it cannot have; one more miss keeps the rule simple.)
-            reuse = entry is not None and failure is None
+            reuse = (entry is not None and failure is None
+                     and self.exactness.admit(entry, request, identity, tokenize))
             body = prefill_body(request.body, entry if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
         prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
                                                       prefill_call)
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
-        with_blocks = decode_body(request.body, prefill_reply, prefill)
+        # D's token ids let the next turn be verified; asked for here, they never reach a
+        # client that did not ask for them itself.
+        ask_ids = (identity.reusable and self.exactness.wants_ids(request)
+                   and not request.body.get("return_token_ids"))
+        d_body = {**request.body, "return_token_ids": True} if ask_ids else request.body
+        with_blocks = decode_body(d_body, prefill_reply, prefill)
 
         def decode_body_for(failure: GatewayError | None) -> dict:
             if replayable(failure):
                 return with_blocks
-            return {**request.body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
+            return {**d_body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
 
         prefer = entry.decode_url if entry else None
         reply_headers = {"X-Gateway-Cache": "hit" if hit else "miss"}
         metrics.REQUESTS.labels(request.path, reply_headers["X-Gateway-Cache"]).inc()
-        turn = Turn()
+        turn = Turn(strip_ids=ask_ids)
         if not request.stream:
             decode, reply = self._attempt(
                 self.decode, identity.root, prefer,
                 lambda d, failure: self.upstream.post_json(d, request.path,
                                                            decode_body_for(failure), headers))
             reply = turn.absorb_body(reply)
-            self._remember(identity, turn, decode)
+            self._remember(request, identity, turn, decode)
             return Reply(headers=reply_headers, body=reply)
         decode, stream = self._attempt(
             self.decode, identity.root, prefer,
@@ -216,11 +231,11 @@ class Disagg:
             hold=True)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
-                     stream=self._relay(stream, identity, turn, decode, started),
+                     stream=self._relay(stream, request, identity, turn, decode, started),
                      content_type=stream.content_type)
 
-    def _relay(self, stream: Stream, identity: Identity, turn: Turn, decode: Instance,
-               started: float) -> Iterator[bytes]:
+    def _relay(self, stream: Stream, request: ClientRequest, identity: Identity, turn: Turn,
+               decode: Instance, started: float) -> Iterator[bytes]:
         relay = EventRelay(turn)
         first = True
         try:
@@ -229,7 +244,7 @@ class Disagg:
                 if turn.done and not turn.stored:
                     # Store before the client sees [DONE]: its next turn may come at once.
                     turn.stored = True
-                    self._remember(identity, turn, decode)
+                    self._remember(request, identity, turn, decode)
                 if out:
                     if first:
                         first = False
@@ -251,7 +266,10 @@ class Disagg:
             stream.close()
             self.decode.release(decode)
 
-    def _remember(self, identity: Identity, turn: Turn, decode: Instance) -> None:
+    def _remember(self, request: ClientRequest, identity: Identity, turn: Turn,
+                  decode: Instance) -> None:
+        if turn.reasoning:
+            self.exactness.saw_reasoning(request.body.get("model"))
         if not turn.reusable or turn.params is None:
             return
         params = clean_params(turn.params)
@@ -263,7 +281,10 @@ class Disagg:
         key, digest, length = identity.after(reply)
         if key is None:
             return
+        held = held_digest(turn.prompt_ids, turn.output_ids, params.get("remote_num_tokens"))
         params["remote_host"] = decode.host
         self.store.put(key, Entry(params=params, decode_url=decode.url,
-                                  history_digest=digest, history_len=length))
+                                  history_digest=digest, history_len=length,
+                                  plain=plain_reply(identity, turn, request.body),
+                                  token_digest=held))
         metrics.ENTRIES.labels("stored").inc()

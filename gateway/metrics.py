@@ -17,10 +17,18 @@ REQUESTS = Counter("pd_gateway_requests", "Completion requests served by this ga
                    ["endpoint", "cache"])
 ERRORS = Counter("pd_gateway_errors", "Requests that ended in an error, by where it happened",
                  ["stage", "status"])
-ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored; hit; mismatch "
-                  "(an entry whose history the request does not extend); absent (no entry "
-                  "for the id or any history prefix); rejected (malformed D params)",
+ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored; found (an entry "
+                  "whose history the request extends; reuse_checks says if it was read); "
+                  "mismatch (an entry whose history the request does not extend); absent (no "
+                  "entry for the id or any history prefix); rejected (malformed D params)",
                   ["event"])
+REUSE_CHECKS = Counter("pd_gateway_reuse_checks", "Found entries, by the proof of reuse: digest "
+                       "(plain turn, template keeps the prefix) and verified (tokens match) are "
+                       "read; mismatch (tokens differ), unverifiable (no token ids from D, or a "
+                       "request /tokenize cannot render), unproven (reasoning, tool calls; "
+                       "verify_reuse off) and error (/tokenize failed) are misses", ["result"])
+TEMPLATE_PROBES = Counter("pd_gateway_template_probes", "Chat template checks (3 /tokenize calls "
+                          "each): safe (keeps the prefix property), unsafe, error", ["result"])
 RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"])
 FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",
                     ["result"])

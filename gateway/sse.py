@@ -15,7 +15,12 @@ from .errors import GatewayError, error_event
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DATA = re.compile(rb"^data: ?", re.M)
 PARAMS_KEY = "kv_transfer_params"
-REUSABLE_FINISH = frozenset({"stop", "length"})
+# The engine finished normally (vLLM's FINISHED_STOPPED or _LENGTH_CAPPED, for which D keeps its
+# blocks); "tool_calls" is a stop the serving layer renamed because the parser found a call.
+REUSABLE_FINISH = frozenset({"stop", "length", "tool_calls"})
+# Where vLLM puts token ids with return_token_ids: chat on the first chunk / body top level,
+# completions on the choice; generated ids on each choice.
+PROMPT_IDS, OUTPUT_IDS = "prompt_token_ids", "token_ids"
 
 
 @dataclass
@@ -31,6 +36,9 @@ class Turn:
     done: bool = False                                # [DONE] seen (stream) or body complete
     error: bool = False
     stored: bool = False                              # the entry for the next turn was put
+    prompt_ids: list | None = None                    # D's token ids, when it returned them
+    output_ids: list | None = None
+    strip_ids: bool = False                           # the gateway asked for them, not the client
 
     @property
     def reusable(self) -> bool:
@@ -50,6 +58,23 @@ class Turn:
 
     def reply_text(self) -> str:
         return "".join(self.text)
+
+    def take_ids(self, holder: dict) -> bool:
+        """Collect token ids from a chunk, body or choice; null them if the client did not ask.
+        True if `holder` changed."""
+        changed = False
+        for key in (PROMPT_IDS, OUTPUT_IDS):
+            ids = holder.get(key)
+            if not isinstance(ids, list):
+                continue
+            if key == PROMPT_IDS:
+                self.prompt_ids = ids
+            else:
+                self.output_ids = ids if self.output_ids is None else self.output_ids + ids
+            if self.strip_ids:
+                holder[key] = None
+                changed = True
+        return changed
 
     def add_choice(self, choice: dict, delta_key: str) -> None:
         """Fold one choice of a chunk (delta_key "delta") or of a whole body ("message")."""
@@ -81,8 +106,11 @@ class Turn:
     def absorb_body(self, body: dict) -> dict:
         """Record a non-streamed reply and return it without the params."""
         self.params = body.pop(PARAMS_KEY, None)
+        self.take_ids(body)
         for choice in body.get("choices") or ():
-            self.add_choice(choice, "message")
+            if isinstance(choice, dict):
+                self.add_choice(choice, "message")
+                self.take_ids(choice)
         self.done = True
         return body
 
@@ -140,13 +168,18 @@ class EventRelay:
                 "the decode engine failed during generation",
                 status=error.get("code") if isinstance(error.get("code"), int) else 500),
                 done=False)
+        changed = self.turn.take_ids(chunk)
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict):
                 self.turn.add_choice(choice, "delta")
+                changed |= self.turn.take_ids(choice)
         if PARAMS_KEY not in chunk:
-            return event
+            return _encode(chunk) if changed else event
         self.turn.params = chunk.pop(PARAMS_KEY)
         if not chunk.get("choices") and chunk.get("usage") is None and "error" not in chunk:
             return b""                       # a params-only event: nothing left for the client
-        return b"data: " + json.dumps(chunk, separators=(",", ":"),
-                                      ensure_ascii=False).encode() + b"\n\n"
+        return _encode(chunk)
+
+
+def _encode(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"

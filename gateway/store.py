@@ -23,6 +23,8 @@ class Entry:
     decode_url: str          # the D instance holding the blocks (and its local prefix cache)
     history_digest: str      # digest of the history the blocks hold (conversation.Identity)
     history_len: int         # its length: messages for chat, characters for a prompt
+    plain: bool = False      # a reply the digest can vouch for (gateway.exactness.plain_reply)
+    token_digest: str | None = None   # digest of the tokens D holds, if D reported its ids
 
 
 class ConversationStore(Protocol):
@@ -48,15 +50,17 @@ class _Takes:
 def encode(entry: Entry) -> bytes:
     # Compact JSON: a block-id list as Python ints costs 36 bytes an id, as JSON about 6.
     return json.dumps([entry.params, entry.decode_url, entry.history_digest,
-                       entry.history_len], separators=(",", ":")).encode()
+                       entry.history_len, entry.plain, entry.token_digest],
+                      separators=(",", ":")).encode()
 
 
 def decode(packed: bytes) -> Entry:
-    params, decode_url, history_digest, history_len = json.loads(packed)
+    params, decode_url, history_digest, history_len, plain, token_digest = json.loads(packed)
     if not (isinstance(params, dict) and isinstance(decode_url, str)
-            and isinstance(history_digest, str) and isinstance(history_len, int)):
+            and isinstance(history_digest, str) and isinstance(history_len, int)
+            and isinstance(plain, bool) and (token_digest is None or isinstance(token_digest, str))):
         raise ValueError("not a conversation entry")
-    return Entry(params, decode_url, history_digest, history_len)
+    return Entry(params, decode_url, history_digest, history_len, plain, token_digest)
 
 
 class LocalStore(_Takes):

@@ -404,6 +404,13 @@ class Upstream:
             raise BadGateway(f"{instance.name} sent a reply that is not a JSON object")
         return reply
 
+    def tokenize(self, instance: Instance, body: dict, headers: dict) -> list:
+        """The token ids of the prompt `body` renders to (vLLM's POST /tokenize)."""
+        tokens = self.post_json(instance, "/tokenize", body, headers).get("tokens")
+        if not isinstance(tokens, list):
+            raise BadGateway(f"{instance.name} sent a /tokenize reply without tokens")
+        return tokens
+
     def open_stream(self, instance: Instance, path: str, body: dict, headers: dict) -> Stream:
         """POST and return the open response once its headers arrived, or raise a GatewayError."""
         return Stream(self._post(instance, path, body, headers, stream=True), instance)

@@ -36,9 +36,10 @@ def store(clock: FakeClock) -> LocalStore:
 
 @pytest.fixture
 def app(store: LocalStore):
-    # Unroutable example hosts: only `responses` mocks answer them.
+    # Unroutable example hosts: only `responses` mocks answer them. Reuse on digests alone
+    # (no /tokenize calls, no token ids) unless a test asks for verification.
     settings = Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
-                        max_body_bytes=4096)
+                        max_body_bytes=4096, verify_reuse="off")
     app = create_app(settings, store=store)
     yield app
     # Its prober would go on probing an instance marked down, into later tests' mocks.

@@ -7,6 +7,7 @@ import secrets
 import socket
 import time
 import uuid
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import gevent.select
@@ -16,8 +17,8 @@ from werkzeug.exceptions import HTTPException
 from .engine import Engine, Turn
 from .errors import BadRequest, EngineError, InternalError, KVLoadError, MethodNotAllowed, NotFound, Unavailable
 from .faults import Fault
-from .protocol import DONE, Framer, dumps, parse_request
-from .tokens import reply_text
+from .protocol import DONE, CompletionRequest, Framer, dumps, parse_request, parse_tokenize
+from .tokens import EOS, token_id, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +87,34 @@ def _hang(engine: Engine, fault: Fault) -> Response:
 WATCHED_ITL = 0.05
 
 
-def _stream(engine: Engine, turn: Turn, framer: Framer, include_usage: bool,
+def _token_ids(req: CompletionRequest) -> bool:
+    """Does the reply carry token ids? vLLM hides them when reasoning is hidden from the client."""
+    return req.return_token_ids and req.include_reasoning
+
+
+def _shown(req: CompletionRequest, delta: dict | None) -> dict | None:
+    if delta is not None and "reasoning" in delta and not req.include_reasoning:
+        return None   # include_reasoning=false: the reasoning span is generated, never shown
+    return delta
+
+
+def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
             cut: Callable[[], None], environ: dict) -> Iterator[bytes]:
     """SSE in vLLM's order: role chunk, content chunks, finish chunk, [usage], [params], [DONE]."""
     stats, placement = engine.stats, engine.config.stream_params
     itl = engine.config.itl_ms / 1000.0
+    gen = turn.gen
+    ids = _token_ids(req)
+    lossy = engine.config.stream_token_ids == "lossy"
+    steps = [*gen.tokens, *((EOS,) if gen.stopped else ())]
+    # Completions put the prompt's ids on the first chunk's choice; chat on the role chunk.
+    prompt_ids = {"choice": {"prompt_token_ids": token_ids(turn.tokens)}} if ids and not framer.chat else None
     stats.stream_opened()
     outcome = "aborted"
     try:
         if framer.chat:
-            yield framer.role()
-        last = turn.completion_tokens - 1  # the last token rides on the finish chunk
+            yield framer.role(token_ids(turn.tokens) if ids else None)
+        last = len(steps) - 1  # the last token rides on the finish chunk
         for i in range(last + 1):
             if i and itl >= WATCHED_ITL:
                 if _client_gone(environ, engine, itl):
@@ -109,12 +127,26 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, include_usage: bool,
                 stats.fault_responses += 1
                 cut()
                 return  # no finish chunk, no [DONE], no chunked terminator
-            if i < last:
-                yield framer.token(i, turn.words[i])
+            if i == last:
+                break
+            delta = _shown(req, gen.deltas[i])
+            if delta is None:
+                # A token the reasoning or tool parser swallowed: no chunk, unless token ids were
+                # asked for (vLLM after PR #29074 then sends an empty delta carrying them).
+                if not ids or lossy:
+                    continue
+                delta = {}
+            chunk = None if ids else framer.fast(delta)
+            yield chunk or framer.chunk(delta, [token_id(steps[i])] if ids else None, extra=prompt_ids)
+            prompt_ids = None
         params = engine.finish(turn)
-        text = framer.piece(last, turn.words[last]) if turn.finish_reason == "length" else ""
-        yield framer.finish(text, turn.finish_reason, params if placement == "final" else None)
-        if include_usage:
+        if gen.stopped:   # EOS: no text
+            final = {} if gen.tool_calls else ({"content": ""} if framer.chat else {"text": ""})
+        else:
+            final = _shown(req, gen.deltas[last]) or {}
+        extra = {**(prompt_ids or {}), **({"params": params} if placement == "final" and params is not None else {})}
+        yield framer.chunk(final, [token_id(steps[last])] if ids else None, gen.finish_reason, extra)
+        if req.include_usage:
             yield framer.usage(len(turn.tokens), turn.completion_tokens)
         if params is not None and placement == "separate":
             yield framer.params_only(params)
@@ -130,7 +162,8 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, include_usage: bool,
         engine.record(turn, outcome)
 
 
-def _body(engine: Engine, turn: Turn, framer: Framer, cut: Callable[[], None], headers: dict) -> Response:
+def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cut: Callable[[], None],
+          headers: dict) -> Response:
     itl = engine.config.itl_ms / 1000.0
     fault = turn.fault
     if fault.mode == "die_after" and fault.tokens < turn.completion_tokens:
@@ -141,8 +174,13 @@ def _body(engine: Engine, turn: Turn, framer: Framer, cut: Callable[[], None], h
         return Response(b"", status=500)  # never arrives: the connection is already shut
     engine.sleep(itl * (turn.completion_tokens - 1))
     params = engine.finish(turn)
-    body = framer.body(reply_text(turn.kind, turn.words), turn.finish_reason, len(turn.tokens),
-                       turn.completion_tokens, params)
+    gen = turn.gen
+    if not req.include_reasoning:
+        gen = replace(gen, reasoning=None)
+    ids = _token_ids(req)
+    body = framer.body(gen, len(turn.tokens), params,
+                       token_ids(turn.tokens) if ids else None,
+                       token_ids(turn.sequence[len(turn.tokens):]) if ids else None)
     engine.stats.completed += 1
     engine.record(turn, "completed")
     return Response(body, headers=headers, content_type="application/json")
@@ -224,7 +262,7 @@ def create_app(engine: Engine) -> Flask:
         if fault.mode == "slow":
             engine.sleep(fault.delay_s)
         try:
-            req = parse_request(kind, request.get_data(), cfg.model, cfg.max_model_len)
+            req = parse_request(kind, request.get_data(), cfg.model, cfg.max_model_len, engine.template)
         except EngineError:
             stats.bad_requests += 1
             raise
@@ -232,7 +270,7 @@ def create_app(engine: Engine) -> Flask:
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{xid}"
         # vLLM appends a random suffix to internal ids, so remote_request_id != the response id.
         internal_id = f"{response_id}-{secrets.token_hex(4)}"
-        framer = Framer(kind, response_id, cfg.model, int(time.time()))
+        framer = Framer(kind, response_id, cfg.model, int(time.time()), cfg.reasoning_field)
         headers = {"X-Request-Id": xid}
         try:
             turn = engine.start(req, internal_id, fault, arrival)
@@ -246,9 +284,21 @@ def create_app(engine: Engine) -> Flask:
         headers["X-Engine-Prefill-Ms"] = f"{ready * 1000:.3f}"
         cut = _cutter(request.environ)
         if req.stream:
-            return Response(_stream(engine, turn, framer, req.include_usage, cut, request.environ),
+            return Response(_stream(engine, turn, framer, req, cut, request.environ),
                             headers=headers, content_type=SSE)
-        return _body(engine, turn, framer, cut, headers)
+        return _body(engine, turn, framer, req, cut, headers)
+
+    @app.post("/tokenize")
+    def tokenize() -> Response:
+        """vLLM's /tokenize: the prompt a chat or completions request would render, as token ids."""
+        if engine.faults.down:
+            raise Unavailable("emulated fault: down")
+        stats.tokenize_requests += 1
+        body = request.get_data()
+        tokens = parse_tokenize(body, cfg.model, cfg.max_model_len, engine.template)
+        reply = {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": token_ids(tokens),
+                 "token_strs": tokens if b'"return_token_strs":true' in body.replace(b" ", b"") else None}
+        return _json(reply)
 
     @app.post("/v1/chat/completions")
     def chat_completions() -> Response:

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from .faults import Fault, parse_fault_spec
+from .tokens import QUIRKS
 
 ROLES = ("prefill", "decode")
 STREAM_PARAMS = ("final", "separate", "absent")
+REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
+STREAM_TOKEN_IDS = ("complete", "lossy")
 FAILURE_POLICIES = ("fail", "recompute")
 # vLLM: kv_lease_duration (P, 30 s) and decoder_kv_blocks_ttl (D, 480 s).
 DEFAULT_KV_TTL = {"prefill": 30.0, "decode": 480.0}
@@ -39,6 +42,11 @@ class EngineConfig:
     kv_load_failure_policy: str = "fail"
     prefix_cache_blocks: int | None = None
     max_model_len: int = 32768
+    template_quirks: tuple = ()
+    reasoning_share: float = 0.0
+    tool_call_share: float = 0.0
+    reasoning_field: str = "reasoning"
+    stream_token_ids: str = "complete"
     fault: Fault = field(default_factory=Fault)
     access_log: bool = False
     log_level: str = "INFO"
@@ -63,6 +71,12 @@ class EngineConfig:
         _check(self.stream_params in STREAM_PARAMS, "stream_params", f"must be one of {STREAM_PARAMS}")
         _check(self.kv_load_failure_policy in FAILURE_POLICIES, "kv_load_failure_policy",
                f"must be one of {FAILURE_POLICIES}")
+        unknown = sorted(set(self.template_quirks) - set(QUIRKS))
+        _check(not unknown, "template_quirks", f"has unknown quirk(s) {unknown}; known: {sorted(QUIRKS)}")
+        for name in ("reasoning_share", "tool_call_share"):
+            _check(0 <= getattr(self, name) <= 1, name, f"must be within 0..1, got {getattr(self, name)}")
+        _check(self.reasoning_field in REASONING_FIELDS, "reasoning_field", f"must be one of {REASONING_FIELDS}")
+        _check(self.stream_token_ids in STREAM_TOKEN_IDS, "stream_token_ids", f"must be one of {STREAM_TOKEN_IDS}")
         _check(isinstance(logging.getLevelName(self.log_level.upper()), int), "log_level",
                f"must be a logging level name, got {self.log_level!r}")
 
@@ -70,6 +84,10 @@ class EngineConfig:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"--{name.replace('_', '-')} {message}")
+
+
+def _quirks_arg(spec: str) -> tuple:
+    return tuple(q for q in spec.replace(",", " ").split() if q != "none")
 
 
 def _fault_arg(spec: str) -> Fault:
@@ -108,6 +126,16 @@ FLAGS: tuple[Flag, ...] = (
          FAILURE_POLICIES),
     Flag("prefix_cache_blocks", int, "local prefix cache capacity in blocks (default: prefill 0, decode 200000)"),
     Flag("max_model_len", int, "context length; longer prompt+max_tokens gets 400"),
+    Flag("template_quirks", _quirks_arg, "chat template behaviours that break the prefix property, comma "
+         f"separated: {', '.join(QUIRKS)} (docs/emulator.md says which real template does each)"),
+    Flag("reasoning_share", float, "share of chat replies (by prompt hash) that reason first: <think> ... </think>, "
+         "streamed as reasoning deltas"),
+    Flag("tool_call_share", float, "share of chat replies to requests with tools that are one tool call "
+         "(finish_reason tool_calls)"),
+    Flag("reasoning_field", str, "the response field of reasoning text: reasoning (vLLM now), "
+         "reasoning_content (before PR #27752), both (the deprecation window)", REASONING_FIELDS),
+    Flag("stream_token_ids", str, "with return_token_ids, tokens a parser swallows still send an empty delta "
+         "with their ids (complete, vLLM after PR #29074) or no chunk at all (lossy, before it)", STREAM_TOKEN_IDS),
     Flag("fault", _fault_arg, "start with a fault, MODE[,key=value...], e.g. slow,delay_s=2"),
     Flag("access_log", bool, "log every HTTP request to stderr"),
     Flag("log_level", str, "logging level name"),

@@ -18,7 +18,7 @@ from .kvport import PullError, flat_block_ids, make_session, pull, release
 from .kvstore import LeaseStore, PrefixCache
 from .protocol import CompletionRequest
 from .stats import Stats
-from .tokens import EOS, generate
+from .tokens import EOS, Generation, Template, generate_chat, generate_completion
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ class Turn:
     params_in: dict | None
     fault: Fault
     arrival: float
-    words: list[str]
-    finish_reason: str = "stop"
+    gen: Generation = None  # type: ignore[assignment]
+    salt: str | None = None  # cache_salt: KV computed under another salt is never this request's
     local: int = 0  # prompt tokens found in the local prefix cache
     pulled: int = 0  # prompt tokens read from a remote engine and used
     computed: int = 0  # prompt tokens computed here
@@ -46,8 +46,16 @@ class Turn:
 
     @property
     def completion_tokens(self) -> int:
-        # A stop is the model sampling EOS: a token, counted in usage, whose text is empty.
-        return len(self.words) + (self.finish_reason == "stop")
+        return self.gen.completion_tokens
+
+    @property
+    def finish_reason(self) -> str:
+        return self.gen.finish_reason
+
+    @property
+    def sequence(self) -> tuple[str, ...]:
+        """Prompt and generated tokens, EOS included when the model sampled it."""
+        return (*self.tokens, *self.gen.tokens, *((EOS,) if self.gen.stopped else ()))
 
 
 def _readable(params: dict, p_node: bool) -> bool:
@@ -74,6 +82,7 @@ class Engine:
         self.engine_id = str(uuid.uuid4())
         self.clock = clock
         self.sleep = sleep
+        self.template = Template(frozenset(config.template_quirks))
         self.leases = LeaseStore(config.block_size, config.kv_ttl, clock=clock)
         self.prefix = PrefixCache(config.block_size, config.prefix_cache_blocks)
         self.stats = Stats()
@@ -82,10 +91,17 @@ class Engine:
 
     def start(self, req: CompletionRequest, internal_id: str, fault: Fault, arrival: float) -> Turn:
         """Prefill the prompt (pulling what it can) and decide the reply; raises KVLoadError."""
-        turn = Turn(req.kind, internal_id, req.tokens, req.kv_transfer_params, fault, arrival, [])
+        turn = Turn(req.kind, internal_id, req.tokens, req.kv_transfer_params, fault, arrival,
+                    salt=req.cache_salt)
         self._prefill(turn)
-        count, turn.finish_reason = self._reply_length(req)
-        turn.words = generate(req.tokens, count)
+        count, finish = self._reply_length(req)
+        cfg = self.config
+        if req.kind == "chat":
+            turn.gen = generate_chat(req.tokens, count, finish == "stop",
+                                     reasoning_share=cfg.reasoning_share if req.thinking else 0.0,
+                                     tool_names=req.tool_names, tool_call_share=cfg.tool_call_share)
+        else:
+            turn.gen = generate_completion(req.tokens, count, finish == "stop")
         return turn
 
     def _reply_length(self, req: CompletionRequest) -> tuple[int, str]:
@@ -104,7 +120,7 @@ class Engine:
         params, tokens, cfg = turn.params_in or {}, turn.tokens, self.config
         n, bs = len(tokens), cfg.block_size
         # Like vLLM's prefix cache: whole blocks only, and the last prompt token is always computed.
-        local = self.prefix.match(tokens, n - 1)
+        local = self.prefix.match(tokens, n - 1, turn.salt)
         p_node = bool(params.get("do_remote_decode"))
         want = 0  # prompt tokens to read from the remote engine
         if (p_node or params.get("do_remote_prefill")) and not _readable(params, p_node):
@@ -121,7 +137,7 @@ class Engine:
         if want > local:
             first_block = local // bs
             try:
-                got = pull(self.session, params, first_block, want)
+                got, got_salt = pull(self.session, params, first_block, want)
             except PullError as exc:
                 self._pull_failed(turn, exc)
             else:
@@ -129,21 +145,23 @@ class Engine:
                 self.stats.pulled_blocks += blocks
                 self.stats.pulled_tokens += len(got)
                 emulated_ms += blocks * cfg.pull_ms_per_block
-                if got == tokens[local:want]:
+                if got == tokens[local:want] and got_salt == turn.salt:
                     ready = want
                     turn.pulled = want - local
                     if p_node:
                         self.stats.hits += 1
                         self.stats.reused_prompt_tokens += turn.pulled
                 else:
-                    # A real engine would attend over someone else's KV and emit garbage.
+                    # A real engine would attend over someone else's KV and emit garbage (or,
+                    # across cache salts, leak one tenant's cache to another).
                     self.stats.wrong_reuse += 1
-                    log.warning("wrong reuse in %s: pulled tokens are not a prefix of the prompt; "
-                                "recomputing", turn.internal_id)
+                    log.warning("wrong reuse in %s: pulled tokens are not a prefix of the prompt%s; "
+                                "recomputing", turn.internal_id,
+                                "" if got_salt == turn.salt else " (another cache_salt)")
         turn.local, turn.computed = local, n - ready
         emulated_ms += turn.computed * cfg.prefill_ms_per_token
         self.sleep(emulated_ms / 1000.0)
-        self.prefix.insert(tokens)
+        self.prefix.insert(tokens, turn.salt)
         turn.prefill_s = self.clock() - started
         self.stats.local_prefix_tokens += local
         self.stats.computed_prompt_tokens += turn.computed
@@ -173,13 +191,12 @@ class Engine:
 
     def finish(self, turn: Turn) -> dict | None:
         """The request finished (stop or length): keep its blocks for one pull and describe them."""
-        sequence = (*turn.tokens, *turn.words, *((EOS,) if turn.finish_reason == "stop" else ()))
-        kv_tokens = sequence[:-1]  # the last sampled token has no KV yet: prompt + generated - 1
-        self.prefix.insert(kv_tokens)
+        kv_tokens = turn.sequence[:-1]  # the last sampled token has no KV yet: prompt + generated - 1
+        self.prefix.insert(kv_tokens, turn.salt)
         self.stats.generated_tokens += turn.completion_tokens
         if turn.params_in is None or turn.fault.mode == "no_params":
             return None  # vLLM returns params only to requests that came with kv_transfer_params
-        lease = self.leases.put(turn.internal_id, kv_tokens)
+        lease = self.leases.put(turn.internal_id, kv_tokens, turn.salt)
         p_node = bool(turn.params_in.get("do_remote_decode"))
         return {
             "do_remote_prefill": p_node, "do_remote_decode": not p_node,

@@ -79,7 +79,7 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
         tokens = list(lease.tokens[first_block * bs:end])
         return _reply(start_response, "200 OK", {
             "engine_id": engine_id, "request_id": request_id, "tokens": tokens,
-            "num_blocks": max(0, -(-end // bs) - first_block)})
+            "cache_salt": lease.salt, "num_blocks": max(0, -(-end // bs) - first_block)})
 
     return app
 
@@ -107,8 +107,10 @@ def _url(params: dict, path: str) -> str:
     return f"http://{host}:{int(params['remote_port'])}{path}"
 
 
-def pull(session: requests.Session, params: dict, first_block: int, num_tokens: int) -> list[str]:
-    """Read tokens [first_block * block_size, num_tokens) of the lease named by kv_transfer_params."""
+def pull(session: requests.Session, params: dict, first_block: int,
+         num_tokens: int) -> tuple[list[str], str | None]:
+    """Read tokens [first_block * block_size, num_tokens) of the lease named by kv_transfer_params,
+    and the cache_salt they were computed under."""
     body = {"remote_engine_id": params["remote_engine_id"],
             "remote_request_id": params["remote_request_id"],
             "remote_block_ids": params["remote_block_ids"],
@@ -123,10 +125,11 @@ def pull(session: requests.Session, params: dict, first_block: int, num_tokens: 
     if response.status_code != 200:
         raise PullError(f"pull from {url} got {response.status_code}: {response.text}")
     try:
-        tokens = response.json()["tokens"]
+        reply = response.json()
+        tokens, salt = reply["tokens"], reply.get("cache_salt")
     except (ValueError, KeyError, TypeError) as exc:
         raise PullError(f"pull from {url} got a malformed reply") from exc
-    return tokens
+    return tokens, salt
 
 
 def release(session: requests.Session, params: dict) -> None:

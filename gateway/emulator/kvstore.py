@@ -20,6 +20,7 @@ class Lease:
     tokens: tuple[str, ...]
     block_ids: tuple[int, ...]
     expires_at: float
+    salt: str | None = None   # the request's cache_salt
 
 
 class LeaseGone(LookupError):
@@ -42,11 +43,11 @@ class LeaseStore:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # cachetools is not thread-safe; cheap under gevent
 
-    def put(self, request_id: str, tokens: tuple[str, ...]) -> Lease:
+    def put(self, request_id: str, tokens: tuple[str, ...], salt: str | None = None) -> Lease:
         blocks = -(-len(tokens) // self.block_size)
         with self._lock:
             lease = Lease(request_id, tokens, tuple(next(self._ids) for _ in range(blocks)),
-                          self._clock() + self.ttl)
+                          self._clock() + self.ttl, salt)
             self._leases[request_id] = lease
         return lease
 
@@ -75,27 +76,28 @@ class PrefixCache:
         self.capacity = capacity_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
-    def _hashes(self, tokens: list[str] | tuple[str, ...]):
-        previous = 0
+    def _hashes(self, tokens: list[str] | tuple[str, ...], salt: str | None = None):
+        # vLLM mixes cache_salt into the first block's hash: salted prompts share nothing.
+        previous = hash(salt) if salt else 0
         bs = self.block_size
         for start in range(0, len(tokens) - bs + 1, bs):
             previous = hash((previous, tuple(tokens[start:start + bs])))
             yield previous
 
-    def match(self, tokens: list[str], limit: int) -> int:
+    def match(self, tokens: list[str], limit: int, salt: str | None = None) -> int:
         """Number of leading tokens held locally: whole blocks only, at most `limit`."""
         found = 0
-        for block_hash in self._hashes(tokens[:limit]):
+        for block_hash in self._hashes(tokens[:limit], salt):
             if block_hash not in self._blocks:
                 break
             self._blocks.move_to_end(block_hash)
             found += self.block_size
         return found
 
-    def insert(self, tokens: list[str] | tuple[str, ...]) -> None:
+    def insert(self, tokens: list[str] | tuple[str, ...], salt: str | None = None) -> None:
         if not self.capacity:
             return
-        for block_hash in self._hashes(tokens):
+        for block_hash in self._hashes(tokens, salt):
             self._blocks[block_hash] = None
             self._blocks.move_to_end(block_hash)
         while len(self._blocks) > self.capacity:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import BadRequest, NotFound
-from .tokens import BARE_JSON, SPACED_JSON, render_chat, render_completion
+from .tokens import BARE_JSON, SPACED_JSON, Template, render_completion
 
 DONE = b"data: [DONE]\n\n"
 
@@ -37,6 +37,11 @@ class CompletionRequest:
     ignore_eos: bool
     include_usage: bool
     kv_transfer_params: dict | None
+    return_token_ids: bool = False
+    tool_names: list[str] = field(default_factory=list)   # tools the model may call (tool_choice not "none")
+    thinking: bool = True                                  # chat_template_kwargs.enable_thinking is not false
+    include_reasoning: bool = True
+    cache_salt: str | None = None
 
 
 def _optional(body: dict, name: str, kind: type, default: object = None) -> object:
@@ -96,21 +101,63 @@ def _check_prompt(body: dict) -> str:
     return prompt
 
 
-def parse_request(kind: str, raw: bytes, model: str, max_model_len: int) -> CompletionRequest:
-    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body; raise the 400/404 vLLM would."""
+def _json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"Invalid JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.", "body")
+    return body
+
+
+def _check_model(body: dict, model: str) -> None:
     name = _optional(body, "model", str)
     if name is not None and name != model:
         raise NotFound(f"The model `{name}` does not exist.", "model")
-    if kind == "chat":
-        tokens = render_chat(_check_messages(body), body.get("tools"))
-    else:
-        tokens = render_completion(_check_prompt(body))
+
+
+def render_body(kind: str, body: dict, template: Template) -> list[str]:
+    """The prompt tokens a chat or completions body renders to (as /tokenize reports them)."""
+    if kind != "chat":
+        return render_completion(_check_prompt(body))
+    add_generation_prompt = _optional(body, "add_generation_prompt", bool, True)
+    continue_final_message = _optional(body, "continue_final_message", bool, False)
+    if add_generation_prompt and continue_final_message and "add_generation_prompt" in body:
+        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    kwargs = _optional(body, "chat_template_kwargs", dict, {})
+    effort = _optional(body, "reasoning_effort", str)
+    return template.render(_check_messages(body), body.get("tools"), add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, kwargs=kwargs,  # type: ignore[arg-type]
+                           reasoning_effort=effort)  # type: ignore[arg-type]
+
+
+def _truncate(body: dict, tokens: list[str], max_model_len: int) -> list[str]:
+    """vLLM's truncate_prompt_tokens keeps the last k tokens (left truncation; -1: the context)."""
+    k = _optional(body, "truncate_prompt_tokens", int)
+    if k is None:
+        return tokens
+    if k == -1:
+        k = max_model_len
+    if k < 1:
+        raise ValidationError("truncate_prompt_tokens", f"must be >= 1 or -1, got {k}")
+    return tokens[-k:]
+
+
+def _tool_names(body: dict) -> list[str]:
+    if body.get("tool_choice") == "none" or not isinstance(body.get("tools"), list):
+        return []
+    return [t["function"]["name"] for t in body["tools"]
+            if isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)]
+
+
+def parse_request(kind: str, raw: bytes, model: str, max_model_len: int,
+                  template: Template = Template()) -> CompletionRequest:
+    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body; raise the 400/404 vLLM would."""
+    body = _json_body(raw)
+    _check_model(body, model)
+    tokens = _truncate(body, render_body(kind, body, template), max_model_len)
     max_tokens = _count(body, "max_tokens", 1)
     if kind == "chat":
         max_tokens = _count(body, "max_completion_tokens", 1) or max_tokens
@@ -125,6 +172,7 @@ def parse_request(kind: str, raw: bytes, model: str, max_model_len: int) -> Comp
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{len(tokens) + (max_tokens or 1)} tokens ({len(tokens)} in the messages, "
             f"{max_tokens or 1} in the completion). Please reduce the length of the messages or completion.")
+    kwargs = _optional(body, "chat_template_kwargs", dict, {})
     return CompletionRequest(
         kind=kind, tokens=tokens,
         stream=bool(_optional(body, "stream", bool, False)),
@@ -133,7 +181,19 @@ def parse_request(kind: str, raw: bytes, model: str, max_model_len: int) -> Comp
         ignore_eos=bool(_optional(body, "ignore_eos", bool, False)),
         include_usage=bool(include_usage),
         kv_transfer_params=_optional(body, "kv_transfer_params", dict),  # type: ignore[arg-type]
+        return_token_ids=bool(_optional(body, "return_token_ids", bool, False)),
+        tool_names=_tool_names(body) if kind == "chat" else [],
+        thinking=kwargs.get("enable_thinking") is not False,  # type: ignore[union-attr]
+        include_reasoning=bool(_optional(body, "include_reasoning", bool, True)),
+        cache_salt=_optional(body, "cache_salt", str),  # type: ignore[arg-type]
     )
+
+
+def parse_tokenize(raw: bytes, model: str, max_model_len: int, template: Template) -> list[str]:
+    """POST /tokenize: a chat form (messages, ...) or a completion form (prompt); vLLM's fields."""
+    body = _json_body(raw)
+    _check_model(body, model)
+    return render_body("chat" if "messages" in body else "completion", body, template)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -141,11 +201,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "completion_tokens": completion_tokens}
 
 
-class Framer:
-    """The bytes of one response; per-token chunks are pre-serialised so a token is two concatenations."""
+# A content delta of a vocabulary word, bare or spaced, pre-serialised: the streaming hot path.
+CONTENT_JSON: dict[str, bytes] = {**{w: v for w, v in BARE_JSON.items()},
+                                  **{" " + w: v for w, v in SPACED_JSON.items()}}
 
-    def __init__(self, kind: str, response_id: str, model: str, created: int) -> None:
+
+class Framer:
+    """The bytes of one response; plain content chunks are pre-serialised (two concatenations)."""
+
+    def __init__(self, kind: str, response_id: str, model: str, created: int,
+                 reasoning_field: str = "reasoning") -> None:
         self.chat = kind == "chat"
+        self.reasoning_field = reasoning_field
         self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": model}
         open_head = dumps(self.head)[:-1]  # '{"id":...,"model":"..."' awaiting more keys
@@ -155,35 +222,52 @@ class Framer:
         else:
             self._pre = b"data: " + open_head + b',"choices":[{"index":0,"text":'
             self._post = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-        # Chat replies start bare ("w1 w2"); completions continue the prompt (" w1 w2").
-        self._first = BARE_JSON if self.chat else SPACED_JSON
 
-    def piece(self, index: int, word: str) -> str:
-        return word if self.chat and index == 0 else " " + word
+    def fast(self, delta: dict) -> bytes | None:
+        """The pre-serialised chunk of a plain vocabulary-word delta, or None."""
+        piece = delta.get("content" if self.chat else "text")
+        if piece is None or len(delta) != 1:
+            return None
+        encoded = CONTENT_JSON.get(piece)
+        return None if encoded is None else self._pre + encoded + self._post
 
-    def token(self, index: int, word: str) -> bytes:
-        return self._pre + (self._first if index == 0 else SPACED_JSON)[word] + self._post
+    def _reasoning(self, delta: dict) -> dict:
+        """vLLM names reasoning `reasoning` (now) or `reasoning_content` (before PR #27752), or
+        sends both during the deprecation window."""
+        if "reasoning" not in delta or self.reasoning_field == "reasoning":
+            return delta
+        text = delta["reasoning"]
+        out = {k: v for k, v in delta.items() if k != "reasoning"}
+        out["reasoning_content"] = text
+        if self.reasoning_field == "both":
+            out["reasoning"] = text
+        return out
+
+    def chunk(self, delta: dict, token_ids: list[int] | None = None, finish_reason: str | None = None,
+              extra: dict | None = None) -> bytes:
+        """One streamed chunk: a chat delta ({} for a token a parser swallowed) or a completions text."""
+        if self.chat:
+            choice = {"index": 0, "delta": self._reasoning(delta), "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None or not self.chat:
+            choice["stop_reason"] = None
+        if self.chat or token_ids is not None:
+            choice["token_ids"] = token_ids
+        if extra and "choice" in extra:
+            choice.update(extra["choice"])
+        out: dict = {"choices": [choice]}
+        if extra and "params" in extra:
+            out["kv_transfer_params"] = extra["params"]
+        return self._event(out)
 
     def _event(self, extra: dict) -> bytes:
         return b"data: " + dumps({**self.head, **extra}) + b"\n\n"
 
-    def role(self) -> bytes:
+    def role(self, prompt_token_ids: list[int] | None = None) -> bytes:
         return self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}],
-                            "prompt_token_ids": None})
-
-    def finish(self, text: str, finish_reason: str, params: dict | None = None) -> bytes:
-        """The last token's chunk, carrying finish_reason (and D's params when placed "final")."""
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                      "finish_reason": finish_reason, "stop_reason": None, "token_ids": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None}
-        extra: dict = {"choices": [choice]}
-        if params is not None:
-            extra["kv_transfer_params"] = params
-        return self._event(extra)
+                            "prompt_token_ids": prompt_token_ids})
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return self._event({"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
@@ -197,22 +281,27 @@ class Framer:
     def error(envelope: dict) -> bytes:
         return b"data: " + dumps(envelope) + b"\n\n"
 
-    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-             params: dict | None) -> bytes:
+    def body(self, gen, prompt_tokens: int, params: dict | None,
+             prompt_token_ids: list[int] | None = None, output_token_ids: list[int] | None = None) -> bytes:
         """The non-streaming response: one line, null fields included, top-level kv_transfer_params."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                              "annotations": None, "audio": None, "function_call": None,
-                                              "reasoning_content": None},
-                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
-                      "token_ids": None}
+            message = {"role": "assistant", "content": gen.content, "refusal": None, "annotations": None,
+                       "audio": None, "function_call": None,
+                       **self._reasoning({"reasoning": gen.reasoning})}
+            if gen.tool_calls:
+                message["tool_calls"] = gen.tool_calls
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": gen.finish_reason,
+                      "stop_reason": None, "token_ids": output_token_ids}
             obj = "chat.completion"
+            top_prompt_ids = prompt_token_ids
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None, "prompt_logprobs": None, "token_ids": None}
+            choice = {"index": 0, "text": gen.content, "logprobs": None, "finish_reason": gen.finish_reason,
+                      "stop_reason": None, "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids,
+                      "token_ids": output_token_ids}
             obj = "text_completion"
+            top_prompt_ids = None
         body = {**self.head, "object": obj, "choices": [choice], "service_tier": None,
                 "system_fingerprint": None,
-                "usage": {**usage(prompt_tokens, completion_tokens), "prompt_tokens_details": None},
-                "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": params}
+                "usage": {**usage(prompt_tokens, gen.completion_tokens), "prompt_tokens_details": None},
+                "prompt_logprobs": None, "prompt_token_ids": top_prompt_ids, "kv_transfer_params": params}
         return dumps(body)

@@ -28,6 +28,7 @@ class Stats:
     declined_pulls: int = 0  # remote blocks near expiry, or fewer tokens than --recompute-threshold
     kv_load_errors: int = 0  # requests failed by --kv-load-failure-policy fail
     aborted_streams: int = 0  # the client went away mid-stream
+    tokenize_requests: int = 0  # POST /tokenize
     generated_tokens: int = 0
     prefill_seconds: float = 0.0  # emulated compute + pull time before the first token
     first_token_seconds: float = 0.0  # arrival to first byte, as the engine saw it

@@ -1,0 +1,255 @@
+"""May this turn's P read the blocks D kept after the previous turn? Proof before reuse.
+
+P reads D's blocks by position, so reuse is right only if the new prompt's *tokens* extend the
+tokens D holds (vLLM issue #43094). A history digest proves the client sent back what it got;
+that the tokens follow depends on the chat template. Three proofs, cheapest first:
+
+- **Plain turn** (no reasoning, no tool calls, no surrounding whitespace): the digest is enough
+  where the template keeps the prefix property, which `TemplateProbe` checks once per template
+  with three small /tokenize calls (a template that rewrites earlier text fails it).
+- **Token verification**: D returns its token ids (`return_token_ids`, vLLM 0.10.2+); the entry
+  keeps a digest of the tokens D holds, and the next turn's prompt is tokenized on P
+  (`/tokenize`, the same fields the engine renders) and compared. Reasoning and tool-call turns
+  need it: templates drop or re-render them.
+- Otherwise: no reuse (a miss, never a wrong read).
+
+`verify_reuse`: `auto` (verify only what the digest cannot prove), `always` (verify every reuse),
+`off` (no /tokenize, no token ids: plain turns on the digest alone, the rest miss).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from array import array
+from typing import Any, Callable, Sequence
+
+from cachetools import TTLCache
+
+from . import metrics
+from .conversation import Identity, _boundary, _dump
+from .errors import ClientGone, GatewayError
+from .parse import ClientRequest
+from .store import Entry
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "always", "off")
+# The chat fields vLLM's /tokenize renders like a chat request does (TokenizeChatRequest).
+TOKENIZE_CHAT_FIELDS = ("model", "messages", "tools", "chat_template", "chat_template_kwargs",
+                        "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                        "mm_processor_kwargs", "media_io_kwargs")
+TOKENIZE_COMPLETION_FIELDS = ("model", "prompt", "add_special_tokens")
+# Fields that change a chat prompt but that /tokenize does not take: a request carrying one
+# cannot be reproduced, so its reuse cannot be verified (vLLM passes them to the template).
+NOT_TOKENIZABLE = ("documents", "reasoning_effort")
+# The fields that select a template's behaviour: one probe per distinct combination.
+TEMPLATE_FIELDS = ("model", "tools", "tool_choice", "chat_template", "chat_template_kwargs",
+                   "mm_processor_kwargs", "add_special_tokens", *NOT_TOKENIZABLE)
+PROBE_HISTORY = [{"role": "system", "content": "You answer briefly."},
+                 {"role": "user", "content": "What is a prefix?"}]
+PROBE_REPLY = {"role": "assistant", "content": "The start of a sequence."}
+PROBE_NEXT = {"role": "user", "content": "And a suffix?"}
+
+Tokenize = Callable[[dict], list]
+
+
+def token_digest(ids: Sequence[int]) -> str | None:
+    """A digest of a token-id sequence; the gateway keeps this, never the tokens."""
+    try:
+        return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
+    except (OverflowError, TypeError):
+        return None
+
+
+def held_digest(prompt_ids: list | None, output_ids: list | None, held: Any) -> str | None:
+    """The digest of the tokens D holds after a turn: prompt + output - 1 (`remote_num_tokens`;
+    the last sampled token has no KV). Only if D's ids are complete: vLLM before PR #29074 left
+    out the ids of tokens a reasoning or tool parser swallowed while streaming, so the count must
+    be exactly held + 1, or a gap could shift everything after it into place."""
+    if not isinstance(prompt_ids, list) or not isinstance(output_ids, list) or not isinstance(held, int):
+        return None
+    if len(prompt_ids) + len(output_ids) != held + 1:
+        return None
+    return token_digest((prompt_ids + output_ids)[:held])
+
+
+def plain_reply(identity: Identity, turn, body: dict) -> bool:
+    """Is this turn's reply one whose re-rendering the digest can vouch for?
+
+    Reasoning and tool calls are re-rendered by templates from what the client sends back (or
+    dropped); leading or trailing whitespace is trimmed by many (Llama 3's `| trim`, Qwen3's
+    strip); a completions reply must start at a token boundary of its prompt.
+    """
+    if turn.reasoning or turn.tool_calls:
+        return False
+    text = turn.reply_text()
+    if identity.messages is not None:
+        return (text == text.strip() and not body.get("continue_final_message")
+                and body.get("add_generation_prompt") is not False)
+    prompt = identity.prompt or ""
+    return _boundary(prompt + text, len(prompt))
+
+
+def _propagate(exc: GatewayError) -> bool:
+    """A failure of the request itself (client gone, deadline), not of /tokenize."""
+    return isinstance(exc, ClientGone) or (exc.status == 504 and not exc.instance_fault)
+
+
+class TemplateProbe:
+    """Does a template keep the prefix property for plain turns? Probed once per template.
+
+    render(history) + reply must be a prefix of render(history + reply + next), and the
+    generation prompt a prefix of the rendered reply. Three /tokenize calls per template
+    (model, tools, chat_template, kwargs...) per worker, kept for `ttl` seconds; a failed
+    probe is retried after `retry` seconds and counts as unsafe until then.
+    """
+
+    def __init__(self, ttl: float = 3600.0, retry: float = 30.0, maxsize: int = 1024) -> None:
+        self._known: TTLCache = TTLCache(maxsize, ttl)
+        self._failed: TTLCache = TTLCache(maxsize, retry)
+        self._lock = threading.Lock()
+        self._probing: dict[str, threading.Lock] = {}   # one probe per template at a time
+
+    @staticmethod
+    def key(body: dict) -> str:
+        return hashlib.blake2b(_dump({k: body.get(k) for k in TEMPLATE_FIELDS if k in body}),
+                               digest_size=16).hexdigest()
+
+    def known(self, body: dict) -> bool | None:
+        key = self.key(body)
+        with self._lock:
+            if key in self._failed:
+                return False
+            return self._known.get(key)
+
+    def safe(self, body: dict, tokenize: Tokenize) -> bool:
+        cached = self.known(body)
+        if cached is not None:
+            return cached
+        key = self.key(body)
+        with self._lock:
+            probing = self._probing.setdefault(key, threading.Lock())
+        with probing:       # the first request of a new template probes; the others wait for it
+            cached = self.known(body)
+            if cached is not None:
+                return cached
+            try:
+                return self._probe(body, tokenize)
+            finally:
+                with self._lock:
+                    self._probing.pop(key, None)
+
+    def _probe(self, body: dict, tokenize: Tokenize) -> bool:
+        if any(body.get(name) is not None for name in NOT_TOKENIZABLE):
+            return self._remember(body, False, "unsafe")
+        fields = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body and k != "messages"}
+        fields.pop("add_generation_prompt", None)
+        fields.pop("continue_final_message", None)
+        try:
+            generation = tokenize({**fields, "messages": PROBE_HISTORY})
+            reply = tokenize({**fields, "messages": PROBE_HISTORY + [PROBE_REPLY],
+                              "add_generation_prompt": False, "continue_final_message": True})
+            following = tokenize({**fields, "messages": PROBE_HISTORY + [PROBE_REPLY, PROBE_NEXT]})
+        except GatewayError as exc:
+            if _propagate(exc):
+                raise
+            log.warning("template probe failed (%s); reuse needs token verification for %ss",
+                        exc.message, int(self._failed.ttl))
+            metrics.TEMPLATE_PROBES.labels("error").inc()
+            with self._lock:
+                self._failed[self.key(body)] = True
+            return False
+        keeps = (len(reply) > len(generation) and reply[:len(generation)] == generation
+                 and following[:len(reply)] == reply)
+        if not keeps:
+            log.warning("the chat template of model %r does not keep the prefix property "
+                        "(earlier text re-rendered): every reuse is token-verified", body.get("model"))
+        return self._remember(body, keeps, "safe" if keeps else "unsafe")
+
+    def _remember(self, body: dict, safe: bool, result: str) -> bool:
+        metrics.TEMPLATE_PROBES.labels(result).inc()
+        with self._lock:
+            self._known[self.key(body)] = safe
+        return safe
+
+
+class Exactness:
+    """Decides, per turn, whether an entry's blocks may be read and what D must report."""
+
+    def __init__(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"verify_reuse must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.templates = TemplateProbe()
+        self._reasoning_models: set = set()
+
+    def saw_reasoning(self, model: Any) -> None:
+        """A reply of this model reasoned: ask for its token ids from now on (auto)."""
+        if len(self._reasoning_models) < 1024:
+            self._reasoning_models.add(model)
+
+    def prepare(self, request: ClientRequest, tokenize: Tokenize) -> None:
+        """Learn the request's template behaviour before its first reuse decision (auto, chat)."""
+        if self.mode == "auto" and request.is_chat:
+            self.templates.safe(request.body, tokenize)
+
+    def wants_ids(self, request: ClientRequest) -> bool:
+        """Should D return token ids, so that the next turn can be verified?"""
+        if self.mode == "off":
+            return False
+        if self.mode == "always":
+            return True
+        if not request.is_chat:
+            return False
+        body = request.body
+        return (bool(body.get("tools")) or body.get("model") in self._reasoning_models
+                or self.templates.known(body) is not True)
+
+    def admit(self, entry: Entry, request: ClientRequest, identity: Identity,
+              tokenize: Tokenize) -> bool:
+        """May P read `entry`'s blocks for this request? Counts why not."""
+        proven = entry.plain and identity.at_boundary(entry.history_len)
+        if self.mode == "off" or (self.mode == "auto" and proven and (
+                not request.is_chat or self.templates.known(request.body))):
+            if proven:
+                metrics.REUSE_CHECKS.labels("digest").inc()
+                return True
+            return self._refuse("unproven")
+        if entry.token_digest is None:
+            return self._refuse("unverifiable")
+        body = self.tokenize_body(request)
+        if body is None:
+            return self._refuse("unverifiable")
+        try:
+            tokens = tokenize(body)
+        except GatewayError as exc:
+            if _propagate(exc):
+                raise
+            log.warning("token verification failed: %s; miss", exc.message)
+            return self._refuse("error")
+        held = entry.params.get("remote_num_tokens")
+        # P reads min(held, prompt - 1) tokens: the prompt must be longer than what D holds.
+        if isinstance(held, int) and len(tokens) > held and token_digest(tokens[:held]) == entry.token_digest:
+            metrics.REUSE_CHECKS.labels("verified").inc()
+            return True
+        return self._refuse("mismatch")
+
+    @staticmethod
+    def tokenize_body(request: ClientRequest) -> dict | None:
+        """The /tokenize body that renders exactly this request's prompt, or None."""
+        body = request.body
+        if not request.is_chat:
+            return {k: body[k] for k in TOKENIZE_COMPLETION_FIELDS if k in body} \
+                if isinstance(body.get("prompt"), str) else None
+        if any(body.get(name) is not None for name in NOT_TOKENIZABLE):
+            return None
+        out = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
+        if out.get("continue_final_message"):
+            out["add_generation_prompt"] = False   # vLLM rejects both set
+        return out
+
+    @staticmethod
+    def _refuse(reason: str) -> bool:
+        metrics.REUSE_CHECKS.labels(reason).inc()
+        return False

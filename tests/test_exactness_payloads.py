@@ -1,0 +1,223 @@
+"""Exact reuse, pinned at the wire: template probes, token ids asked of D, /tokenize checks.
+
+The engines are `responses` mocks whose /tokenize renders with the emulator's template, so the
+token ids they report are the ones a real engine's would be for that template.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import responses
+
+from gateway.emulator.tokens import EOS, THINK, END_THINK, Template, token_ids
+from tests.conftest import D_URL, P_URL
+from tests.test_disagg_payloads import MISS, client_events, d_params, p_params, p_reply, sse
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+
+
+@pytest.fixture
+def make_client(store):
+    from gateway.app import create_app
+    from gateway.config import Settings
+    apps = []
+
+    def make(verify_reuse="auto"):
+        apps.append(create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+                                        verify_reuse=verify_reuse), store=store))
+        return apps[-1].test_client()
+
+    yield make
+    for app in apps:
+        app.extensions["pd_gateway"].close()
+
+
+def tokenizer(template: Template, calls: list):
+    """A /tokenize mock rendering chat bodies with `template`; records each body."""
+    def tokenize(request):
+        body = json.loads(request.body)
+        calls.append(body)
+        tokens = template.render(body["messages"], body.get("tools"),
+                                 add_generation_prompt=body.get("add_generation_prompt", True),
+                                 continue_final_message=body.get("continue_final_message", False),
+                                 kwargs=body.get("chat_template_kwargs"))
+        return 200, {}, json.dumps({"count": len(tokens), "max_model_len": 4096,
+                                    "tokens": token_ids(tokens), "token_strs": None})
+    return tokenize
+
+
+def d_stream(prompt: list[str], steps: list[tuple[dict | None, str]], with_ids: bool,
+             params_n: int = 1, lossy: bool = False) -> bytes:
+    """D's stream as vLLM sends it: a role chunk, one chunk per (delta, token), EOS on the
+    finish chunk; with ids, the prompt's on the role chunk and each token's on its chunk (a
+    swallowed token's delta is {} then, or it is left out when `lossy`, vLLM before #29074)."""
+    held = len(prompt) + len(steps)          # prompt + generated (EOS included) - 1
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None}],
+               "prompt_token_ids": token_ids(prompt) if with_ids else None}]
+    for delta, token in steps:
+        if delta is None and (not with_ids or lossy):
+            continue
+        events.append({"choices": [{"index": 0, "delta": delta or {}, "finish_reason": None,
+                                    "token_ids": token_ids([token]) if with_ids else None}]})
+    events.append({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop",
+                                "token_ids": token_ids([EOS]) if with_ids else None}],
+                   "kv_transfer_params": {**d_params(params_n), "remote_num_tokens": held}})
+    return sse(*events, b"[DONE]")
+
+
+PLAIN = [({"content": "fine"}, "fine"), ({"content": " thanks"}, "thanks")]
+REASONING = [(None, THINK), ({"reasoning": "let"}, "let"), ({"reasoning": " me"}, "me"),
+             ({"reasoning": " think"}, "think"), (None, END_THINK), ({"content": "answer"}, "answer")]
+REASONING_ECHO = {"role": "assistant", "content": "answer", "reasoning": "let me think"}
+
+
+def turn(client, messages, **extra):
+    return client.post(CHAT, json={"model": "m", "messages": messages, "stream": True, **extra})
+
+
+@responses.activate
+def test_a_template_is_probed_once_and_plain_chat_then_pays_nothing(make_client):
+    client = make_client("auto")
+    calls = []
+    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), calls))
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    prompt = Template().render(MESSAGES)
+    responses.post(D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False),
+                   content_type="text/event-stream")
+    assert turn(client, MESSAGES).status_code == 200
+    # Three renders of a fixed conversation: generation prompt, reply, and the next turn.
+    assert [(len(c["messages"]), c.get("add_generation_prompt"), c.get("continue_final_message"))
+            for c in calls] == [(2, None, None), (3, False, True), (4, None, None)]
+    assert all(c["model"] == "m" for c in calls)
+    d_sent = json.loads([c for c in responses.calls if c.request.url == D_URL + CHAT][0].request.body)
+    assert "return_token_ids" not in d_sent          # a safe template: no ids asked of D
+    # Turn 2 reuses on the digest: no /tokenize call, D's blocks go to P.
+    responses.post(D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False, params_n=2),
+                   content_type="text/event-stream")
+    reply = turn(client, MESSAGES + [{"role": "assistant", "content": "fine thanks"},
+                                     {"role": "user", "content": "more"}])
+    assert reply.headers["X-Gateway-Cache"] == "hit"
+    assert len(calls) == 3
+    p_sent = json.loads([c for c in responses.calls if c.request.url == P_URL + CHAT][-1].request.body)
+    assert p_sent["kv_transfer_params"]["remote_engine_id"] == "d-engine-1"
+
+
+def sent(url: str) -> list[dict]:
+    return [json.loads(c.request.body) for c in responses.calls if c.request.url == url]
+
+
+def three_turns(client, template, steps, echo, lossy=False, first_ids=False):
+    """Turn 1 teaches the gateway the model's ways; turn 2 gets D's ids; turn 3 is checked.
+    (D answers with ids on turn 1 too if `first_ids`: the gateway asked for them.)"""
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=d_stream(template.render(MESSAGES), steps, with_ids=first_ids),
+                   content_type="text/event-stream")
+    h2 = MESSAGES + [echo, {"role": "user", "content": "more"}]
+    responses.post(D_URL + CHAT, body=d_stream(template.render(h2), steps, with_ids=True,
+                                               params_n=2, lossy=lossy),
+                   content_type="text/event-stream")
+    h3 = h2 + [echo, {"role": "user", "content": "again"}]
+    caches = []
+    for messages in (MESSAGES, h2, h3):
+        reply = turn(client, messages)
+        assert reply.status_code == 200 and reply.data.endswith(b"data: [DONE]\n\n"), reply.data
+        caches.append(reply.headers["X-Gateway-Cache"])
+        events = client_events(reply.data)
+        # Ids the gateway asked for never reach a client that did not ask for them.
+        assert events[0].get("prompt_token_ids") is None
+        assert all(c.get("token_ids") is None for e in events[:-1] for c in e["choices"])
+    return caches, h3
+
+
+@responses.activate
+@pytest.mark.parametrize("quirks,expected", [((), "hit"), (("drop_reasoning",), "miss")])
+def test_reasoning_turns_are_token_verified(make_client, quirks, expected):
+    """D reports its ids once the gateway knows the model reasons; turn 3 is tokenized on P and
+    reused only if the template kept the reasoning D generated."""
+    from gateway import metrics
+    client = make_client("auto")
+    template, calls = Template(frozenset(quirks)), []
+    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
+    before = {r: metrics.REUSE_CHECKS.labels(r)._value.get() for r in ("verified", "mismatch",
+                                                                        "unverifiable")}
+    caches, h3 = three_turns(client, template, REASONING, REASONING_ECHO)
+    # Turn 2 misses: turn 1's reply had reasoning and D had not been asked for its ids.
+    assert caches == ["miss", "miss", expected]
+    assert ["return_token_ids" in body for body in sent(D_URL + CHAT)] == [False, True, True]
+    assert calls[-1] == {"model": "m", "messages": h3}           # the request's own fields
+    after = {r: metrics.REUSE_CHECKS.labels(r)._value.get() - before[r] for r in before}
+    assert after == {"verified": int(expected == "hit"), "mismatch": int(expected == "miss"),
+                     "unverifiable": 1}
+    p_kv = sent(P_URL + CHAT)[-1]["kv_transfer_params"]
+    assert (p_kv == MISS) == (expected == "miss")
+
+
+@responses.activate
+def test_ids_with_a_gap_are_never_trusted(make_client):
+    """vLLM before PR #29074 streamed no ids for tokens a parser swallowed; the count of ids
+    must then fall short of what D holds, and the turn is unverifiable, not verified."""
+    client = make_client("auto")
+    calls = []
+    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), calls))
+    caches, _ = three_turns(client, Template(), REASONING, REASONING_ECHO, lossy=True)
+    assert caches == ["miss", "miss", "miss"]
+    assert len(calls) == 3                                        # the probe only
+
+
+@responses.activate
+def test_a_failing_tokenize_is_a_miss_not_an_error(make_client):
+    client = make_client("always")
+    responses.post(P_URL + "/tokenize", status=404, json={"error": {"message": "Not Found"}})
+    caches, _ = three_turns(client, Template(), PLAIN, {"role": "assistant", "content": "fine thanks"})
+    assert caches == ["miss", "miss", "miss"]
+
+
+@responses.activate
+@pytest.mark.parametrize("quirks,expected", [((), "hit"), (("system_last",), "miss")])
+def test_always_verifies_plain_turns_too(make_client, quirks, expected):
+    client = make_client("always")
+    template, calls = Template(frozenset(quirks)), []
+    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
+    caches, _ = three_turns(client, template, PLAIN, {"role": "assistant", "content": "fine thanks"},
+                            first_ids=True)
+    # always asks D for ids from turn 1, so turn 2 is already checked.
+    assert caches == ["miss", expected, expected]
+    assert len(calls) == 2                                        # no probe: one per reuse
+
+
+@responses.activate
+def test_a_template_that_rewrites_earlier_text_fails_its_probe(make_client):
+    client = make_client("auto")
+    template, calls = Template(frozenset({"system_last"})), []
+    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
+    caches, _ = three_turns(client, template, PLAIN, {"role": "assistant", "content": "fine thanks"},
+                            first_ids=True)
+    assert caches == ["miss", "miss", "miss"]
+    assert ["return_token_ids" in body for body in sent(D_URL + CHAT)] == [True, True, True]
+    assert len(calls) == 3 + 2                                    # probe, then each reuse checked
+
+
+@responses.activate
+def test_truncated_prompts_are_never_reused(client, store):
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=d_stream(Template().render(MESSAGES), PLAIN, with_ids=False),
+                   content_type="text/event-stream")
+    turn(client, MESSAGES, truncate_prompt_tokens=100, conversation_id="c")
+    assert len(store) == 0
+
+
+@responses.activate
+def test_token_ids_the_client_asked_for_reach_it(make_client):
+    client = make_client("auto")
+    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), []))
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    prompt = Template().render(MESSAGES)
+    responses.post(D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=True),
+                   content_type="text/event-stream")
+    events = client_events(turn(client, MESSAGES, return_token_ids=True).data)
+    assert events[0]["prompt_token_ids"] == token_ids(prompt)
+    assert [i for e in events[1:-1] for i in e["choices"][0]["token_ids"]] \
+        == token_ids(["fine", "thanks", EOS])
