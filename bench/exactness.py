@@ -17,6 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import requests
 from openai import OpenAI
 
 MODEL = "emulated-model"
@@ -211,8 +212,20 @@ def measure(mode: Mode, settings: dict, conversations: int, turns: int, first_ho
             GatewayProcess([p.url], [d.url], **settings) as gateway:
         rows = run_mode(gateway.url, mode, conversations, turns)
         p_stats, d_stats = p.stats(), d.stats()
+        checks = reuse_checks(gateway.url)
     return {"rows": rows, "wrong_reuse": p_stats["wrong_reuse"], "p_hits": p_stats["hits"],
-            "tokenize": p_stats["tokenize_requests"] + d_stats["tokenize_requests"]}
+            "tokenize": p_stats["tokenize_requests"] + d_stats["tokenize_requests"],
+            "checks": checks}
+
+
+def reuse_checks(url: str) -> dict[str, float]:
+    """pd_gateway_reuse_checks_total by result, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(url + "/metrics", timeout=10).text
+    return {sample.labels["result"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "pd_gateway_reuse_checks"
+            for sample in family.samples if sample.name.endswith("_total")}
 
 
 def main(argv: list[str] | None = None) -> None:

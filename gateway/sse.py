@@ -127,9 +127,15 @@ class EventRelay:
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._pending + chunk if self._pending else chunk
+        if self._pending:
+            # Only the new bytes (and a boundary begun in the last 3 pending ones) can end an
+            # event: rescanning a large pending event on every read would be quadratic.
+            scan_from = max(0, len(self._pending) - 3)
+            data = self._pending + chunk
+        else:
+            scan_from, data = 0, chunk
         last = None
-        for last in _BOUNDARY.finditer(data):
+        for last in _BOUNDARY.finditer(data, scan_from):
             pass
         if last is None:
             self._pending = data

@@ -124,3 +124,35 @@ def test_completion_prompts_are_checked_by_prefix():
     assert nxt.lookups() == [key] and nxt.extends(digest, length)
     assert not identify({"prompt": "twice upon a time there"}, {}, "c").extends(digest, length)
     assert identify({"prompt": "once upon"}, {}, None).after(" a time")[0] is None
+
+
+def test_every_field_outside_the_allowlist_is_part_of_the_scope():
+    msgs = [{"role": "user", "content": "hi"}]
+    base = ident(msgs)
+    for field, value in [("cache_salt", "s"), ("reasoning_effort", "high"),
+                         ("mm_processor_kwargs", {"fps": 2}), ("tool_choice", "none"),
+                         ("documents", [{"text": "d"}]), ("a_field_vllm_adds_tomorrow", 1)]:
+        assert ident(msgs, **{field: value}).messages != base.messages, field
+    for field, value in [("temperature", 0.2), ("max_tokens", 9), ("stream", True), ("seed", 3),
+                         ("return_token_ids", True), ("stop", ["x"]), ("logprobs", True)]:
+        assert ident(msgs, **{field: value}).messages == base.messages, field
+
+
+def test_truncated_prompts_look_up_and_leave_nothing():
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "q2"}]
+    for field in ("truncate_prompt_tokens", "prompt_embeds"):
+        identity = ident(msgs, **{field: 5})
+        assert identity.lookups() == [] and identity.after({"role": "assistant"})[0] is None
+    assert ident(msgs, truncate_prompt_tokens=None).lookups() != []
+
+
+def test_completion_continuations_are_checked_at_a_token_boundary():
+    first = identify({"prompt": "once upon"}, {}, "c")
+    _, digest, length = first.after(" a time")
+    spaced = identify({"prompt": "once upon a time there"}, {}, "c")
+    glued = identify({"prompt": "once upon a timeless tale"}, {}, "c")
+    newline = identify({"prompt": "once upon a time\nthere"}, {}, "c")
+    assert spaced.extends(digest, length) and glued.extends(digest, length)   # same characters
+    assert spaced.at_boundary(length) and newline.at_boundary(length)
+    assert not glued.at_boundary(length)                                       # not the same tokens

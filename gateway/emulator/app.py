@@ -108,12 +108,12 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
     lossy = engine.config.stream_token_ids == "lossy"
     steps = [*gen.tokens, *((EOS,) if gen.stopped else ())]
     # Completions put the prompt's ids on the first chunk's choice; chat on the role chunk.
-    prompt_ids = {"choice": {"prompt_token_ids": token_ids(turn.tokens)}} if ids and not framer.chat else None
+    prompt_ids = {"choice": {"prompt_token_ids": turn.prompt_ids}} if ids and not framer.chat else None
     stats.stream_opened()
     outcome = "aborted"
     try:
         if framer.chat:
-            yield framer.role(token_ids(turn.tokens) if ids else None)
+            yield framer.role(turn.prompt_ids if ids else None)
         last = len(steps) - 1  # the last token rides on the finish chunk
         for i in range(last + 1):
             if i and itl >= WATCHED_ITL:
@@ -179,7 +179,7 @@ def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cu
         gen = replace(gen, reasoning=None)
     ids = _token_ids(req)
     body = framer.body(gen, len(turn.tokens), params,
-                       token_ids(turn.tokens) if ids else None,
+                       turn.prompt_ids if ids else None,
                        token_ids(turn.sequence[len(turn.tokens):]) if ids else None)
     engine.stats.completed += 1
     engine.record(turn, "completed")

@@ -18,7 +18,7 @@ from .kvport import PullError, flat_block_ids, make_session, pull, release
 from .kvstore import LeaseStore, PrefixCache
 from .protocol import CompletionRequest
 from .stats import Stats
-from .tokens import EOS, Generation, Template, generate_chat, generate_completion
+from .tokens import EOS, Generation, Template, generate_chat, generate_completion, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class Turn:
     pulled: int = 0  # prompt tokens read from a remote engine and used
     computed: int = 0  # prompt tokens computed here
     prefill_s: float = 0.0
+    _prompt_ids: list | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -51,6 +52,12 @@ class Turn:
     @property
     def finish_reason(self) -> str:
         return self.gen.finish_reason
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        if self._prompt_ids is None:
+            self._prompt_ids = token_ids(self.tokens)
+        return self._prompt_ids
 
     @property
     def sequence(self) -> tuple[str, ...]:
