@@ -66,7 +66,12 @@ class Affinity:
 
     def forward(self, target: Instance, path: str, raw: bytes,
                 headers: Mapping[str, str]) -> tuple[int, dict, Iterator[bytes]] | None:
-        """Relay the request through its owner; None if the owner is away (serve it here)."""
+        """Relay the request through its owner; None if the owner is away (serve it here).
+
+        Only an owner that is away falls back to serving here. A client that left, or the
+        request's deadline, propagate (the view answers 499/504): re-running the whole turn
+        here would compute it for nobody, with nobody watching.
+        """
         sent = {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
         deadline = time.monotonic() + self.owner_wait
         while True:
@@ -82,8 +87,6 @@ class Affinity:
                     log.info("owner %s is away; serving here", target.name)
                     return None
                 time.sleep(0.05)
-            except GatewayError:
-                return None
         relayed = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
         return response.status, relayed, self._relay(response, relayed)
 

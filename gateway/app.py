@@ -55,10 +55,14 @@ class Gateway:
                 continue
         raise BadGateway("no decode instance answered /v1/models")
 
-    def health(self, debug: bool = False) -> dict:
+    def healthy(self) -> bool:
+        """Can this worker serve a turn: some P and some D not marked down?"""
+        return all(any(not i.down for i in pool.instances) for pool in (self.prefill, self.decode))
+
+    def status(self, debug: bool = False) -> dict:
+        """The detailed report (GET /admin/status): engines, breakers, store, this worker."""
         pools = {pool.role: pool.report() for pool in (self.prefill, self.decode)}
-        ok = all(any(i["state"] != "down" for i in report) for report in pools.values())
-        return {"status": "ok" if ok else "degraded", "worker": self.affinity.slot,
+        return {"status": "ok" if self.healthy() else "degraded", "worker": self.affinity.slot,
                 "pid": os.getpid(), "affinity": self.affinity.enabled,
                 # Besides gthread's request pool (which grows with concurrency and stays):
                 # the main thread, the prober, request watchers. Under gevent, greenlets.

@@ -158,6 +158,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("keepalive", 75, _positive(int),
             "Seconds an idle client connection is kept open; above a fronting proxy's idle "
             "timeout. After SIGTERM, idle connections are closed within 2 s."),
+    Setting("admin_token", "", str,
+            "Bearer token for GET /admin/status, the detailed report (engine URLs, in-flight "
+            "counts, breakers, store, worker); empty turns the report off. /health shows "
+            "status only."),
     Setting("log_level", "info", _choice("debug", "info", "warning", "error"), "Log level."),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -209,6 +213,7 @@ class Settings:
     upstream_api_key: str = _default("upstream_api_key")
     graceful_timeout: float = _default("graceful_timeout")
     keepalive: int = _default("keepalive")
+    admin_token: str = _default("admin_token")
     log_level: str = _default("log_level")
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -58,6 +59,8 @@ class GatewayProcess:
     def __init__(self, prefill: list[str], decode: list[str], port: int | None = None,
                  host: str = "127.0.0.1", **settings) -> None:
         self.host = host
+        # The detailed report (/admin/status) for tests and benchmarks.
+        self.admin_token = str(settings.setdefault("admin_token", secrets.token_hex(8)))
         # The gateway's workers listen privately on the ports right after it.
         self.port = port or free_port(host, 1 + int(settings.get("workers", 1)))
         self.url = f"http://{host}:{self.port}"
@@ -71,6 +74,13 @@ class GatewayProcess:
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         wait_until(lambda: requests.get(self.url + "/health", timeout=2).status_code in (200, 503),
                    30, f"gateway on {self.url}", self.process, self.log_path)
+
+    def status(self, port: int | None = None, debug: bool = False) -> dict:
+        """The admin report of the worker behind the public port, or of the worker listening
+        privately on `port`."""
+        url = f"http://{self.host}:{port or self.port}/admin/status" + ("?debug=1" if debug else "")
+        return requests.get(url, timeout=5,
+                            headers={"Authorization": f"Bearer {self.admin_token}"}).json()
 
     def stop(self, timeout: float = 30) -> int | None:
         """SIGTERM (graceful), then SIGKILL if it outlives `timeout`; returns the exit code."""

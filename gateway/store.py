@@ -5,7 +5,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 from cachetools import TTLCache
@@ -25,6 +25,9 @@ class Entry:
     history_len: int         # its length: messages for chat, characters for a prompt
     plain: bool = False      # a reply the digest can vouch for (gateway.exactness.plain_reply)
     token_digest: str | None = None   # digest of the tokens D holds, if D reported its ids
+    # When D's blocks are gone, on the store's clock; set by the first put. D frees them at its
+    # TTL whatever the gateway does, so an entry put back keeps it.
+    expires_at: float | None = None
 
 
 class ConversationStore(Protocol):
@@ -50,17 +53,24 @@ class _Takes:
 def encode(entry: Entry) -> bytes:
     # Compact JSON: a block-id list as Python ints costs 36 bytes an id, as JSON about 6.
     return json.dumps([entry.params, entry.decode_url, entry.history_digest,
-                       entry.history_len, entry.plain, entry.token_digest],
+                       entry.history_len, entry.plain, entry.token_digest, entry.expires_at],
                       separators=(",", ":")).encode()
 
 
 def decode(packed: bytes) -> Entry:
-    params, decode_url, history_digest, history_len, plain, token_digest = json.loads(packed)
+    params, decode_url, history_digest, history_len, plain, token_digest, expires_at = \
+        json.loads(packed)
     if not (isinstance(params, dict) and isinstance(decode_url, str)
             and isinstance(history_digest, str) and isinstance(history_len, int)
-            and isinstance(plain, bool) and (token_digest is None or isinstance(token_digest, str))):
+            and isinstance(plain, bool) and (token_digest is None or isinstance(token_digest, str))
+            and isinstance(expires_at, (int, float))):
         raise ValueError("not a conversation entry")
-    return Entry(params, decode_url, history_digest, history_len, plain, token_digest)
+    return Entry(params, decode_url, history_digest, history_len, plain, token_digest, expires_at)
+
+
+def stamped(entry: Entry, now: float, ttl: float) -> Entry:
+    """The entry with its expiry: now + ttl on the first put, unchanged after."""
+    return entry if entry.expires_at is not None else replace(entry, expires_at=now + ttl)
 
 
 class LocalStore(_Takes):
@@ -73,14 +83,25 @@ class LocalStore(_Takes):
         # operation holds the lock; none does I/O while holding it.
         self._cache: TTLCache[str, bytes] = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer)
         self._lock = threading.Lock()
+        self._timer = timer
+        self._ttl = ttl
 
     def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
-        with self._lock:
-            found = next(((key, packed) for key in keys
-                          if (packed := self._cache.pop(key, None)) is not None), None)
-        return None if found is None else (found[0], decode(found[1]))
+        now = self._timer()
+        for key in keys:
+            with self._lock:
+                packed = self._cache.pop(key, None)
+            if packed is not None:
+                entry = decode(packed)
+                if entry.expires_at > now:     # a put-back entry past its own expiry: gone
+                    return key, entry
+        return None
 
     def put(self, key: str, entry: Entry) -> None:
+        now = self._timer()
+        entry = stamped(entry, now, self._ttl)
+        if entry.expires_at <= now:
+            return
         packed = encode(entry)
         with self._lock:
             self._cache[key] = packed
@@ -134,8 +155,13 @@ class RedisStore(_Takes):
             return None
 
     def put(self, key: str, entry: Entry) -> None:
+        # Wall-clock expiry (PXAT): every gateway host reads the same entry.
+        entry = stamped(entry, time.time(), self._ttl_ms / 1000)
+        expires_ms = int(entry.expires_at * 1000)
+        if expires_ms <= time.time() * 1000:
+            return
         try:
-            self._redis.set(self.PREFIX + key, encode(entry), px=self._ttl_ms)
+            self._redis.set(self.PREFIX + key, encode(entry), pxat=expires_ms)
         except self._errors as exc:
             self._failed("put", exc)
 

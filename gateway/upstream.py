@@ -238,27 +238,29 @@ class Watch:
                 return self._cut()
 
     def _cut(self) -> None:
+        # Under the lock: a connection given back to the pool is untracked under it first
+        # (`_TrackedPool._put_conn`), so one that another request may reuse is never cut.
         with self._lock:
-            connections = list(self._connections)
-        for connection in connections:
-            # shutdown, not close: close from another thread would race the reader's own use
-            # of the descriptor; shutdown just makes its blocked recv return.
-            # (A pooled P connection is returned to the pool inside requests a moment before
-            # `untrack`; cutting it then only makes the pool open a fresh one.)
-            sock = getattr(connection, "sock", None)
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            for connection in self._connections:
+                # shutdown, not close: close from another thread would race the reader's own
+                # use of the descriptor; shutdown just makes its blocked recv return.
+                sock = getattr(connection, "sock", None)
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
 
 class _Tracked:
     """A urllib3 connection that registers with the current request's Watch when used."""
 
+    pd_watch: Watch | None = None
+
     def request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         watch = _WATCH.get()
         if watch is not None:
+            self.pd_watch = watch
             watch.track(self)
         return super().request(*args, **kwargs)
 
@@ -271,11 +273,23 @@ class _TrackedHTTPSConnection(_Tracked, HTTPSConnection):
     pass
 
 
-class _TrackedHTTPPool(HTTPConnectionPool):
+class _TrackedPool:
+    """Untracks a connection before it goes back to the pool, where another request may take it
+    (a response closed, fully read, or a rejected reply: every release comes through here)."""
+
+    def _put_conn(self, conn):  # type: ignore[no-untyped-def]
+        watch = getattr(conn, "pd_watch", None)
+        if watch is not None:
+            watch.untrack(conn)
+            conn.pd_watch = None
+        return super()._put_conn(conn)
+
+
+class _TrackedHTTPPool(_TrackedPool, HTTPConnectionPool):
     ConnectionCls = _TrackedHTTPConnection
 
 
-class _TrackedHTTPSPool(HTTPSConnectionPool):
+class _TrackedHTTPSPool(_TrackedPool, HTTPSConnectionPool):
     ConnectionCls = _TrackedHTTPSConnection
 
 
@@ -303,9 +317,7 @@ class Stream:
             raise _translate(exc, self.instance, self._watch) from exc
 
     def close(self) -> None:
-        self._response.close()
-        if self._watch is not None:
-            self._watch.untrack()
+        self._response.close()     # releases the connection, untracked first (_TrackedPool)
 
 
 def _translate(exc: Exception, instance: Instance,
@@ -380,9 +392,6 @@ class Upstream:
                 timeout=self.timeout, stream=stream)
         except requests.RequestException as exc:
             raise _translate(exc, instance, watch) from exc
-        finally:
-            if watch is not None and not stream:
-                watch.untrack()
         if response.status_code >= 400:
             message = _error_message(response)
             response.close()

@@ -1,6 +1,7 @@
 """Thin routes: read the request, hand it to the gateway, shape the response."""
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import time
@@ -11,7 +12,8 @@ from flask import Blueprint, Response, jsonify, request
 
 from . import metrics
 from .conversation import identify, root_key
-from .errors import BadRequest, GatewayError, PayloadTooLarge, envelope
+from .errors import (BadRequest, ClientGone, GatewayError, NotFound, PayloadTooLarge,
+                     Unauthorized, envelope)
 from .parse import CHAT, COMPLETIONS, parse
 
 if TYPE_CHECKING:
@@ -48,11 +50,17 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
     def complete(path: str) -> Response:
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
+        try:
+            # The whole body first: bytes still unread in the socket would look to the
+            # disconnect watcher like a pipelined next request, and it would stop watching.
+            raw = _read_body(gateway.settings.max_body_bytes)
+        except GatewayError as exc:
+            return _failed(exc, request_id)
         total = gateway.settings.total_timeout
         watch = gateway.upstream.watch(request.environ.get("gunicorn.socket"),
                                        time.monotonic() + total if total else None)
         try:
-            response = _complete(path, request_id)
+            response = _complete(path, raw, request_id)
         except BaseException:
             watch.stop()
             raise
@@ -62,15 +70,26 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
             watch.stop()
         return response
 
-    def _complete(path: str, request_id: str) -> Response:
+    def _failed(exc: GatewayError, request_id: str) -> Response:
+        if isinstance(exc, ClientGone):
+            metrics.DISCONNECTS.inc()      # nobody reads the reply
+        else:
+            log.info("request %s failed with %d: %s", request_id, exc.status, exc.message)
+            metrics.ERRORS.labels("request", str(exc.status)).inc()
+        return error_response(exc, request_id)
+
+    def _complete(path: str, raw: bytes, request_id: str) -> Response:
         try:
-            raw = _read_body(gateway.settings.max_body_bytes)
             client_request = parse(path, raw)
             id_args = (client_request.body, request.headers, client_request.conversation_id)
             if gateway.affinity.may_forward(request.environ):
                 owner = gateway.affinity.forward_to(root_key(*id_args))
                 if owner is not None:
-                    forwarded = gateway.affinity.forward(owner, path, raw, request.headers)
+                    try:
+                        forwarded = gateway.affinity.forward(owner, path, raw, request.headers)
+                    except GatewayError:
+                        metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
+                        raise
                     metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
                     if forwarded is not None:
                         status, headers, body = forwarded
@@ -79,9 +98,7 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
             headers = gateway.upstream.headers(request_id, request.headers.get("Authorization"))
             reply = gateway.disagg.run(client_request, identity, headers)
         except GatewayError as exc:
-            log.info("request %s failed with %d: %s", request_id, exc.status, exc.message)
-            metrics.ERRORS.labels("request", str(exc.status)).inc()
-            return error_response(exc, request_id)
+            return _failed(exc, request_id)
         if reply.stream is not None:
             response = Response(reply.stream, content_type=reply.content_type)
         else:
@@ -107,7 +124,22 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
 
     @bp.get("/health")
     def health() -> Response:
-        report = gateway.health(debug=request.args.get("debug") == "1")
+        """For load balancers and Kubernetes probes: status only, nothing about the engines."""
+        ok = gateway.healthy()
+        response = jsonify({"status": "ok" if ok else "degraded"})
+        response.status_code = 200 if ok else 503
+        return response
+
+    @bp.get("/admin/status")
+    def status() -> Response:
+        token = gateway.settings.admin_token
+        if not token:
+            raise NotFound("Not Found")
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise Unauthorized("the admin report needs Authorization: Bearer <admin token>")
+        # debug=1 walks the heap for live greenlets: only for the operator who asked.
+        report = gateway.status(debug=request.args.get("debug") == "1")
         response = jsonify(report)
         response.status_code = 200 if report["status"] == "ok" else 503
         return response

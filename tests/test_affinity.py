@@ -19,7 +19,7 @@ from tests.conftest import gateway_process, two_of_each
 
 
 def worker_health(gateway, slot: int) -> dict:
-    return requests.get(f"http://127.0.0.1:{gateway.port + 1 + slot}/health", timeout=5).json()
+    return gateway.status(port=gateway.port + 1 + slot)
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
@@ -168,7 +168,7 @@ def test_failed_connection_marks_down_and_probe_brings_back(gateway_factory):
             EmulatorProcess("decode", host="127.0.0.10", itl_ms=1) as d2:
         gateway = gateway_process([p.url], [d1.url, d2.url], probe_interval=0.2)
         try:
-            health = lambda: requests.get(gateway.url + "/health", timeout=5).json()
+            health = gateway.status
             assert [i["state"] for i in health()["decode"]] == ["up", "up"]
             d2.stop()
             convs = workload.run(gateway.url, conversations=20, turns=2, concurrency=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import requests
 from openai import OpenAI
 
 from tests.conftest import MODEL
@@ -93,8 +94,8 @@ def test_completions_turns_with_an_id_hit(gateway, fresh_engines, stream):
 def test_models_and_health(gateway):
     client = sdk(gateway)
     assert [m.id for m in client.models.list()] == [MODEL]
-    import requests
-    health = requests.get(gateway.url + "/health", timeout=5).json()
+    assert requests.get(gateway.url + "/health", timeout=5).json() == {"status": "ok"}
+    health = gateway.status()
     assert health["status"] == "ok"
     assert [i["state"] for i in health["prefill"] + health["decode"]] == ["up", "up"]
 

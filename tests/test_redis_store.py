@@ -25,7 +25,7 @@ def test_two_gateways_share_conversations_through_redis(fresh_engines, redis_ser
                          worker_class=worker_class) as one, \
             gateway_process([p.url], [d.url], store=redis_server.url, workers=2,
                             worker_class=worker_class) as two:
-        health = requests.get(one.url + "/health", timeout=5).json()
+        health = one.status()
         assert health["store"] == "redis" and health["reachable"] and not health["affinity"]
         # Every turn goes to the other gateway, on a new connection, with no id at all.
         convs = [workload.Conversation(one.url, explicit=False) for _ in range(30)]
@@ -51,7 +51,7 @@ def test_redis_going_away_costs_hits_not_requests(fresh_engines):
             workload.drive(convs, turns=2)
             assert workload.errors(convs) == []
             assert [c.caches for c in convs] == [["miss", "hit", "miss", "miss"]] * 10
-            health = requests.get(gateway.url + "/health", timeout=5).json()
+            health = gateway.status()
             assert health["status"] == "ok" and health["reachable"] is False
             assert 'operation="take"' in metric(gateway, "pd_gateway_store_errors_total")
             # Back, empty (its scripts gone too): the workers reconnect and reuse resumes.

@@ -34,12 +34,12 @@ def engines2(pair_of_each):
 
 
 def health(gateway) -> dict:
-    return requests.get(gateway.url + "/health", timeout=5).json()
+    return gateway.status()
 
 
 def live_tasks(gateway) -> tuple[int, int, int, int]:
     """(request watchers, threads, greenlets, requests in flight) in the gateway's worker."""
-    report = requests.get(gateway.url + "/health?debug=1", timeout=5).json()
+    report = gateway.status(debug=True)
     inflight = sum(i["inflight"] for i in report["prefill"] + report["decode"])
     return report["watchers"], report["threads"], report["greenlets"], inflight
 

@@ -156,8 +156,7 @@ def chaos(prefills, decodes, deadline: float, injected: Counter) -> None:
 
 
 def worker_reports(gateway) -> list[dict]:
-    return [requests.get(f"http://127.0.0.1:{gateway.port + 1 + slot}/health?debug=1",
-                         timeout=10).json() for slot in range(WORKERS)]
+    return [gateway.status(port=gateway.port + 1 + slot, debug=True) for slot in range(WORKERS)]
 
 
 @pytest.mark.timeout(SECONDS + 300)
