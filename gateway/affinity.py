@@ -20,6 +20,10 @@ from .upstream import Instance, Upstream
 
 log = logging.getLogger(__name__)
 SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"
+MAX_SLOTS = 256
+# gunicorn_conf's shared table of live slots (1: owns conversations), set in each worker after
+# fork; None outside gunicorn, where the configured worker count decides.
+LIVE_SLOTS = None
 # Hop-by-hop headers (RFC 9110 7.6.1) and those requests recomputes.
 _NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer",
                             "transfer-encoding", "upgrade", "host", "content-length"})
@@ -31,11 +35,13 @@ def base_port(settings: Settings) -> int:
     return settings.private_base_port or settings.port + 1
 
 
-def owner(root: str, slots: int) -> int:
-    """Rendezvous hash: a worker's slots keep their keys when the worker count changes."""
+def owner(root: str, slots) -> int:
+    """Rendezvous hash over `slots` (a count or the live slot numbers): each slot keeps its
+    keys when others come or go."""
     key = root.encode()
-    return max(range(slots), key=lambda s: hashlib.blake2b(key, digest_size=8,
-                                                          salt=s.to_bytes(16, "little")).digest())
+    candidates = range(slots) if isinstance(slots, int) else slots
+    return max(candidates, key=lambda s: hashlib.blake2b(key, digest_size=8,
+                                                         salt=s.to_bytes(16, "little")).digest())
 
 
 class Affinity:
@@ -48,21 +54,36 @@ class Affinity:
         # Off with one worker, with a shared store, outside gunicorn (no slot), or when
         # switched off.
         self.enabled = settings.forwards and self.slot >= 0
-        base = base_port(settings)
-        self.private_ports = {str(base + s) for s in range(self.workers)}
-        self.targets = [Instance(f"http://{settings.private_host}:{base + s}", "worker", s)
-                        for s in range(self.workers)]
+        self.base = base_port(settings)
+        self.private_ports = {str(self.base + s) for s in range(MAX_SLOTS)} - {str(settings.port)}
+        self.private_host = settings.private_host
+        self.targets: dict[int, Instance] = {}
         self.upstream = upstream
         self.owner_wait = settings.owner_wait
+        self._live: tuple[bytes, list[int]] = (b"", list(range(self.workers)))
 
     def may_forward(self, environ: Mapping[str, object]) -> bool:
         """Could this request belong to another worker? Never if it came on a private port."""
         return self.enabled and environ.get("SERVER_PORT") not in self.private_ports
 
+    def live_slots(self) -> list[int]:
+        """The slots that own conversations now (the master's table, when under gunicorn)."""
+        if LIVE_SLOTS is None:
+            return self._live[1]
+        table = bytes(LIVE_SLOTS)
+        if table != self._live[0]:
+            self._live = (table, [s for s, live in enumerate(table) if live] or [self.slot])
+        return self._live[1]
+
     def forward_to(self, root: str) -> Instance | None:
         """The owner worker to forward to, or None if this worker owns the conversation."""
-        slot = owner(root, self.workers)
-        return None if slot == self.slot else self.targets[slot]
+        slot = owner(root, self.live_slots())
+        if slot == self.slot:
+            return None
+        if slot not in self.targets:
+            self.targets[slot] = Instance(f"http://{self.private_host}:{self.base + slot}",
+                                          "worker", slot)
+        return self.targets[slot]
 
     def forward(self, target: Instance, path: str, raw: bytes,
                 headers: Mapping[str, str]) -> tuple[int, dict, Iterator[bytes]] | None:

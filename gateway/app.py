@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
@@ -27,7 +28,9 @@ class Gateway:
         concurrency = (settings.threads if settings.worker_class == "gthread"
                        else settings.worker_connections)
         self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
-                                 pool_size=concurrency, api_key=settings.upstream_api_key)
+                                 pool_size=concurrency, api_key=settings.upstream_api_key,
+                                 hosts=len(settings.prefill) + len(settings.decode)
+                                 + settings.workers + 4)
         policy = Policy(routing=settings.routing, overload_factor=settings.overload_factor,
                         breaker_failures=settings.breaker_failures,
                         breaker_cooldown=settings.breaker_cooldown)
@@ -46,11 +49,15 @@ class Gateway:
         self.prober.stop()
         self.upstream.session.close()
 
+    MODELS_TIMEOUT = 5.0   # /v1/models is a metadata call: no engine should take longer
+
     def models(self) -> dict:
-        """The model list of the first D that answers."""
-        for instance in self.decode.instances:
+        """The model list of the first D that answers, healthy ones first."""
+        now = time.monotonic()
+        for instance in sorted(self.decode.instances, key=lambda i: not i.available(now)):
             try:
-                return self.upstream.get_json(instance, "/v1/models")
+                return self.upstream.get_json(instance, "/v1/models",
+                                              min(self.MODELS_TIMEOUT, self.settings.read_timeout))
             except GatewayError:
                 continue
         raise BadGateway("no decode instance answered /v1/models")

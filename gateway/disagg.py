@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from . import metrics
 from .conversation import Identity
-from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
+from .errors import BadGateway, ClientGone, GatewayError, ServiceUnavailable, error_event
 from .exactness import Exactness, held_digest, plain_reply
 from .parse import ClientRequest
 from .sse import EventRelay, Turn
@@ -175,6 +175,9 @@ class Disagg:
                 metrics.RETRIES.labels(pool.role).inc()
                 failure = exc
                 continue
+            except BaseException:
+                pool.release(instance)     # a bug, or the worker stopping: never a leaked count
+                raise
             pool.succeeded(instance)
             if not hold:
                 pool.release(instance)
@@ -252,6 +255,8 @@ class Disagg:
                     yield out
             if not turn.done:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
+        except ClientGone:
+            metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
         except GatewayError as exc:
             # Bytes are out, so the status can't change: finish with an error event instead.
             if exc.instance_fault:

@@ -24,11 +24,13 @@ if _settings.worker_class == "gevent":
     monkey.patch_all()
 
 import itertools  # noqa: E402
+import multiprocessing  # noqa: E402
 import socket  # noqa: E402
 
 from gunicorn.sock import TCPSocket  # noqa: E402
 
-from gateway.affinity import SLOT_ENV, base_port  # noqa: E402  (after patching: imports requests)
+from gateway import affinity  # noqa: E402  (after patching: imports requests)
+from gateway.affinity import MAX_SLOTS, SLOT_ENV, base_port  # noqa: E402
 
 wsgi_app = "gateway.wsgi:app"
 bind = [f"{_settings.host}:{_settings.port}"]
@@ -57,6 +59,12 @@ control_socket_disable = True
 # Stable worker slots (the pattern of gunicorn issue #1352): the master hands each new worker
 # the smallest free slot, and a replacement for a dead worker gets the slot it left. A slot
 # owns a share of conversations (gateway.affinity) and a private port, base + slot.
+# Which slots own conversations now, shared with every worker (forked from the master, which
+# alone writes it): a worker stopped by TTOU or a smaller reload stops owning at once, so no
+# request waits for an owner that is not coming back.
+LIVE_SLOTS = multiprocessing.RawArray("b", MAX_SLOTS)
+
+
 def on_starting(server):
     server.pd_slots = {}    # slot -> the worker holding it
 
@@ -71,11 +79,25 @@ def on_reload(server):
 def pre_fork(server, worker):
     # Runs in the single-threaded master, so taking a slot needs no lock.
     worker.pd_slot = next(slot for slot in itertools.count() if slot not in server.pd_slots)
+    if worker.pd_slot >= MAX_SLOTS:
+        raise RuntimeError(f"pd-gateway supports at most {MAX_SLOTS} workers")
     server.pd_slots[worker.pd_slot] = worker
+    LIVE_SLOTS[worker.pd_slot] = 1
+
+
+def nworkers_changed(server, new_value, old_value):
+    # TTOU (or TTIN): gunicorn's manage_workers stops the oldest workers beyond the new count;
+    # their slots stop owning conversations now, not when their last stream has ended.
+    if old_value is None or new_value >= old_value:
+        return
+    workers = sorted(server.WORKERS.values(), key=lambda w: w.age)
+    for worker in workers[:max(0, len(workers) - new_value)]:
+        LIVE_SLOTS[worker.pd_slot] = 0
 
 
 def post_fork(server, worker):
     os.environ[SLOT_ENV] = str(worker.pd_slot)
+    affinity.LIVE_SLOTS = LIVE_SLOTS
     if _settings.forwards:
         # Appended before the worker's accept loop starts, so gunicorn serves it like the
         # public socket; only this process listens on it.
@@ -92,8 +114,17 @@ class _PrivateSocket(TCPSocket):
 
 
 def child_exit(server, worker):
-    if server.pd_slots.get(worker.pd_slot) is worker:   # not if a reload gave it away
+    holder = server.pd_slots.get(worker.pd_slot)
+    if holder is worker:                    # not if a reload gave it away
         del server.pd_slots[worker.pd_slot]
+    # A crashed worker's slot stays live: the master refills the smallest free slots at once
+    # (pre_fork), and its conversations wait for the replacement instead of moving twice.
+    # A slot nobody will refill (TTOU, a smaller reload) stops owning.
+    missing = max(0, server.num_workers - len(server.WORKERS))
+    free = (slot for slot in itertools.count() if slot not in server.pd_slots)
+    refilled = set(itertools.islice(free, missing))
+    if holder is None or (holder is worker and worker.pd_slot not in refilled):
+        LIVE_SLOTS[worker.pd_slot] = 0
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid)

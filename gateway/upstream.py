@@ -18,6 +18,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import ConnectTimeoutError, ReadTimeoutError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from .errors import (BadGateway, BadRequest, ClientGone, GatewayError, GatewayTimeout,
@@ -178,7 +179,11 @@ class Watch:
             threading.Thread(target=self._run, name="pd-gateway-watch", daemon=True).start()
 
     def track(self, connection: HTTPConnection) -> None:
+        """Register a connection this request is about to use; refuse if the request is
+        already cut (its client left, or its deadline passed, before this call began)."""
         with self._lock:
+            if self.gone or self.expired:
+                raise ConnectionAbortedError("the request was cut before this engine call")
             self._connections.append(connection)
 
     def untrack(self, connection: HTTPConnection | None = None) -> None:
@@ -239,7 +244,8 @@ class Watch:
 
     def _cut(self) -> None:
         # Under the lock: a connection given back to the pool is untracked under it first
-        # (`_TrackedPool._put_conn`), so one that another request may reuse is never cut.
+        # (`_TrackedPool._put_conn`), so one that another request may reuse is never cut; and
+        # a call that starts after this finds `gone`/`expired` set in `track` and never sends.
         with self._lock:
             for connection in self._connections:
                 # shutdown, not close: close from another thread would race the reader's own
@@ -320,18 +326,35 @@ class Stream:
         self._response.close()     # releases the connection, untracked first (_TrackedPool)
 
 
+def _caused_by(exc: BaseException, *types: type) -> bool:
+    """Is `exc`, or anything it wraps, one of `types`? requests wraps urllib3's MaxRetryError
+    (in args), which holds NewConnectionError (`reason`), raised from the OS error (`__cause__`)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, types):
+            return True
+        todo += [current.__cause__, current.__context__, getattr(current, "reason", None),
+                 *(a for a in current.args if isinstance(a, BaseException))]
+    return False
+
+
 def _translate(exc: Exception, instance: Instance,
                watch: Watch | None = None) -> GatewayError:
+    """The GatewayError for a failed engine call, by the exception's types, never its text."""
     cut = watch.error() if watch is not None else None
     if cut is not None:
         return cut
     log.warning("%s (%s) failed: %r", instance.name, instance.url, exc)
-    text = str(exc).lower()
-    if isinstance(exc, requests.ConnectTimeout):
+    if _caused_by(exc, requests.ConnectTimeout, ConnectTimeoutError):
         return ServiceUnavailable(f"{instance.name} did not accept a connection in time")
-    if isinstance(exc, requests.Timeout) or "timed out" in text:
+    if _caused_by(exc, requests.Timeout, ReadTimeoutError, TimeoutError, socket.timeout):
         return GatewayTimeout(f"{instance.name} timed out")
-    if isinstance(exc, requests.ConnectionError) and "refused" in text:
+    if _caused_by(exc, ConnectionRefusedError):
         return ServiceUnavailable(f"{instance.name} refused the connection")
     return BadGateway(f"{instance.name} broke the connection")
 
@@ -351,7 +374,7 @@ class Upstream:
     """One `requests.Session` per process (created after fork) for all calls to the engines."""
 
     def __init__(self, connect_timeout: float, read_timeout: float, pool_size: int,
-                 api_key: str = "") -> None:
+                 api_key: str = "", hosts: int = 16) -> None:
         self.session = requests.Session()
         # No proxy or .netrc lookup per call: with trust_env, requests scans os.environ and
         # stats ~/.netrc for every request (measured: about 1.3 ms of CPU per turn). Engines
@@ -359,8 +382,10 @@ class Upstream:
         self.session.trust_env = False
         # pool_block=False: a burst above pool_size opens extra connections instead of
         # waiting forever (requests passes no pool timeout).
-        adapter = HTTPAdapter(pool_connections=16, pool_maxsize=pool_size, max_retries=0,
-                              pool_block=False)
+        # One connection pool per engine and per worker listener (forwarding): fewer cached
+        # pools than hosts would close and reopen connections all the time.
+        adapter = HTTPAdapter(pool_connections=max(hosts, 1), pool_maxsize=pool_size,
+                              max_retries=0, pool_block=False)
         adapter.poolmanager.pool_classes_by_scheme = {"http": _TrackedHTTPPool,
                                                       "https": _TrackedHTTPSPool}
         self.session.mount("http://", adapter)
@@ -446,9 +471,10 @@ class Upstream:
         """Watch the current request's client and deadline until `Watch.stop`."""
         return Watch(client, deadline)
 
-    def get_json(self, instance: Instance, path: str) -> dict:
+    def get_json(self, instance: Instance, path: str, read_timeout: float | None = None) -> dict:
         try:
-            response = self.session.get(instance.url + path, timeout=self.timeout)
+            response = self.session.get(instance.url + path, timeout=(
+                self.timeout[0], read_timeout or self.timeout[1]))
             response.raise_for_status()
             return response.json()
         except (requests.RequestException, ValueError) as exc:

@@ -311,7 +311,14 @@ def two_instance_app(store):
         app.extensions["pd_gateway"].close()
 
 
-REFUSED = requests.ConnectionError("[Errno 111] Connection refused")
+def _refused() -> requests.ConnectionError:
+    """What requests raises for a refused connection: the OS error is in the cause chain."""
+    exc = requests.ConnectionError("Max retries exceeded with url: /v1/chat/completions")
+    exc.__cause__ = ConnectionRefusedError(111, "Connection refused")
+    return exc
+
+
+REFUSED = _refused()
 
 
 @pytest.mark.parametrize("failure", ["refused", "error500", "broken"])
