@@ -52,6 +52,24 @@ def _has_lone_surrogate(body: Any) -> bool:
         return True
 
 
+# No OpenAI request nests deeper (a tool's JSON Schema is the deepest, a dozen levels or so);
+# deeper bodies would reach the recursion limit in some later JSON or digest walk (a 500).
+MAX_DEPTH = 64
+
+
+def _too_deep(text: str, body: Any) -> bool:
+    if text.count("[") + text.count("{") <= MAX_DEPTH:    # cheap: most bodies stop here
+        return False
+    todo = [(body, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        todo += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
+    return False
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise BadRequest(message, param=param)
@@ -109,6 +127,8 @@ def parse(path: str, raw: bytes) -> ClientRequest:
     except (ValueError, RecursionError) as exc:
         # UnicodeDecodeError and JSONDecodeError are both ValueErrors.
         raise BadRequest(f"Request body is not valid JSON: {exc}"[:300]) from exc
+    if isinstance(body, (dict, list)) and _too_deep(text, body):
+        raise BadRequest(f"Request body nests JSON deeper than {MAX_DEPTH} levels")
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
         raise BadRequest("Request body holds an unpaired UTF-16 surrogate escape")
     _check(isinstance(body, dict), "body", "Request body must be a JSON object")

@@ -26,6 +26,10 @@ BAD = [
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "conversation_id": 7}',
      "conversation_id"),
     (CHAT, b'[' * 2000 + b']' * 2000, None),
+    # Parsed fine, but nested past any later walk's reach (fuzzing found a 500 at ~900 levels).
+    (COMPLETIONS, b'{"prompt": "", "temperature": ' + b'[' * 900 + b']' * 900 + b'}', None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "tools": '
+     + b'[{"a": ' * 65 + b'1' + b'}]' * 65 + b'}', None),
     (COMPLETIONS, b'{"model": "m"}', "prompt"),
     (COMPLETIONS, b'{"prompt": {"a": 1}}', "prompt"),
     (COMPLETIONS, b'{"prompt": []}', "prompt"),
