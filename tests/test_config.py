@@ -1,14 +1,24 @@
 """Settings: defaults < GATEWAY_* env < flags; seed-proxy flags; errors name the flag."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
-from gateway.config import SETTINGS, Settings, SettingsError
+from gateway.config import SETTINGS, Settings, SettingsError, build_parser
 
 
 def test_every_default_passes_its_validator():
     for s in SETTINGS:
-        assert s.convert(s.default) == s.default, s.name
+        assert s.apply(s.default, s.flag) == s.default, s.name
+    assert Settings() == Settings.from_env({})
+
+
+def test_every_field_is_a_flag_and_a_variable():
+    assert [s.name for s in SETTINGS] == [f.name for f in fields(Settings)]
+    help_text = build_parser().format_help()
+    assert all(s.flag in help_text and s.env in help_text for s in SETTINGS)
+    assert Settings().prefill is not Settings().prefill    # list defaults are not shared
 
 
 def test_env_then_flags_override_defaults():
@@ -44,7 +54,16 @@ def test_bad_env_values_name_the_variable(env, name):
 def test_bad_flag_names_the_flag(capsys):
     with pytest.raises(SystemExit):
         Settings.from_args(["--worker-class", "sync"], environ={})
-    assert "--worker-class" in capsys.readouterr().err
+    assert "--worker-class: 'sync' is not one of gevent, gthread" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides,flag", [({"port": 0}, "--port"),
+                                            ({"affinity": "maybe"}, "--affinity"),
+                                            ({"routing": "random"}, "--routing"),
+                                            ({"store": "memcached://x"}, "--store")])
+def test_bad_keyword_names_the_flag(overrides, flag):
+    with pytest.raises(SettingsError, match=flag):
+        Settings(**overrides)
 
 
 def test_round_trip_through_environment():

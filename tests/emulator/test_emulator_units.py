@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from werkzeug.test import Client
 
-from gateway.emulator.config import DEFAULT_KV_TTL, FLAGS, ROLES, EngineConfig, config_from_args
+from gateway.emulator.config import DEFAULT_KV_TTL, ROLES, EngineConfig, build_parser, config_from_args
 from gateway.emulator.faults import Fault, FaultState, parse_fault_spec
 from gateway.emulator.kvport import create_kv_app
 from gateway.emulator.kvstore import LeaseGone, LeaseMismatch, LeaseStore, PrefixCache
@@ -184,14 +185,16 @@ def test_defaults_validate_and_follow_the_role(role):
     assert (config.prefix_cache_blocks > 0) == (role == "decode")
 
 
-def test_every_flag_is_a_config_field():
-    names = set(EngineConfig.__dataclass_fields__)
-    assert all(flag.name in names for flag in FLAGS)
+def test_every_config_field_is_a_flag():
+    flags = {a.dest for a in build_parser()._actions} - {"help"}
+    assert flags == {f.name for f in fields(EngineConfig)}
 
 
 @pytest.mark.parametrize("overrides, flag", [
     ({"block_size": 0}, "--block-size"), ({"stream_params": "both"}, "--stream-params"),
-    ({"kv_port": 9000}, "--kv-port"), ({"itl_ms": -1}, "--itl-ms"), ({"role": "router"}, "--role")])
+    ({"kv_port": 9000}, "--kv-port"), ({"itl_ms": -1}, "--itl-ms"), ({"role": "router"}, "--role"),
+    ({"port": 65000}, "--kv-port"), ({"template_quirks": "nope"}, "--template-quirks"),
+    ({"reasoning_share": 1.5}, "--reasoning-share"), ({"log_level": "loud"}, "--log-level")])
 def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         EngineConfig(**{"role": "decode", "port": 9000, **overrides})
@@ -205,6 +208,16 @@ def test_cli_parses_flags_and_fault_spec(capsys):
     with pytest.raises(SystemExit):
         config_from_args(["--role", "decode", "--port", "9100", "--fault", "explode"])
     assert "fault mode must be one of" in capsys.readouterr().err
+    config = config_from_args(["--role", "decode", "--port", "9100", "--access-log",
+                               "--template-quirks", "drop_reasoning,tool_json"])
+    assert config.access_log is True and config.template_quirks == ("drop_reasoning", "tool_json")
+    assert config_from_args(["--role", "decode", "--port", "9100"]).access_log is False
+    for argv, flag in ((["--role", "decode", "--port", "x"], "--port"),
+                       (["--role", "router", "--port", "9100"], "--role"),
+                       (["--port", "9100"], "--role")):
+        with pytest.raises(SystemExit):
+            config_from_args(argv)
+        assert flag in capsys.readouterr().err
 
 
 def test_fault_validation_and_count():
