@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import requests
 from openai import OpenAI
 
-MODEL = "emulated-model"
+from devtools.workload import MODEL
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "search the notes",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"},
@@ -207,7 +207,7 @@ def run_mode(url: str, mode: Mode, conversations: int, turns: int, clients=CLIEN
 
 def measure(mode: Mode, settings: dict, conversations: int, turns: int, first_host: int = 40) -> dict:
     """Start the mode's engines and a gateway with `settings`; run every client kind."""
-    from gateway.launch import GatewayProcess
+    from devtools.processes import GatewayProcess
     with mode_engines(mode, first_host) as (p, d), \
             GatewayProcess([p.url], [d.url], **settings) as gateway:
         rows = run_mode(gateway.url, mode, conversations, turns)

@@ -9,7 +9,7 @@ from hashlib import blake2b
 from gateway.store import ConversationStore, Entry
 
 FILL_ENV = "BENCH_FILL_ENTRIES"  # read by bench.gunicorn_fill in the worker
-HISTORY_TOKENS = 1100  # about what a 5-turn conversation of bench.workload leaves in D
+HISTORY_TOKENS = 1100  # about what a 5-turn conversation of devtools.workload leaves in D
 BLOCK_SIZE = 16
 
 

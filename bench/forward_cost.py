@@ -18,24 +18,22 @@ import uuid
 import requests
 
 from bench.procstat import cpu_seconds, tree
+from devtools import sse
+from devtools.processes import GatewayProcess
+from devtools.workload import MODEL
 from gateway.affinity import owner
 from gateway.conversation import identify
-from gateway.emulator.process import EmulatorProcess
-from gateway.launch import GatewayProcess, wait_until
-
-MODEL = "emulated-model"
+from gateway.emulator.process import EmulatorProcess, wait_until
 
 
 def ttft(url: str, body: dict) -> float:
     """Seconds to the first content event of one streamed turn (the stream is read to its end)."""
-    start = time.perf_counter()
-    first = None
+    started = time.monotonic()
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
         r.raise_for_status()
-        for chunk in r.raw.stream(65536, decode_content=False):
-            if first is None and b'"content":"' in chunk and b'"content":""' not in chunk:
-                first = time.perf_counter() - start
-    return first if first is not None else float("nan")
+        timed = sse.timed_events(r)
+    first = next((arrived for arrived, event in timed if sse.content(event)), None)
+    return first - started if first is not None else float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:

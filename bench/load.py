@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from gateway.emulator.process import EmulatorProcess
-    from gateway.launch import GatewayProcess
+    from devtools.processes import GatewayProcess
 
     with contextlib.ExitStack() as stack:
         # Distinct loopback addresses: D reaches P only through the gateway's remote_host rewrite.

@@ -14,81 +14,65 @@ from urllib.parse import urlsplit  # noqa: E402
 
 import gevent  # noqa: E402
 
-from bench.workload import Conversation, filler_history  # noqa: E402
+from devtools import sse  # noqa: E402
+from devtools.workload import Conversation, benchmark_conversation  # noqa: E402
 
 PATH = "/v1/chat/completions"
 REQUEST_TIMEOUT = 120.0  # as vLLM's benchmark: --request-timeout-sec 120
 
 
-class TurnFailed(Exception):
-    """The turn got no complete stream: a status, an error event, or a cut connection."""
-
-
-class Sse:
-    """Split a byte stream into SSE events and keep what the figures need, timestamped per read."""
+class Timing:
+    """When the reply's text arrived, per read: the first and last content, the largest gap."""
 
     def __init__(self) -> None:
-        self.buffer = b""
-        self.events = 0
-        self.content: list[str] = []
         self.first = self.last = 0.0
         self.max_gap = 0.0
-        self.done = False
+        self.content_events = 0
 
-    def feed(self, data: bytes, now: float) -> None:
-        self.buffer += data
-        *events, self.buffer = self.buffer.split(b"\n\n")
-        for event in events:
-            if event.startswith(b"data: "):
-                self.events += 1
-                self._data(event[6:], now)
-
-    def _data(self, payload: bytes, now: float) -> None:
-        if payload == b"[DONE]":
-            self.done = True
+    def add(self, event: sse.Event, now: float) -> None:
+        if not sse.content(event):
             return
-        chunk = json.loads(payload)
-        if "error" in chunk:
-            raise TurnFailed(f"error event: {str(chunk['error'])[:200]}")
-        text = ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content")
-        if not text:
-            return
-        if self.content:
+        if self.content_events:
             self.max_gap = max(self.max_gap, now - self.last)
         else:
             self.first = now
         self.last = now
-        self.content.append(text)
+        self.content_events += 1
 
 
-def run_turn(conn: http.client.HTTPConnection, conv: Conversation, explicit_id: bool) -> dict:
+def run_turn(conn: http.client.HTTPConnection, conv: Conversation) -> dict:
     """Send the conversation's next turn, stream the reply, and extend the history with it."""
-    conv.next_user_message()
+    conv.ask()
     prompt = conv.prompt_tokens()
-    headers = {"Content-Type": "application/json"}
-    if explicit_id:
-        headers["X-Session-ID"] = conv.id
-    body = json.dumps(conv.body(explicit_id)).encode()
+    headers = {"Content-Type": "application/json", **conv.headers()}
+    body = json.dumps(conv.body()).encode()
     sent = time.monotonic()
     conn.request("POST", PATH, body, headers)
     response = conn.getresponse()
     if response.status != 200:
-        raise TurnFailed(f"status {response.status}: {response.read()[:200]!r}")
-    sse = Sse()
+        raise sse.StreamError(f"status {response.status}: {response.read()[:200]!r}")
+    parser, timing, events = sse.Parser(), Timing(), []
     while data := response.read1(65536):
-        sse.feed(data, time.monotonic())
-    if not sse.done or not sse.content:
-        raise TurnFailed("stream ended without [DONE]" if not sse.done else "no content")
-    reply = "".join(sse.content)
+        now = time.monotonic()
+        for event in parser.feed(data):
+            events.append(event)
+            timing.add(event, now)
+    # The systems measured include relays of D (nginx): its kv_transfer_params are no failure.
+    sse.check(events, from_engine=True)
+    if not timing.content_events:
+        raise sse.StreamError("no content")
+    reply = sse.reply(events)
     ideal = conv.ideal_computed(prompt)
-    conv.add_reply(prompt, reply)
-    return {"sent": sent, "first": sse.first, "last": sse.last, "content_events": len(sse.content),
-            "events": sse.events, "max_gap": sse.max_gap, "prompt_tokens": prompt,
-            "ideal_computed": ideal, "hit": response.getheader("X-Gateway-Cache") == "hit"}
+    cache = response.getheader("X-Gateway-Cache")
+    conv.add_reply(reply, cache, prompt)
+    return {"sent": sent, "first": timing.first, "last": timing.last,
+            "content_events": timing.content_events, "events": len(events),
+            "max_gap": timing.max_gap, "prompt_tokens": prompt, "ideal_computed": ideal,
+            "hit": cache == "hit"}
 
 
-def conversation(url: str, conv: Conversation, turns: int, explicit_id: bool, deadline: float,
-                 results: list, errors: list) -> None:
+def conversation(url: str, conv: Conversation, turns: int, deadline: float, results: list,
+                 errors: list) -> None:
     """Run one conversation's turns in order on one keep-alive connection, until the deadline."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
@@ -97,22 +81,22 @@ def conversation(url: str, conv: Conversation, turns: int, explicit_id: bool, de
             if time.monotonic() >= deadline:
                 return
             try:
-                results.append(run_turn(conn, conv, explicit_id))
-            except (TurnFailed, OSError, http.client.HTTPException, ValueError) as exc:
+                results.append(run_turn(conn, conv))
+            except (sse.StreamError, OSError, http.client.HTTPException, ValueError) as exc:
                 # The history no longer matches what the engines saw: this conversation ends.
-                errors.append(f"{conv.id}: {type(exc).__name__}: {exc}"[:300])
+                errors.append(f"{conv.cid}: {type(exc).__name__}: {exc}"[:300])
                 return
     finally:
         conn.close()
 
 
-def client(url: str, convs: Iterator[Conversation], turns: int, explicit_id: bool,
-           deadline: float, results: list, errors: list) -> None:
+def client(url: str, convs: Iterator[Conversation], turns: int, deadline: float, results: list,
+           errors: list) -> None:
     """Run conversations one after another; the iterator is shared, so each is run once."""
     for conv in convs:
         if time.monotonic() >= deadline:
             return
-        conversation(url, conv, turns, explicit_id, deadline, results, errors)
+        conversation(url, conv, turns, deadline, results, errors)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,12 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results: list[dict] = []
     errors: list[str] = []
-    convs = iter([filler_history(args.salt, i, args.history_bytes) if args.history_bytes
-                  else Conversation(args.salt, i) for i in range(args.conversations)])
+    convs = iter([benchmark_conversation(args.salt, i, args.ids, args.history_bytes)
+                  for i in range(args.conversations)])
     started = time.monotonic()
     deadline = started + args.duration
-    gevent.joinall([gevent.spawn(client, args.url, convs, args.turns, args.ids, deadline,
-                                 results, errors) for _ in range(args.concurrency)])
+    gevent.joinall([gevent.spawn(client, args.url, convs, args.turns, deadline, results, errors)
+                    for _ in range(args.concurrency)])
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(args.out, "w") as out:
         json.dump({"started": started, "ended": time.monotonic(), "turns": results,

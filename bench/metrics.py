@@ -30,7 +30,7 @@ def match(turns: list[dict], records: list[dict]) -> list[dict | None]:
     """For each client turn, the engine record of the same prompt length that arrived in its window.
 
     The seed mints its own request ids, so ids can't link the two sides; a prompt length (unique
-    per conversation by construction, see bench.workload) plus "arrived between send and first
+    per conversation by construction, see devtools.workload) plus "arrived between send and first
     token" does. Both sides read CLOCK_MONOTONIC of the same machine.
     """
     by_length: dict[int, list[dict]] = defaultdict(list)

@@ -16,7 +16,7 @@ from bench import growth, report, seed_env
 from bench.measure import Load, run_load
 from bench.metrics import summarize
 from bench.systems import Engines, System, nginx_binary, start
-from bench.workload import REPLY_WORDS
+from devtools.workload import REPLY_WORDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small fixed engine timings, so the figures are about the proxies: 8 ms between tokens,

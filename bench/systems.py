@@ -10,10 +10,9 @@ from urllib.parse import urlsplit
 
 import requests
 
-from gateway.emulator.process import EmulatorProcess
-from gateway.launch import GatewayProcess, RedisProcess, free_port, wait_until
-
 from bench import seed_env
+from devtools.processes import GatewayProcess, RedisProcess
+from gateway.emulator.process import EmulatorProcess, free_port, wait_until
 
 PROXY_HOST = "127.0.0.1"
 PREFILL_HOST = "127.0.0.2"

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from bench import procstat
+from devtools import sse
+from devtools.processes import GatewayProcess
+from devtools.workload import MODEL
 from gateway.emulator.process import EmulatorProcess
 from gateway.emulator.tokens import VOCAB
-from gateway.launch import GatewayProcess
-
-MODEL = "emulated-model"
 ENGINE = {"itl_ms": 8, "prefill_ms_per_token": 0.02, "pull_ms_per_block": 0.05,
           "max_model_len": 200_000, "prefix_cache_blocks": 0}
 
@@ -36,16 +36,13 @@ def conversation(url: str, size: int, turns: int, seed: int) -> tuple[list[float
     ttfts, hits = [], 0
     session = requests.Session()
     for turn in range(turns):
-        started = time.perf_counter()
+        started = time.monotonic()
         with session.post(url + "/v1/chat/completions", stream=True, timeout=120, json={
                 "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True}) as r:
             r.raise_for_status()
-            chunks = r.iter_content(None)
-            next(chunks)
-            first = time.perf_counter() - started
-            body = b"".join(chunks)
-        text = "".join(part.split(b'"content":"', 1)[1].split(b'"', 1)[0].decode()
-                       for part in body.split(b"\n\n") if b'"content":"' in part)
+            timed = sse.timed_events(r)
+        first = timed[0][0] - started          # the first event (the role), as a client sees it
+        text = sse.reply(event for _, event in timed)
         if turn:
             ttfts.append(first)
             hits += r.headers.get("X-Gateway-Cache") == "hit"

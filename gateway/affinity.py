@@ -14,9 +14,12 @@ import os
 import time
 from typing import Iterator, Mapping
 
+from werkzeug.http import is_hop_by_hop_header
+
 from .config import Settings
 from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
-from .upstream import Instance, Upstream
+from .instances import Instance
+from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"
@@ -24,9 +27,8 @@ MAX_SLOTS = 256
 # gunicorn_conf's shared table of live slots (1: owns conversations), set in each worker after
 # fork; None outside gunicorn, where the configured worker count decides.
 LIVE_SLOTS = None
-# Hop-by-hop headers (RFC 9110 7.6.1) and those requests recomputes.
-_NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer",
-                            "transfer-encoding", "upgrade", "host", "content-length"})
+# Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
+_RECOMPUTED = frozenset({"host", "content-length"})
 _RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "Cache-Control",
                  "X-Accel-Buffering")
 
@@ -93,7 +95,8 @@ class Affinity:
         request's deadline, propagate (the view answers 499/504): re-running the whole turn
         here would compute it for nobody, with nobody watching.
         """
-        sent = {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+        sent = {k: v for k, v in headers.items()
+                if not is_hop_by_hop_header(k) and k.lower() not in _RECOMPUTED}
         deadline = time.monotonic() + self.owner_wait
         while True:
             try:

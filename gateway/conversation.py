@@ -45,7 +45,8 @@ def _h(*parts: bytes) -> bytes:
     return h.digest()
 
 
-def _dump(value: Any) -> bytes:
+def canonical_json(value: Any) -> bytes:
+    """JSON bytes independent of key order and layout: what digests are taken over."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -66,7 +67,7 @@ def canonical_message(message: Mapping[str, Any]) -> bytes:
                    "function": {"name": (c.get("function") or {}).get("name"),
                                 "arguments": (c.get("function") or {}).get("arguments")}}
                   for c in message.get("tool_calls") or () if isinstance(c, Mapping)]
-    return _dump([message.get("role"), canonical_content(message.get("content")),
+    return canonical_json([message.get("role"), canonical_content(message.get("content")),
                   message.get("name"), tool_calls, message.get("tool_call_id"),
                   message.get("reasoning_content") or message.get("reasoning") or None])
 
@@ -122,7 +123,7 @@ class Identity:
         """
         if self.prompt is None:
             return True
-        return _boundary(self.prompt, history_len)
+        return word_boundary(self.prompt, history_len)
 
     def after(self, reply: Mapping[str, Any] | str) -> tuple[str | None, str, int]:
         """(store key, history digest, history length) for the entry this turn leaves behind."""
@@ -137,7 +138,8 @@ class Identity:
         return (self.root if self.explicit else None), digest, len(text)
 
 
-def _boundary(text: str, at: int) -> bool:
+def word_boundary(text: str, at: int) -> bool:
+    """Does `text` split into words at `at` (a word character, then whitespace)?"""
     return 0 < at < len(text) and not text[at - 1].isspace() and text[at].isspace()
 
 
@@ -164,8 +166,8 @@ def root_key(body: Mapping[str, Any], headers: Mapping[str, str],
 def _scope(body: Mapping[str, Any], headers: Mapping[str, str],
            conversation_id: str | None) -> tuple[bytes, bytes, str | None]:
     tenant = tenant_of(headers.get("Authorization"))
-    scope = _h(b"scope", tenant, _dump({k: v for k, v in body.items()
-                                        if k not in PROMPT_NEUTRAL and k not in _PROMPT}))
+    scope = _h(b"scope", tenant, canonical_json(
+        {k: v for k, v in body.items() if k not in PROMPT_NEUTRAL and k not in _PROMPT}))
     explicit_id = conversation_id or next(
         (headers[h] for h in ID_HEADERS if headers.get(h)), None)
     return tenant, scope, explicit_id

@@ -8,8 +8,11 @@ import time
 import requests
 from openai import OpenAI
 
+# A development entry point, run from a checkout (`make run`), like the tooling it uses:
+# nothing else in the package imports devtools.
+from devtools.processes import GatewayProcess
+
 from .emulator.process import EmulatorProcess
-from .launch import GatewayProcess
 
 QUESTIONS = [
     "Tell me about disaggregated prefill and decode in a few words",

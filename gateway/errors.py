@@ -1,7 +1,11 @@
-"""The `GatewayError` hierarchy and the one place it becomes an OpenAI error envelope."""
+"""The `GatewayError` hierarchy, and the one place an error becomes the OpenAI error envelope:
+a response (as Werkzeug's `HTTPException.get_response`) or, mid-stream, a final SSE event."""
 from __future__ import annotations
 
 import json
+
+from werkzeug.exceptions import HTTPException
+from werkzeug.wrappers import Response
 
 
 class GatewayError(Exception):
@@ -23,8 +27,24 @@ class GatewayError(Exception):
         if instance_fault is not None:
             self.instance_fault = instance_fault
 
+    @classmethod
+    def from_http(cls, exc: HTTPException) -> GatewayError:
+        """Werkzeug's own errors (404 route, 405 method, ...) in this hierarchy."""
+        status = exc.code or 500
+        kind = BadRequest if status < 500 else GatewayError
+        return kind(exc.description or exc.name, status=status)
+
     def envelope(self) -> dict:
-        return envelope(self.status, self.message, self.type, self.param)
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+    def response(self, request_id: str | None = None) -> Response:
+        """This error as the client's HTTP response."""
+        body = json.dumps(self.envelope(), separators=(",", ":")).encode() + b"\n"
+        response = Response(body, status=self.status, content_type="application/json")
+        if request_id:
+            response.headers["X-Request-Id"] = request_id
+        return response
 
 
 class BadRequest(GatewayError):
@@ -78,10 +98,6 @@ class GatewayTimeout(GatewayError):
     status = 504
     type = "timeout"
     instance_fault = True
-
-
-def envelope(status: int, message: str, type_: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
 def error_event(error: GatewayError, done: bool = True) -> bytes:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from cachetools import TTLCache
 
 from . import metrics
-from .conversation import Identity, _boundary, _dump
+from .conversation import Identity, canonical_json, word_boundary
 from .errors import ClientGone, GatewayError
 from .parse import ClientRequest
 from .store import Entry
@@ -88,7 +88,7 @@ def plain_reply(identity: Identity, turn, body: dict) -> bool:
         return (text == text.strip() and not body.get("continue_final_message")
                 and body.get("add_generation_prompt") is not False)
     prompt = identity.prompt or ""
-    return _boundary(prompt + text, len(prompt))
+    return word_boundary(prompt + text, len(prompt))
 
 
 def _propagate(exc: GatewayError) -> bool:
@@ -113,8 +113,8 @@ class TemplateProbe:
 
     @staticmethod
     def key(body: dict) -> str:
-        return hashlib.blake2b(_dump({k: body.get(k) for k in TEMPLATE_FIELDS if k in body}),
-                               digest_size=16).hexdigest()
+        fields = canonical_json({k: body.get(k) for k in TEMPLATE_FIELDS if k in body})
+        return hashlib.blake2b(fields, digest_size=16).hexdigest()
 
     def known(self, body: dict) -> bool | None:
         key = self.key(body)

@@ -11,10 +11,13 @@ _settings = Settings.from_env()
 
 # Prometheus multiprocess mode: every worker writes its metrics to files in this directory,
 # and /metrics in any worker sums them. Must be set before prometheus_client is imported.
+# A directory made here is this master's own: on_exit removes it.
+_own_metrics_dir = None
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     import tempfile
 
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pd-gateway-metrics-")
+    _own_metrics_dir = tempfile.mkdtemp(prefix="pd-gateway-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_metrics_dir
 
 if _settings.worker_class == "gevent":
     # Patch before anything imports ssl/urllib3; gunicorn's own patching comes too late
@@ -67,6 +70,10 @@ LIVE_SLOTS = multiprocessing.RawArray("b", MAX_SLOTS)
 
 def on_starting(server):
     server.pd_slots = {}    # slot -> the worker holding it
+    # Every configured slot owns its share from the start: a request that reaches the first
+    # worker up waits for its owner (owner_wait) rather than moving once all have started.
+    for slot in range(min(server.num_workers, MAX_SLOTS)):
+        LIVE_SLOTS[slot] = 1
 
 
 def on_reload(server):
@@ -128,3 +135,12 @@ def child_exit(server, worker):
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    # The master, after its workers have stopped. A USR2 re-exec gets a directory of its own
+    # (gunicorn starts it with the environment from before this file ran).
+    if _own_metrics_dir:
+        import shutil
+
+        shutil.rmtree(_own_metrics_dir, ignore_errors=True)

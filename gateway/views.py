@@ -1,34 +1,22 @@
-"""Thin routes: read the request, hand it to the gateway, shape the response."""
+"""The routes: map HTTP to `Gateway` calls and their results (or errors) back to HTTP."""
 from __future__ import annotations
 
 import hmac
 import logging
 import re
-import time
 import uuid
-from typing import TYPE_CHECKING
 
 from flask import Blueprint, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
 
 from . import metrics
-from .conversation import identify, root_key
 from .errors import (BadRequest, ClientGone, GatewayError, NotFound, PayloadTooLarge,
-                     Unauthorized, envelope)
-from .parse import CHAT, COMPLETIONS, parse
-
-if TYPE_CHECKING:
-    from .app import Gateway
+                     Unauthorized)
+from .parse import CHAT, COMPLETIONS
+from .service import Gateway
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def error_response(error: GatewayError, request_id: str | None = None) -> Response:
-    response = jsonify(error.envelope())
-    response.status_code = error.status
-    if request_id:
-        response.headers["X-Request-Id"] = request_id
-    return response
 
 
 def _read_body(limit: int) -> bytes:
@@ -43,6 +31,15 @@ def _read_body(limit: int) -> bytes:
     return raw
 
 
+def _failed(exc: GatewayError, request_id: str) -> Response:
+    if isinstance(exc, ClientGone):
+        metrics.DISCONNECTS.inc()      # nobody reads the reply
+    else:
+        log.info("request %s failed with %d: %s", request_id, exc.status, exc.message)
+        metrics.ERRORS.labels("request", str(exc.status)).inc()
+    return exc.response(request_id)
+
+
 def create_blueprint(gateway: Gateway) -> Blueprint:
     """The gateway's routes; mount it on any Flask app."""
     bp = Blueprint("pd_gateway", __name__)
@@ -51,56 +48,15 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         try:
-            # The whole body first: bytes still unread in the socket would look to the
-            # disconnect watcher like a pipelined next request, and it would stop watching.
-            raw = _read_body(gateway.settings.max_body_bytes)
-        except GatewayError as exc:
-            return _failed(exc, request_id)
-        total = gateway.settings.total_timeout
-        watch = gateway.upstream.watch(request.environ.get("gunicorn.socket"),
-                                       time.monotonic() + total if total else None)
-        try:
-            response = _complete(path, raw, request_id)
-        except BaseException:
-            watch.stop()
-            raise
-        if response.is_streamed:
-            response.call_on_close(watch.stop)     # the stream outlives this function
-        else:
-            watch.stop()
-        return response
-
-    def _failed(exc: GatewayError, request_id: str) -> Response:
-        if isinstance(exc, ClientGone):
-            metrics.DISCONNECTS.inc()      # nobody reads the reply
-        else:
-            log.info("request %s failed with %d: %s", request_id, exc.status, exc.message)
-            metrics.ERRORS.labels("request", str(exc.status)).inc()
-        return error_response(exc, request_id)
-
-    def _complete(path: str, raw: bytes, request_id: str) -> Response:
-        try:
-            client_request = parse(path, raw)
-            id_args = (client_request.body, request.headers, client_request.conversation_id)
-            if gateway.affinity.may_forward(request.environ):
-                owner = gateway.affinity.forward_to(root_key(*id_args))
-                if owner is not None:
-                    try:
-                        forwarded = gateway.affinity.forward(owner, path, raw, request.headers)
-                    except GatewayError:
-                        metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
-                        raise
-                    metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
-                    if forwarded is not None:
-                        status, headers, body = forwarded
-                        return Response(body, status=status, headers=headers)
-            identity = identify(*id_args)
-            headers = gateway.upstream.headers(request_id, request.headers.get("Authorization"))
-            reply = gateway.disagg.run(client_request, identity, headers)
+            raw = _read_body(gateway.settings.max_body_bytes)   # whole, before the watcher
+            reply = gateway.complete(path, raw, request.headers, request.environ, request_id)
         except GatewayError as exc:
             return _failed(exc, request_id)
         if reply.stream is not None:
-            response = Response(reply.stream, content_type=reply.content_type)
+            response = Response(reply.stream, status=reply.status,
+                                content_type=reply.content_type)
+            if reply.close is not None:
+                response.call_on_close(reply.close)
         else:
             response = jsonify(reply.body)
         response.headers.update(reply.headers)
@@ -117,10 +73,7 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
 
     @bp.get("/v1/models")
     def models() -> Response:
-        try:
-            return jsonify(gateway.models())
-        except GatewayError as exc:
-            return error_response(exc)
+        return jsonify(gateway.models())
 
     @bp.get("/health")
     def health() -> Response:
@@ -152,16 +105,10 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
     @bp.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:
         if isinstance(exc, GatewayError):
-            return error_response(exc)
-        status = getattr(exc, "code", None)
-        if isinstance(status, int) and 400 <= status < 500:   # werkzeug's HTTPExceptions
-            response = jsonify(envelope(status, getattr(exc, "description", str(exc)),
-                                        "invalid_request_error"))
-            response.status_code = status
-            return response
+            return exc.response()
+        if isinstance(exc, HTTPException) and (exc.code or 500) < 500:
+            return GatewayError.from_http(exc).response()
         log.exception("unexpected error")
-        response = jsonify(envelope(500, "Internal gateway error", "internal_error"))
-        response.status_code = 500
-        return response
+        return GatewayError("Internal gateway error").response()
 
     return bp

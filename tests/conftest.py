@@ -5,6 +5,7 @@ import contextlib
 
 import pytest
 
+from devtools.workload import MODEL  # noqa: F401  (the tests' model name)
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.store import LocalStore
@@ -54,7 +55,6 @@ def client(app):
 # --- real servers -----------------------------------------------------------------------------
 # Engines on distinct loopback addresses: a pull only works if the gateway rewrote remote_host.
 P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
-MODEL = "emulated-model"
 
 
 @contextlib.contextmanager
@@ -85,7 +85,7 @@ def fresh_engines(engines):
 
 
 def gateway_process(prefill, decode, **settings):
-    from gateway.launch import GatewayProcess
+    from devtools.processes import GatewayProcess
     return GatewayProcess(prefill, decode, **settings)
 
 
@@ -107,7 +107,7 @@ def gateway_factory():
 
 @pytest.fixture(scope="session")
 def redis_server():
-    from gateway.launch import RedisProcess
+    from devtools.processes import RedisProcess
     server = RedisProcess()
     yield server
     server.stop()

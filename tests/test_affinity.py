@@ -12,9 +12,8 @@ import requests
 from gateway.affinity import Affinity, owner
 from gateway.config import Settings
 from gateway.conversation import identify
-from gateway.emulator.process import EmulatorProcess
-from gateway.launch import wait_until
-from tests import workload
+from devtools import workload
+from gateway.emulator.process import EmulatorProcess, wait_until
 from tests.conftest import gateway_process, two_of_each
 
 

@@ -223,29 +223,31 @@ TOOL_DELTAS = [{"role": "assistant", "content": None, "tool_calls": [
     {"tool_calls": [{"index": 0, "function": {"arguments": "\"kv\"}"}}]}]
 
 
-@responses.activate
-def test_tool_call_reply_echoed_canonically_is_not_reused_on_digests_alone(client):
-    # Templates re-render tool calls from parsed JSON: only token verification can prove reuse
-    # (tests/test_exactness_payloads.py); with verify_reuse off it is a counted miss.
-    from gateway import metrics
-    before = metrics.REUSE_CHECKS.labels("unproven")._value.get()
-    echo = {"content": None, "role": "assistant", "tool_calls": [
+# Templates re-render tool calls from parsed JSON, so only token verification can prove their
+# reuse (tests/test_exactness_payloads.py); with verify_reuse off each is a counted miss.
+TOOL_ECHOES = {
+    # Echoed canonically: the digest finds the entry, which stays unproven.
+    "canonical": ({"content": None, "role": "assistant", "tool_calls": [
         {"type": "function", "id": "call_1",
-         "function": {"arguments": "{\"q\": \"kv\"}", "name": "lookup"}}]}
-    assert two_turns(client, TOOL_DELTAS, echo) == "miss"
-    assert metrics.REUSE_CHECKS.labels("unproven")._value.get() == before + 1
+         "function": {"arguments": "{\"q\": \"kv\"}", "name": "lookup"}}]},
+        "REUSE_CHECKS", "unproven", 1),
+    # Arguments re-serialised: the digest leads nowhere; the first turn's miss and this one.
+    "reserialised": ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "lookup", "arguments": "{\"q\":\"kv\"}"}}]},
+        "ENTRIES", "absent", 2),
+}
 
 
 @responses.activate
-def test_tool_call_echoed_differently_is_a_counted_miss(client):
+@pytest.mark.parametrize("case", sorted(TOOL_ECHOES))
+def test_tool_call_echoes_are_counted_misses(client, case):
     from gateway import metrics
-    before = metrics.ENTRIES.labels("absent")._value.get()
-    echo = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "lookup", "arguments": "{\"q\":\"kv\"}"}}]}
+    echo, metric, label, counted = TOOL_ECHOES[case]
+    counter = getattr(metrics, metric).labels(label)
+    before = counter._value.get()
     assert two_turns(client, TOOL_DELTAS, echo) == "miss"
-    # Two turns, two misses counted: the first turn's and the re-serialised arguments'.
-    assert metrics.ENTRIES.labels("absent")._value.get() == before + 2
+    assert counter._value.get() == before + counted
 
 
 @responses.activate

@@ -102,7 +102,7 @@ def test_models_and_health(gateway):
 
 def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
     import requests
-    from tests import workload
+    from devtools import workload
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url], workers=2)
     convs = workload.run(gateway.url, conversations=10, turns=3, concurrency=4)
@@ -116,6 +116,20 @@ def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
     assert sum(counts.values()) == 30
     assert sum(v for k, v in counts.items() if 'cache="hit"' in k) == 20
     assert "pd_gateway_time_to_first_byte_seconds_bucket" in text
+
+
+def test_the_metrics_directory_made_at_start_is_removed_at_exit(fresh_engines, tmp_path,
+                                                                monkeypatch):
+    """Without PROMETHEUS_MULTIPROC_DIR the master makes its own directory; its exit removes it."""
+    from tests.conftest import gateway_process
+    p, d = fresh_engines
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))           # where the gateway's mkdtemp puts it
+    with gateway_process([p.url], [d.url], workers=2) as gateway:
+        made = list(tmp_path.glob("pd-gateway-metrics-*"))
+        assert len(made) == 1
+    assert gateway.process.returncode == 0
+    assert not made[0].exists()
 
 
 def test_keep_alive_connection_serves_many_streams(gateway):

@@ -12,7 +12,7 @@ import pytest
 import requests
 import responses
 
-from gateway.launch import wait_until
+from gateway.emulator.process import wait_until
 from tests.conftest import MODEL, gateway_process
 from tests.test_reliability import open_and_abandon
 
@@ -47,7 +47,9 @@ def test_a_rejected_stream_leaves_no_connection_for_its_watch_to_cut(fresh_engin
     """A stream that gets a >= 400 reply gives its connection back to the pool; the next request
     reuses that socket. The first request's watch must not cut it when its deadline passes."""
     from gateway.errors import GatewayError
-    from gateway.upstream import Instance, Upstream, Watch
+    from gateway.instances import Instance
+    from gateway.upstream import Upstream
+    from gateway.watch import Watch
     p, d = fresh_engines
     upstream = Upstream(2, 30, pool_size=1)
     instance = Instance(d.url, "decode", 0)
@@ -148,7 +150,7 @@ def test_public_health_is_status_only_and_the_report_needs_the_admin_token(fresh
 def test_an_unexpected_exception_never_leaks_an_in_flight_count():
     from gateway.disagg import Disagg
     from gateway.store import LocalStore
-    from gateway.upstream import Pool
+    from gateway.instances import Pool
     pool = Pool("prefill", ["http://10.9.0.1:8100"])
     disagg = Disagg(LocalStore(10, 450), None, pool, pool)
 
@@ -161,7 +163,7 @@ def test_an_unexpected_exception_never_leaks_an_in_flight_count():
 
 
 def test_the_connection_pools_cover_every_engine_and_worker():
-    from gateway.app import Gateway
+    from gateway.service import Gateway
     from gateway.config import Settings
     gateway = Gateway(Settings(prefill=[f"http://10.0.0.{i}:8100" for i in range(12)],
                                decode=[f"http://10.0.1.{i}:8200" for i in range(12)], workers=8))
@@ -174,7 +176,8 @@ def test_the_connection_pools_cover_every_engine_and_worker():
 
 def test_failures_are_classified_by_type_not_by_message():
     from gateway.errors import BadGateway, GatewayTimeout, ServiceUnavailable
-    from gateway.upstream import Instance, _translate
+    from gateway.instances import Instance
+    from gateway.upstream import _translate
     instance = Instance("http://10.9.0.1:8100", "prefill", 0)
 
     def caused(message, cause):
@@ -194,7 +197,7 @@ def test_failures_are_classified_by_type_not_by_message():
 
 @responses.activate
 def test_models_asks_healthy_instances_first_with_a_short_timeout():
-    from gateway.app import Gateway
+    from gateway.service import Gateway
     from gateway.config import Settings
     gateway = Gateway(Settings(prefill=["http://10.9.0.1:8100"],
                                decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"]))
@@ -230,7 +233,7 @@ def test_a_disconnect_noticed_by_the_watcher_is_counted_as_a_disconnect():
 
 def test_after_ttou_no_request_waits_for_a_worker_that_is_gone(fresh_engines):
     from bench import procstat
-    from tests import workload
+    from devtools import workload
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], workers=3) as gateway:
         convs = workload.run(gateway.url, conversations=12, turns=1, concurrency=6)

@@ -10,6 +10,7 @@ import pytest
 import requests
 from openai import OpenAI
 
+from devtools import sse
 from tests.conftest import MODEL
 
 
@@ -20,10 +21,7 @@ def ask(gateway, messages, auth="Bearer tenant-a", stream=True, **extra):
                              headers={"Authorization": auth})
     assert response.status_code == 200, response.text
     if stream:
-        import json
-        events = [json.loads(line[6:]) for line in response.content.split(b"\n\n")
-                  if line.startswith(b"data: {")]
-        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        text = sse.reply(sse.events(response.content))
     else:
         text = response.json()["choices"][0]["message"]["content"]
     return response.headers["X-Gateway-Cache"], text, response.content

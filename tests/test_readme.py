@@ -25,7 +25,7 @@ def test_readme_lists_every_metric():
 def test_blueprint_mounts_on_another_flask_app():
     from flask import Flask
 
-    from gateway.app import Gateway
+    from gateway.service import Gateway
     from gateway.config import Settings
     from gateway.views import create_blueprint
     legacy = Flask("legacy")

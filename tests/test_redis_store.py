@@ -6,8 +6,8 @@ import itertools
 import pytest
 import requests
 
-from tests import workload
-from gateway.launch import RedisProcess
+from devtools import workload
+from devtools.processes import RedisProcess
 from tests.conftest import gateway_process
 
 

@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from gateway.emulator.process import EmulatorProcess
-from gateway.launch import wait_until
-from tests import workload
+from devtools import sse, workload
+from gateway.emulator.process import EmulatorProcess, wait_until
 from tests.conftest import MODEL, gateway_process, two_of_each
 
 
@@ -102,13 +101,10 @@ def test_a_failing_decode_is_retried_on_the_other(engines2, fault):
 
 
 def sse_events(response) -> tuple[list, float]:
-    """Events of a streamed reply and the seconds from the first content to the end."""
-    events, first = [], None
-    for line in response.iter_lines():
-        if line.startswith(b"data: "):
-            events.append(line[6:].decode() if line == b"data: [DONE]" else json.loads(line[6:]))
-            first = first or time.monotonic()
-    return events, time.monotonic() - (first or time.monotonic())
+    """Events of a streamed reply and the seconds from the first event to the end."""
+    timed = sse.timed_events(response)
+    end = time.monotonic()
+    return [event for _, event in timed], (end - timed[0][0] if timed else 0.0)
 
 
 def test_decode_dying_mid_stream_ends_with_an_error_event(fresh_engines, gateway_factory):
@@ -123,9 +119,8 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(fresh_engines, gateway
     assert events[-1] == "[DONE]" and "error" in events[-2]
     assert events[-2]["error"]["code"] == 502
     assert tail < 1.0
-    content = "".join(e["choices"][0]["delta"].get("content") or ""
-                      for e in events if isinstance(e, dict) and e.get("choices"))
-    follow = messages + [{"role": "assistant", "content": content}, {"role": "user", "content": "x"}]
+    follow = messages + [{"role": "assistant", "content": sse.reply(events)},
+                         {"role": "user", "content": "x"}]
     again = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
                           json={"model": MODEL, "messages": follow, "conversation_id": "dies"})
     assert again.headers["X-Gateway-Cache"] == "miss"        # nothing was stored

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
-from gateway.launch import wait_until
-from tests import workload
+from devtools import sse, workload
+from gateway.emulator.process import wait_until
 from tests.conftest import MODEL, gateway_process, two_of_each
 
 pytestmark = pytest.mark.slow
@@ -55,16 +55,14 @@ def words(n: int) -> str:
 def check_stream(response, abandon: bool, tally: Tally) -> str | None:
     """The reply text, or None if the stream ended with an error event or was abandoned."""
     text, events, failed = [], 0, False
-    for line in response.iter_lines():
-        if not line.startswith(b"data: "):
-            continue
-        if b"kv_transfer_params" in line or b"remote_" in line:
-            tally.add("leak", f"engine detail in {line[:200]!r}")
-        if line == b"data: [DONE]":
+    for event in sse.iter_events(response):
+        raw = json.dumps(event)
+        if "kv_transfer_params" in raw or "remote_" in raw:
+            tally.add("leak", f"engine detail in {raw[:200]}")
+        if event == sse.DONE:
             return None if failed else "".join(text)
         if failed:
-            tally.add("after_error", f"an event after the error event: {line[:200]!r}")
-        event = json.loads(line[6:])
+            tally.add("after_error", f"an event after the error event: {raw[:200]}")
         if "error" in event:
             tally.add("error_event")
             failed = True
@@ -73,8 +71,7 @@ def check_stream(response, abandon: bool, tally: Tally) -> str | None:
         if abandon and events == 2:
             tally.add("abandoned")
             return None
-        text += [c.get("delta", {}).get("content") or c.get("text") or ""
-                 for c in event.get("choices", [])]
+        text.append(sse.content(event))
     tally.add("truncated", "a stream ended without [DONE]")
     return None
 

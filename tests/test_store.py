@@ -54,7 +54,7 @@ def test_put_replaces(store):
 
 
 def test_breaker_opens_after_consecutive_failures_then_half_opens(clock):
-    from gateway.upstream import Policy, Pool
+    from gateway.instances import Policy, Pool
     pool = Pool("decode", ["http://a:1", "http://b:2"],
                 Policy(breaker_failures=3, breaker_cooldown=10), clock=clock)
     a, b = pool.instances
@@ -75,7 +75,7 @@ def test_breaker_opens_after_consecutive_failures_then_half_opens(clock):
 
 
 def test_unreachable_marks_down_until_success(clock):
-    from gateway.upstream import Pool
+    from gateway.instances import Pool
     pool = Pool("prefill", ["http://a:1", "http://b:2"], clock=clock)
     a, b = pool.instances
     woken = []
@@ -126,7 +126,7 @@ def test_redis_concurrent_takes_get_the_entry_once(redis_server):
 
 def test_redis_failures_are_misses_not_errors():
     from gateway import metrics
-    from gateway.launch import free_port
+    from gateway.emulator.process import free_port
     failed = metrics.STORE_ERRORS.labels("take")._value.get()
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", ttl=450, timeout=0.5)   # nobody there
     store.put("k", entry())
@@ -161,7 +161,7 @@ def test_take_first_takes_only_the_first_key_that_has_an_entry(either_store):
 
 
 def test_closing_a_gateway_stops_its_prober():
-    from gateway.app import Gateway
+    from gateway.service import Gateway
     from gateway.config import Settings
     gateway = Gateway(Settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                probe_interval=0.05))

@@ -1,29 +1,81 @@
-"""EmulatorProcess: run one emulated engine as a child process for tests and benchmarks, and drive it."""
+"""EmulatorProcess: run one emulated engine as a child process for tests and benchmarks, and drive it.
+
+With the two helpers every child process of the tooling needs, here because EmulatorProcess is
+their lowest user: a free port (`free_port`) and a bounded wait until it answers (`wait_until`).
+"""
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import requests
 
+# Every port free_port has handed out in this process. A picked port is free only until someone
+# binds it, and its caller binds it later (a child process, after its own startup): without this
+# record, two picks made before the first child is up (tests start several engines at once)
+# could return the same port. A port is never handed out twice; the range is far larger than
+# what a test session or a benchmark run takes.
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
 
-def free_ports(host: str, count: int) -> list[int]:
-    """Ports the kernel considers free on `host`; held together so two calls cannot return the same one."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+
+def free_port(host: str = "127.0.0.1", run: int = 1, low: int = 20000, high: int = 32000) -> int:
+    """The first of `run` consecutive free ports on `host`, below the kernel's ephemeral range.
+
+    A port from the ephemeral range (what binding port 0 gives) can be taken a moment later as
+    the local end of some outgoing connection; a gateway's private listeners, bound after fork
+    at port + 1 .. port + workers, then fail with EADDRINUSE under load.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with _handed_out_lock:
+        for _ in range(200):
+            base = random.randrange(low, high - run)
+            ports = range(base, base + run)
+            if _handed_out.intersection(ports):
+                continue
+            try:
+                for port in ports:
+                    with socket.socket(family) as sock:
+                        sock.bind((host, port))
+            except OSError:
+                continue
+            _handed_out.update(ports)
+            return base
+    raise RuntimeError(f"no {run} consecutive free ports in {low}..{high} on {host}")
+
+
+def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | None = None,
+               log_path: str | None = None):
+    """Poll `ready()` until it returns something true, and return that.
+
+    A `requests` error counts as not ready yet. Raises RuntimeError, with the tail of
+    `log_path`, when `process` exits first or `timeout` seconds pass.
+    """
+    deadline = time.monotonic() + timeout
+    failure = f"{what} did not become ready in {timeout} s"
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            failure = f"{what} exited with {process.returncode}"
+            break
+        try:
+            value = ready()
+        except requests.RequestException:
+            value = None
+        if value:
+            return value
+        time.sleep(0.05)
+    tail = ""
+    if log_path and os.path.exists(log_path):
+        with open(log_path, "rb") as log:
+            tail = log.read()[-4000:].decode(errors="replace")
+    raise RuntimeError(f"{failure}:\n{tail}")
 
 
 class EmulatorProcess:
@@ -39,8 +91,8 @@ class EmulatorProcess:
         self.role = role
         self.host = host
         if port is None or kv_port is None:
-            picked = free_ports(host, 2)
-            port, kv_port = port or picked[0], kv_port or picked[1]
+            base = free_port(host, 2)
+            port, kv_port = port or base, kv_port or base + 1
         self.port, self.kv_port = port, kv_port
         url_host = f"[{host}]" if ":" in host else host
         self.url = f"http://{url_host}:{port}"
@@ -84,23 +136,13 @@ class EmulatorProcess:
                                           stderr=subprocess.STDOUT,
                                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
         # An engine started with --fault down answers /health with 503; /faults shows it is up.
-        probe, ok = ("/faults", 200) if self._starts_down else ("/health", 200)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"{self!r} exited with {self._proc.returncode}:\n{self.log_tail()}")
-            try:
-                if self._http.get(self.url + probe, timeout=0.5).status_code == ok:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"{self!r} not healthy after {self.startup_timeout} s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        with open(self.log_path, "rb") as log:
-            return log.read()[-chars:].decode(errors="replace")
+        probe = "/faults" if self._starts_down else "/health"
+        try:
+            wait_until(lambda: self._http.get(self.url + probe, timeout=0.5).status_code == 200,
+                       self.startup_timeout, repr(self), self._proc, self.log_path)
+        except RuntimeError:
+            self.kill()
+            raise
 
     def _call(self, method: str, path: str, **kwargs: object) -> dict:
         response = self._http.request(method, self.url + path, timeout=10, **kwargs)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import pytest
 import requests
 
+from devtools import sse as sse_client
 from gateway.emulator.app import create_app
 from gateway.emulator.config import EngineConfig
 from gateway.emulator.engine import Engine
@@ -63,12 +63,9 @@ def make_api():
 
 def parse_sse(raw: bytes) -> list:
     """SSE body -> list of decoded JSON events, with "[DONE]" kept as the string."""
-    events = []
     assert raw.endswith(b"\n\n"), raw[-200:]
-    for block in raw.decode().split("\n\n")[:-1]:
-        assert block.startswith("data: "), block
-        data = block[len("data: "):]
-        events.append(data if data == "[DONE]" else json.loads(data))
+    events = sse_client.events(raw)
+    assert len(events) == raw.count(b"\n\n"), raw    # every block is one data event
     return events
 
 
@@ -116,8 +113,7 @@ class PD:
         d_response = self.decode(messages, p_params)
         assert d_response.status_code == 200, d_response.text
         events = parse_sse(d_response.content)
-        reply = "".join(e["choices"][0]["delta"].get("content", "") for e in events
-                        if isinstance(e, dict) and e.get("choices"))
+        reply = sse_client.reply(events)
         params = stream_params(events)
         assert params is not None, events
         return reply, params

@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import requests
 
+from devtools import sse as sse_client
+from gateway.emulator.process import wait_until
 from gateway.emulator.tokens import render_chat
-
 
 
 def fresh_history() -> list[dict]:
     """A conversation no engine has seen, so prefix caches left by other tests cannot blur counters."""
     return [{"role": "system", "content": f"session {uuid.uuid4().hex} " + "you are a terse assistant " * 4},
             {"role": "user", "content": "explain bidirectional kv transfer between prefill and decode"}]
-
-
-def wait_for(predicate, timeout: float = 10.0):
-    """Poll until predicate() is truthy; the engine reacts asynchronously to a client leaving."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def test_second_turn_reuses_decode_blocks(pd):
@@ -135,16 +124,15 @@ def test_die_after_cuts_the_stream(pd):
     history = fresh_history()
     pd.d.set_fault("die_after", tokens=3)
     response = pd.decode(history, None, max_tokens=20, stream=True)
-    events: list[bytes] = []
+    events = []
     try:
-        for line in response.iter_lines():
-            if line:
-                events.append(line)
+        for event in sse_client.iter_events(response):
+            events.append(event)
         broke = False
     except requests.exceptions.ChunkedEncodingError:
         broke = True
     assert broke, events
-    assert len(events) == 1 + 3 and b"[DONE]" not in b"".join(events)
+    assert len(events) == 1 + 3 and sse_client.DONE not in events
     try:
         pd.decode(history, None, stream=False)
         raise AssertionError("non-stream request should have lost its connection")
@@ -166,17 +154,18 @@ def test_hang_holds_the_request_without_blocking_others(pd):
     pd.d.set_fault("none")
     assert pd.decode(history, None, stream=False).status_code == 200
     # The hung request's greenlet notices the client left and finishes.
-    wait_for(lambda: pd.d.stats()["fault_responses"] == 1)
+    wait_until(lambda: pd.d.stats()["fault_responses"] == 1, 10, "the hung request to finish")
 
 
 def test_client_leaving_mid_stream_counts_as_aborted(pd):
     history = fresh_history()
     response = pd.decode(history, None, max_tokens=3000, stream=True)
-    lines = response.iter_lines()
-    for _ in range(3):
-        next(lines)
+    events = sse_client.iter_events(response)
+    for _ in range(2):
+        next(events)
     response.close()
-    stats = wait_for(lambda: (s := pd.d.stats())["aborted_streams"] == 1 and s)
+    stats = wait_until(lambda: (s := pd.d.stats())["aborted_streams"] == 1 and s, 10,
+                       "the stream to count as aborted")
     assert stats["streams_in_flight"] == 0 and stats["completed"] == 0
 
 

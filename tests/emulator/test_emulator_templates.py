@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from devtools import sse as sse_client
 from gateway.emulator.process import EmulatorProcess
 from gateway.emulator.tokens import EOS, THINK, Template, generate_chat, token_ids
-from tests.emulator.conftest import PD
+from tests.emulator.conftest import PD, stream_params
 
 words = st.lists(st.sampled_from(["hi", "there", "kv", "cache"]), min_size=1, max_size=6).map(" ".join)
 SYSTEM = {"role": "system", "content": "be brief"}
@@ -161,10 +160,9 @@ def test_blocks_computed_under_another_cache_salt_are_a_wrong_read(pd):
     history = [{"role": "user", "content": "shared question"}]
     p_params = pd.prefill(history, cache_salt="alice").json()["kv_transfer_params"]
     d = pd.decode(history, {**p_params, "remote_host": pd.p.host}, cache_salt="alice")
-    events = [e for e in d.iter_lines() if e.startswith(b"data: {")]
-    d_params = [json.loads(e[6:]) for e in events if b"kv_transfer_params" in e][-1]["kv_transfer_params"]
-    reply = " ".join(json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events
-                     if json.loads(e[6:]).get("choices")).split()
+    events = sse_client.events(d)
+    d_params = stream_params(events)
+    reply = sse_client.reply(events).split()
     follow = history + [{"role": "assistant", "content": " ".join(reply)}, {"role": "user", "content": "more"}]
     p_in = {**d_params, "do_remote_decode": True, "do_remote_prefill": False, "remote_host": pd.d.host}
     assert pd.prefill(follow, p_in, cache_salt="bob").status_code == 200

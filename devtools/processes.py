@@ -1,56 +1,20 @@
-"""Start and stop a gateway under gunicorn as a child process (for the demo, tests and benchmarks)."""
+"""Gateways (under gunicorn) and Redis servers as child processes on free loopback ports.
+
+Ports and waiting come from `gateway.emulator.process` (`free_port`, `wait_until`), which
+starts the emulated engines.
+"""
 from __future__ import annotations
 
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import requests
 
-
-def free_port(host: str = "127.0.0.1", run: int = 1, low: int = 20000,
-              high: int = 32000) -> int:
-    """The first of `run` consecutive free ports below the kernel's ephemeral range.
-
-    A port from the ephemeral range (what binding port 0 gives) can be taken a moment later as
-    the local end of some outgoing connection; a gateway's private listeners, bound after fork
-    at port + 1 .. port + workers, then fail with EADDRINUSE under load.
-    """
-    for base in random.sample(range(low, high - run), 200):
-        try:
-            for port in range(base, base + run):
-                with socket.socket() as sock:
-                    sock.bind((host, port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {run} consecutive free ports in {low}..{high} on {host}")
-
-
-def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | None = None,
-               log_path: str | None = None) -> None:
-    """Poll `ready()` until it is true; fail with the log tail if the process dies or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            break
-        try:
-            if ready():
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.05)
-    tail = ""
-    if log_path and os.path.exists(log_path):
-        with open(log_path, errors="replace") as f:
-            tail = f.read()[-3000:]
-    raise RuntimeError(f"{what} did not become ready in {timeout} s\n{tail}")
+from gateway.emulator.process import free_port, wait_until
 
 
 class GatewayProcess:

@@ -1,0 +1,1 @@
+"""Development tooling shared by tests, benchmarks, the load test and the demo; never installed."""

@@ -1,0 +1,183 @@
+"""What this process knows of the engines: instances, their pools, the choice between them,
+breakers, and the prober that brings instances marked down back."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Collection
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a pool chooses and when it stops choosing an instance."""
+
+    routing: str = "affinity"        # "affinity" (rendezvous + preferred D) or "round_robin"
+    overload_factor: float = 2.0     # skip an instance whose in-flight > factor x (least + 1)
+    breaker_failures: int = 3        # consecutive failures that open the breaker
+    breaker_cooldown: float = 10.0   # seconds an open breaker skips the instance
+
+
+@dataclass(eq=False)
+class Instance:
+    """One engine and what this process knows of it.
+
+    `name` (e.g. "prefill[0]") is what clients may see; the URL stays inside the gateway.
+    """
+
+    url: str
+    role: str
+    index: int
+    host: str = field(init=False)
+    salt: bytes = field(init=False)
+    inflight: int = 0
+    down: bool = False          # a connection failed: skipped until a /health probe answers
+    failures: int = 0           # consecutive failed requests
+    open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
+
+    def __post_init__(self) -> None:
+        self.host = urlsplit(self.url).hostname or ""
+        self.salt = self.url.encode()
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}[{self.index}]"
+
+    def available(self, now: float) -> bool:
+        return not self.down and now >= self.open_until
+
+    def state(self, now: float) -> str:
+        if self.down:
+            return "down"
+        if now < self.open_until:
+            return "open"
+        # Cooled down but not yet proven: the next failure opens it again at once.
+        return "half-open" if self.open_until else "up"
+
+
+def _weight(key: bytes, instance: Instance) -> bytes:
+    return hashlib.blake2b(key, digest_size=8, key=instance.salt[-64:]).digest()
+
+
+class Pool:
+    """The instances of one role: health, in-flight counts, breakers, and the choice between them."""
+
+    def __init__(self, role: str, urls: list[str], policy: Policy = Policy(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.role = role
+        self.policy = policy
+        self.instances = [Instance(url, role, i) for i, url in enumerate(urls)]
+        self._by_url = {i.url: i for i in self.instances}
+        self._next = itertools.cycle(self.instances)
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.on_down: Callable[[], None] | None = None   # wakes the prober
+
+    def choose(self, key: str, prefer: str | None = None,
+               exclude: Collection[Instance] = ()) -> Instance:
+        """Choose for the conversation `key`; `prefer` is the instance holding its KV.
+
+        Healthy instances only, unless none is; the preferred one unless it is overloaded;
+        else the first not overloaded in rendezvous order of the key (or round robin).
+        """
+        now = self._clock()
+        with self._lock:
+            candidates = [i for i in self.instances if i not in exclude and i.available(now)]
+            if not candidates:
+                candidates = [i for i in self.instances if i not in exclude] or self.instances
+            if self.policy.routing == "round_robin":
+                while (chosen := next(self._next)) not in candidates:
+                    pass
+                return chosen
+            limit = self.policy.overload_factor * (min(i.inflight for i in candidates) + 1)
+            preferred = self._by_url.get(prefer) if prefer else None
+            if preferred in candidates and preferred.inflight <= limit:
+                return preferred
+            raw = key.encode()
+            ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
+            return next((i for i in ranked if i.inflight <= limit), ranked[0])
+
+    def acquire(self, instance: Instance) -> None:
+        """Count a request in flight on the instance; `release` when it ends."""
+        with self._lock:
+            instance.inflight += 1
+
+    def release(self, instance: Instance) -> None:
+        with self._lock:
+            instance.inflight -= 1
+
+    def succeeded(self, instance: Instance) -> None:
+        if instance.failures or instance.down or instance.open_until:
+            with self._lock:
+                instance.failures = 0
+                instance.down = False
+                instance.open_until = 0.0
+
+    def failed(self, instance: Instance, unreachable: bool) -> None:
+        """Record a failure: unreachable marks it down at once; others count toward the breaker."""
+        with self._lock:
+            instance.failures += 1
+            if unreachable:
+                instance.down = True
+            elif instance.failures >= self.policy.breaker_failures or instance.open_until:
+                instance.open_until = self._clock() + self.policy.breaker_cooldown
+        log.warning("%s (%s) %s", instance.name, instance.url,
+                    "marked down" if unreachable else f"failed {instance.failures} time(s)")
+        if unreachable and self.on_down is not None:
+            self.on_down()
+
+    def report(self) -> list[dict]:
+        now = self._clock()
+        return [{"name": i.name, "url": i.url, "state": i.state(now), "inflight": i.inflight,
+                 "consecutive_failures": i.failures} for i in self.instances]
+
+
+class Prober:
+    """Probes instances marked down until /health answers 200, then puts them back in rotation.
+
+    One background thread per process (a greenlet under gevent), started when an instance
+    first goes down and ending when none is down.
+    """
+
+    def __init__(self, probe: Callable[[Instance], bool], pools: list[Pool],
+                 interval: float) -> None:
+        self.probe = probe        # does the instance answer GET /health? (Upstream.probe)
+        self.pools = pools
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _down(self) -> list[tuple[Pool, Instance]]:
+        return [(p, i) for p in self.pools for i in p.instances if i.down]
+
+    def wake(self) -> None:
+        """Make sure the probe loop runs (call after marking an instance down)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="pd-gateway-prober",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            down = self._down()
+            if not down:
+                return
+            for pool, instance in down:
+                if self.probe(instance):
+                    log.info("%s (%s) answers /health again", instance.name, instance.url)
+                    pool.succeeded(instance)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(self.interval + 2)    # a probe in progress times out within 1 s

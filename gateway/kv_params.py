@@ -1,0 +1,83 @@
+"""D's kv_transfer_params as the gateway speaks them: the stub P gets on a miss, the params of
+a local decode, the allowlist kept for the next turn, and the P and D bodies that carry them.
+(vLLM's wire format: docs/architecture.md, "The P/D protocol".)"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .instances import Instance
+from .store import Entry
+
+# What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
+MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+# What D gets when P's blocks may be gone (a D that failed may have read them): no pull, so D
+# computes the prompt itself, helped by its prefix cache; and, being params, they make D keep
+# its blocks and return its own params for the next turn, as after any turn. (vLLM's
+# NixlConnector: neither flag set means a D-side request with nothing to receive.)
+LOCAL_DECODE_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
+# Fields P must not see: it generates exactly one token, never streams.
+PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens",
+                   "stream_options")
+
+
+def _int(low: int, high: int | None = None) -> Callable[[Any], bool]:
+    return lambda v: (isinstance(v, int) and not isinstance(v, bool) and v >= low
+                      and (high is None or v <= high))
+
+
+def _block_ids(value: Any) -> bool:
+    is_id = _int(0)
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(group, list) and all(is_id(b) for b in group) for group in value)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 512
+
+
+# D's kv_transfer_params as the gateway keeps them: known fields only, each checked, because
+# they go back to P verbatim next turn (llm-d's required-field list plus vLLM's extras).
+REQUIRED_PARAMS = {"remote_block_ids": _block_ids, "remote_engine_id": _text,
+                   "remote_request_id": _text, "remote_port": _int(1, 65535)}
+OPTIONAL_PARAMS = {"remote_host": _text, "tp_size": _int(1), "dcp_size": _int(1),
+                   "pp_size": _int(1), "remote_num_tokens": _int(0),
+                   "remote_blocks_expiry_time": lambda v: v is None or (
+                       isinstance(v, (int, float)) and not isinstance(v, bool)),
+                   "transfer_mode": _text, "remote_control_host": _text,
+                   "remote_control_port": _int(1, 65535)}
+
+
+def clean_params(params: Any) -> dict | None:
+    """The allowlisted, type-checked copy of D's params, or None if they are malformed."""
+    if not isinstance(params, dict):
+        return None
+    if not all(name in params and check(params[name]) for name, check in REQUIRED_PARAMS.items()):
+        return None
+    clean = {name: params[name] for name in REQUIRED_PARAMS}
+    for name, check in OPTIONAL_PARAMS.items():
+        if name in params:
+            if not check(params[name]):
+                return None
+            clean[name] = params[name]
+    return clean
+
+
+def prefill_body(body: dict, entry: Entry | None) -> dict:
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+    out.update(stream=False, max_tokens=1)
+    if entry is None:
+        out["kv_transfer_params"] = dict(MISS_PARAMS)
+    else:
+        out["kv_transfer_params"] = {**entry.params, "do_remote_decode": True,
+                                     "do_remote_prefill": False}
+    return out
+
+
+def decode_body(body: dict, prefill_reply: dict, prefill: Instance) -> dict:
+    params = prefill_reply.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        # P kept nothing to pull: D must decode on its own, never with P-bound params.
+        return body
+    # vLLM reports its side channel as "localhost"; D must reach the P that actually holds them.
+    return {**body, "kv_transfer_params": {**params, "remote_host": prefill.host}}

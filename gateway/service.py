@@ -1,0 +1,136 @@
+"""`Gateway`: one worker's composition root (built after fork), and `complete`, the one call
+that runs a completion request: forward or serve → identity → store → P → D → relay."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Mapping
+
+from . import metrics
+from .affinity import Affinity
+from .config import Settings
+from .conversation import identify, root_key
+from .disagg import Disagg, Reply
+from .errors import BadGateway, GatewayError
+from .exactness import Exactness
+from .instances import Policy, Pool, Prober
+from .parse import parse
+from .store import ConversationStore, create_store
+from .upstream import Upstream
+from .watch import Watch
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """Everything one worker process shares between requests; build it after fork."""
+
+    MODELS_TIMEOUT = 5.0   # /v1/models is a metadata call: no engine should take longer
+
+    def __init__(self, settings: Settings, store: ConversationStore | None = None) -> None:
+        self.settings = settings
+        self.store = store if store is not None else create_store(settings)
+        concurrency = (settings.threads if settings.worker_class == "gthread"
+                       else settings.worker_connections)
+        self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
+                                 pool_size=concurrency, api_key=settings.upstream_api_key,
+                                 hosts=len(settings.prefill) + len(settings.decode)
+                                 + settings.workers + 4)
+        policy = Policy(routing=settings.routing, overload_factor=settings.overload_factor,
+                        breaker_failures=settings.breaker_failures,
+                        breaker_cooldown=settings.breaker_cooldown)
+        self.prefill = Pool("prefill", settings.prefill, policy)
+        self.decode = Pool("decode", settings.decode, policy)
+        self.prober = Prober(self.upstream.probe, [self.prefill, self.decode],
+                             settings.probe_interval)
+        self.prefill.on_down = self.decode.on_down = self.prober.wake
+        self.affinity = Affinity(settings, self.upstream)
+        self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
+                             attempts=settings.attempts,
+                             exactness=Exactness(settings.verify_reuse))
+
+    def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
+                 environ: Mapping[str, object], request_id: str) -> Reply:
+        """Run one completion request whose whole body is `raw`; raises GatewayError.
+
+        The body must be read before this call: bytes still unread in the socket would look to
+        the disconnect watcher like a pipelined next request, and it would stop watching.
+        A streamed reply's `close` stops the watcher; call it when the stream has ended.
+        """
+        total = self.settings.total_timeout
+        watch = Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
+                      time.monotonic() + total if total else None)
+        try:
+            reply = self._complete(path, raw, headers, environ, request_id)
+        except BaseException:
+            watch.stop()
+            raise
+        if reply.stream is None:
+            watch.stop()
+        else:
+            reply.close = watch.stop     # the stream outlives this call
+        return reply
+
+    def _complete(self, path: str, raw: bytes, headers: Mapping[str, str],
+                  environ: Mapping[str, object], request_id: str) -> Reply:
+        request = parse(path, raw)
+        id_args = (request.body, headers, request.conversation_id)
+        if self.affinity.may_forward(environ):
+            owner = self.affinity.forward_to(root_key(*id_args))
+            if owner is not None:
+                try:
+                    forwarded = self.affinity.forward(owner, path, raw, headers)
+                except GatewayError:
+                    metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
+                    raise
+                metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
+                if forwarded is not None:
+                    status, relayed, body = forwarded
+                    return Reply(headers=relayed, stream=body, status=status)
+        identity = identify(*id_args)
+        engine_headers = self.upstream.headers(request_id, headers.get("Authorization"))
+        return self.disagg.run(request, identity, engine_headers)
+
+    def models(self) -> dict:
+        """The model list of the first D that answers, healthy ones first."""
+        now = time.monotonic()
+        for instance in sorted(self.decode.instances, key=lambda i: not i.available(now)):
+            try:
+                return self.upstream.get_json(instance, "/v1/models",
+                                              min(self.MODELS_TIMEOUT, self.settings.read_timeout))
+            except GatewayError:
+                continue
+        raise BadGateway("no decode instance answered /v1/models")
+
+    def healthy(self) -> bool:
+        """Can this worker serve a turn: some P and some D not marked down?"""
+        return all(any(not i.down for i in pool.instances) for pool in (self.prefill, self.decode))
+
+    def status(self, debug: bool = False) -> dict:
+        """The detailed report (GET /admin/status): engines, breakers, store, this worker."""
+        pools = {pool.role: pool.report() for pool in (self.prefill, self.decode)}
+        return {"status": "ok" if self.healthy() else "degraded", "worker": self.affinity.slot,
+                "pid": os.getpid(), "affinity": self.affinity.enabled,
+                # Besides gthread's request pool (which grows with concurrency and stays):
+                # the main thread, the prober, request watchers. Under gevent, greenlets.
+                "threads": sum(not t.name.startswith("ThreadPoolExecutor")
+                               for t in threading.enumerate()),
+                "watchers": sum(t.name == "pd-gateway-watch" for t in threading.enumerate()),
+                **self.store.report(), **pools,
+                **({"greenlets": _greenlets()} if debug else {})}
+
+    def close(self) -> None:
+        """Stop the background prober and close pooled engine connections (for embedders and
+        tests; a gunicorn worker just exits)."""
+        self.prober.stop()
+        self.upstream.session.close()
+
+
+def _greenlets() -> int:
+    """Live greenlets (gevent workers' requests and watchers); walks the heap, so only on ask."""
+    import gc
+
+    from greenlet import greenlet
+    return sum(isinstance(o, greenlet) and not o.dead for o in gc.get_objects())

@@ -1,0 +1,166 @@
+"""Cancelling one request's engine calls: a watcher of its client socket and deadline, and the
+urllib3 connection and pool classes that register each engine connection with it."""
+from __future__ import annotations
+
+import contextvars
+import select
+import socket
+import threading
+import time
+
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+from .errors import ClientGone, GatewayError, GatewayTimeout
+
+_WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("pd_gateway_watch",
+                                                                     default=None)
+
+
+class Watch:
+    """Ends one request's engine calls when its client goes away or its deadline passes.
+
+    WSGI has no disconnect event: a gone client is only noticed at the next write, which
+    during a long prefill is never. So a background thread (a greenlet under gevent) polls the
+    client socket and, on EOF or at the deadline, shuts down the engine sockets this request
+    is using; the blocked read fails at once and the caller sees `ClientGone` or a timeout.
+    """
+
+    POLL_SECONDS = 0.5   # how long a finished request's watcher may linger
+
+    def __init__(self, client: socket.socket | None, deadline: float | None) -> None:
+        self.client = client
+        self.deadline = deadline
+        self.gone = False
+        self.expired = False
+        self._connections: list[HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._done = False
+        self._token = _WATCH.set(self)
+        if client is not None or deadline is not None:
+            threading.Thread(target=self._run, name="pd-gateway-watch", daemon=True).start()
+
+    def track(self, connection: HTTPConnection) -> None:
+        """Register a connection this request is about to use; refuse if the request is
+        already cut (its client left, or its deadline passed, before this call began)."""
+        with self._lock:
+            if self.gone or self.expired:
+                raise ConnectionAbortedError("the request was cut before this engine call")
+            self._connections.append(connection)
+
+    def untrack(self, connection: HTTPConnection | None = None) -> None:
+        with self._lock:
+            if connection is None:
+                self._connections.clear()
+            elif connection in self._connections:
+                self._connections.remove(connection)
+
+    def error(self) -> GatewayError | None:
+        """Why this request's engine calls were cut, if they were."""
+        if self.gone:
+            return ClientGone("the client closed the connection")
+        if self.expired:
+            return GatewayTimeout("the request took longer than its total deadline",
+                                  instance_fault=False)
+        return None
+
+    def stop(self) -> None:
+        self._done = True
+        self.untrack()
+        try:
+            _WATCH.reset(self._token)
+        except ValueError:        # stopped from another context (a generator's close)
+            _WATCH.set(None)
+
+    def _run(self) -> None:
+        poller = None
+        if self.client is not None:
+            poller = select.poll()
+            poller.register(self.client, select.POLLIN | select.POLLHUP)
+        while not self._done:
+            wait = self.POLL_SECONDS
+            if self.deadline is not None:
+                wait = min(wait, self.deadline - time.monotonic())
+                if wait <= 0:
+                    self.expired = True
+                    return self._cut()
+            if poller is None:
+                time.sleep(wait)
+                continue
+            if poller.poll(wait * 1000) and not self._done:
+                try:
+                    # The raw socket: gevent's recv would wait on the socket's read event on
+                    # EAGAIN, which the request's own greenlet may be using (it reads the next
+                    # request on a kept-alive connection): ConcurrentObjectUseError.
+                    raw = getattr(self.client, "_sock", self.client)
+                    peeked = raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    peeked = b""
+                if peeked:
+                    poller = None      # a pipelined next request: keep only the deadline
+                    continue
+                self.gone = True
+                return self._cut()
+
+    def _cut(self) -> None:
+        # Under the lock: a connection given back to the pool is untracked under it first
+        # (`TrackedPool._put_conn`), so one that another request may reuse is never cut; and
+        # a call that starts after this finds `gone`/`expired` set in `track` and never sends.
+        with self._lock:
+            for connection in self._connections:
+                # shutdown, not close: close from another thread would race the reader's own
+                # use of the descriptor; shutdown just makes its blocked recv return.
+                sock = getattr(connection, "sock", None)
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+
+def current_watch() -> Watch | None:
+    """The watch of the request this thread (or greenlet) is serving, if any."""
+    return _WATCH.get()
+
+
+class _Tracked:
+    """A urllib3 connection that registers with the current request's Watch when used."""
+
+    pd_watch: Watch | None = None
+
+    def request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        watch = _WATCH.get()
+        if watch is not None:
+            self.pd_watch = watch
+            watch.track(self)
+        return super().request(*args, **kwargs)
+
+
+class _TrackedHTTPConnection(_Tracked, HTTPConnection):
+    pass
+
+
+class _TrackedHTTPSConnection(_Tracked, HTTPSConnection):
+    pass
+
+
+class TrackedPool:
+    """Untracks a connection before it goes back to the pool, where another request may take it
+    (a response closed, fully read, or a rejected reply: every release comes through here)."""
+
+    def _put_conn(self, conn):  # type: ignore[no-untyped-def]
+        watch = getattr(conn, "pd_watch", None)
+        if watch is not None:
+            watch.untrack(conn)
+            conn.pd_watch = None
+        return super()._put_conn(conn)
+
+
+class TrackedHTTPPool(TrackedPool, HTTPConnectionPool):
+    ConnectionCls = _TrackedHTTPConnection
+
+
+class TrackedHTTPSPool(TrackedPool, HTTPSConnectionPool):
+    ConnectionCls = _TrackedHTTPSConnection
