@@ -29,8 +29,8 @@ MAX_SLOTS = 256
 LIVE_SLOTS = None
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
 _RECOMPUTED = frozenset({"host", "content-length"})
-_RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "Cache-Control",
-                 "X-Accel-Buffering")
+_RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "X-Gateway-Path",
+                 "Cache-Control", "X-Accel-Buffering")
 
 
 def base_port(settings: Settings) -> int:

@@ -4,14 +4,15 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
-from .options import (SettingsError, add_arguments, boolean, check, given, option, options,
-                      positive, read_env)
+from .options import (SettingsError, add_arguments, boolean, bounded, check, given, option,
+                      options, positive, read_env)
 from .options import port as _port  # a plain `port` would be shadowed by the field of that name
 
 ENV_PREFIX = "GATEWAY_"
+CONFIG_PREFIX = "PD_GATEWAY_"  # keys of a host Flask app's app.config (gateway.extension)
 
 
 def _url_list(value: Any) -> list[str]:
@@ -80,6 +81,11 @@ class Settings:
                                "prove (reasoning, tool calls, templates that rewrite); always "
                                "token-verifies every reuse; off trusts digests and never reuses "
                                "reasoning or tool-call turns.", choices=("auto", "always", "off"))
+    fast_path_tokens: int = option(0, bounded(int, 0), "Decode-only fast path: a follow-up turn "
+                                   "whose D holds its history (a stored entry; D up and not "
+                                   "overloaded) and that adds fewer new prompt tokens than this "
+                                   "goes to that D alone, no P call (docs/fast-path.md); 0 turns "
+                                   "it off.")
     routing: str = option("affinity", str, "How P and D are chosen: per conversation "
                           "(rendezvous hash, D that holds the entry first, load fallback) or "
                           "round robin.", choices=("affinity", "round_robin"))
@@ -147,9 +153,10 @@ class Settings:
 
     @property
     def forwards(self) -> bool:
-        """Do workers forward conversations to their owner? Only several workers with stores
-        of their own need to."""
-        return self.affinity and self.workers > 1 and self.store == "local"
+        """May workers forward conversations to their owner? Only workers with stores of their
+        own need to, and only when gunicorn runs several (gunicorn_conf gives each a private
+        listener then)."""
+        return self.affinity and self.store == "local"
 
     def to_env(self) -> dict[str, str]:
         """The GATEWAY_* variables that reproduce these settings in another process."""
@@ -158,6 +165,13 @@ class Settings:
             value = getattr(self, s.name)
             out[s.env] = " ".join(value) if isinstance(value, list) else str(value)
         return out
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any], environ: dict[str, str] | None = None,
+                     **overrides: Any) -> Settings:
+        """Defaults, then GATEWAY_* variables, then a Flask app's PD_GATEWAY_* config keys (the
+        extension's way in), then explicit overrides."""
+        return cls.from_env(environ, **{**read_env(cls, config, CONFIG_PREFIX), **overrides})
 
 
 SETTINGS = options(Settings)  # each with .name, .flag, .env, .default, .convert, .help, .shown

@@ -10,6 +10,7 @@ from . import metrics
 from .conversation import Identity
 from .errors import BadGateway, ClientGone, GatewayError, ServiceUnavailable, error_event
 from .exactness import Exactness, held_digest, plain_reply
+from .fast_path import FastPath
 from .instances import Instance, Pool
 from .kv_params import LOCAL_DECODE_PARAMS, clean_params, decode_body, prefill_body
 from .parse import ClientRequest
@@ -50,13 +51,14 @@ class Disagg:
 
     def __init__(self, store: ConversationStore, upstream: Upstream,
                  prefill: Pool, decode: Pool, attempts: int = 2,
-                 exactness: Exactness | None = None) -> None:
+                 exactness: Exactness | None = None, fast_path: FastPath = FastPath()) -> None:
         self.store = store
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
         self.attempts = attempts
         self.exactness = exactness or Exactness("auto")
+        self.fast_path = fast_path
 
     def take_entry(self, identity: Identity) -> Entry | None:
         """The previous turn's entry, if this request's history extends the history its blocks
@@ -81,17 +83,17 @@ class Disagg:
 
     def _attempt(self, pool: Pool, key: str, prefer: str | None,
                  call: Callable[[Instance, GatewayError | None], T],
-                 hold: bool = False) -> tuple[Instance, T]:
+                 hold: bool = False, only: Instance | None = None) -> tuple[Instance, T]:
         """`call(instance, last failure)` on instances of `pool` until one answers.
 
         Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
         request's fault and is not retried. With `hold`, the instance stays counted in flight
-        (the caller releases it when the stream ends).
+        (the caller releases it when the stream ends). With `only`, that instance, once.
         """
         tried: list[Instance] = []
         failure = None
         while True:
-            instance = pool.choose(key, prefer=prefer, exclude=tried)
+            instance = only or pool.choose(key, prefer=prefer, exclude=tried)
             pool.acquire(instance)
             try:
                 result = call(instance, failure)
@@ -101,7 +103,7 @@ class Disagg:
                     raise
                 pool.failed(instance, unreachable=isinstance(exc, ServiceUnavailable))
                 tried.append(instance)
-                if len(tried) >= min(self.attempts, len(pool.instances)):
+                if only or len(tried) >= min(self.attempts, len(pool.instances)):
                     raise
                 log.info("retrying %s after: %s", pool.role, exc.message)
                 metrics.RETRIES.labels(pool.role).inc()
@@ -118,56 +120,117 @@ class Disagg:
     def run(self, request: ClientRequest, identity: Identity, headers: dict) -> Reply:
         started = time.perf_counter()
         entry = self.take_entry(identity)
+        admitted: bool | None = None       # the entry's reuse, once decided
+        if entry is None or not self.fast_path.max_tokens:
+            reason = "no_entry" if entry is None else "off"
+        else:
+            target, reason, admitted = self._fast_path_target(entry, request, identity, headers)
+            if target is not None:
+                turn, d_body = self._decode_body(request, identity)
+                local_body = {**d_body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
+                try:
+                    return self._decode(request, identity, turn, headers,
+                                        lambda failure: local_body, None, started, "hit",
+                                        ("decode-only", reason), only=target)
+                except GatewayError as exc:
+                    if not exc.instance_fault:
+                        raise
+                    # Its D failed before a byte: the two-stage path, as a miss (the blocks
+                    # that D held are not to be trusted now).
+                    log.info("decode-only turn failed on %s (%s); two-stage", target.name,
+                             exc.message)
+                    entry, admitted, reason = None, None, "decode_failed"
 
         def prefill_call(instance: Instance, failure: GatewayError | None) -> tuple[bool, dict]:
             def tokenize(body: dict) -> list:
                 return self.upstream.tokenize(instance, body, headers)
 
-            if identity.reusable:
+            if identity.reusable and admitted is None:
                 self.exactness.prepare(request, tokenize)
             # A retry never replays D's params: the failed P may already have read the blocks.
             # (After a refused connection it cannot have; one more miss keeps the rule simple.)
-            reuse = (entry is not None and failure is None
-                     and self.exactness.admit(entry, request, identity, tokenize))
+            reuse = entry is not None and failure is None and (
+                admitted if admitted is not None
+                else self.exactness.admit(entry, request, identity, tokenize)[0])
             body = prefill_body(request.body, entry if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
         prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
                                                       prefill_call)
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
-        # D's token ids let the next turn be verified; asked for here, they never reach a
-        # client that did not ask for them itself.
+        turn, d_body = self._decode_body(request, identity)
+        with_blocks = decode_body(d_body, prefill_reply, prefill)
+        local_body = {**d_body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
+        return self._decode(request, identity, turn, headers,
+                            lambda failure: with_blocks if replayable(failure) else local_body,
+                            entry.decode_url if entry else None, started,
+                            "hit" if hit else "miss", ("two-stage", reason))
+
+    def _decode_body(self, request: ClientRequest, identity: Identity) -> tuple[Turn, dict]:
+        """The turn to fold D's reply into, and the client's body as D gets it (before params).
+
+        D's token ids let the next turn be verified; asked for here (once the template is
+        known), they never reach a client that did not ask for them itself."""
         ask_ids = (identity.reusable and self.exactness.wants_ids(request)
                    and not request.body.get("return_token_ids"))
-        d_body = {**request.body, "return_token_ids": True} if ask_ids else request.body
-        with_blocks = decode_body(d_body, prefill_reply, prefill)
+        body = {**request.body, "return_token_ids": True} if ask_ids else request.body
+        return Turn(strip_ids=ask_ids), body
 
-        def decode_body_for(failure: GatewayError | None) -> dict:
-            if replayable(failure):
-                return with_blocks
-            return {**d_body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
+    def _fast_path_target(self, entry: Entry, request: ClientRequest, identity: Identity,
+                          headers: dict) -> tuple[Instance | None, str, bool | None]:
+        """The D for a decode-only turn, or None; why; and the entry's reuse if decided."""
+        decode, state = self.decode.readiness(entry.decode_url)
+        if decode is None:
+            return None, f"decode_{state}", None
+        if self.fast_path.estimate(request, entry) >= self.fast_path.max_tokens:
+            return None, "long", None
 
-        prefer = entry.decode_url if entry else None
-        reply_headers = {"X-Gateway-Cache": "hit" if hit else "miss"}
-        metrics.REQUESTS.labels(request.path, reply_headers["X-Gateway-Cache"]).inc()
-        turn = Turn(strip_ids=ask_ids)
+        def tokenize(body: dict) -> list:
+            return self.upstream.tokenize(decode, body, headers)
+
+        # The same proof as the two-stage path: a decode-only turn never reuses what P would
+        # not have been allowed to read.
+        self.exactness.prepare(request, tokenize)
+        reuse, prompt_tokens = self.exactness.admit(entry, request, identity, tokenize)
+        if not reuse:
+            return None, "unproven", False
+        held = entry.params.get("remote_num_tokens")
+        if (prompt_tokens is not None and isinstance(held, int)
+                and prompt_tokens - held >= self.fast_path.max_tokens):
+            return None, "long", True            # exact where the tokens were counted
+        return decode, "short", True
+
+    def _decode(self, request: ClientRequest, identity: Identity, turn: Turn, headers: dict,
+                body_for: Callable[[GatewayError | None], dict], prefer: str | None,
+                started: float, cache: str, path: tuple[str, str],
+                only: Instance | None = None) -> Reply:
+        """Decode on D (retried before the first byte unless `only`), relay, remember."""
+        reply_headers = {"X-Gateway-Cache": cache, "X-Gateway-Path": "%s; reason=%s" % path}
         if not request.stream:
             decode, reply = self._attempt(
                 self.decode, identity.root, prefer,
-                lambda d, failure: self.upstream.post_json(d, request.path,
-                                                           decode_body_for(failure), headers))
+                lambda d, failure: self.upstream.post_json(d, request.path, body_for(failure),
+                                                           headers),
+                only=only)
+            self._count(request, cache, path)
             reply = turn.absorb_body(reply)
             self._remember(request, identity, turn, decode)
             return Reply(headers=reply_headers, body=reply)
         decode, stream = self._attempt(
             self.decode, identity.root, prefer,
-            lambda d, failure: self.upstream.open_stream(d, request.path,
-                                                         decode_body_for(failure), headers),
-            hold=True)
+            lambda d, failure: self.upstream.open_stream(d, request.path, body_for(failure),
+                                                         headers),
+            hold=True, only=only)
+        self._count(request, cache, path)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
                      stream=self._relay(stream, request, identity, turn, decode, started),
                      content_type=stream.content_type)
+
+    @staticmethod
+    def _count(request: ClientRequest, cache: str, path: tuple[str, str]) -> None:
+        metrics.REQUESTS.labels(request.path, cache).inc()
+        metrics.TURN_PATHS.labels(*path).inc()
 
     def _relay(self, stream: Stream, request: ClientRequest, identity: Identity, turn: Turn,
                decode: Instance, started: float) -> Iterator[bytes]:

@@ -103,6 +103,21 @@ class Pool:
             ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
             return next((i for i in ranked if i.inflight <= limit), ranked[0])
 
+    def readiness(self, url: str) -> tuple[Instance | None, str]:
+        """The instance at `url` if it may take a request now, else None and why: down (or
+        its breaker open), overloaded (the rule `choose` applies), or gone from the pool."""
+        now = self._clock()
+        with self._lock:
+            instance = self._by_url.get(url)
+            if instance is None:
+                return None, "gone"
+            if not instance.available(now):
+                return None, "down"
+            least = min(i.inflight for i in self.instances if i.available(now))
+            if instance.inflight > self.policy.overload_factor * (least + 1):
+                return None, "overloaded"
+            return instance, "ready"
+
     def acquire(self, instance: Instance) -> None:
         """Count a request in flight on the instance; `release` when it ends."""
         with self._lock:

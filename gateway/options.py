@@ -90,10 +90,21 @@ def check(settings: Any, names: tuple[str, ...] | None = None) -> None:
             object.__setattr__(settings, opt.name, opt.apply(value, opt.flag))
 
 
-def read_env(cls: type, environ: Mapping[str, str]) -> dict[str, Any]:
-    """The settings the environment sets, converted; a bad value names its variable."""
-    return {o.name: o.apply(environ[o.env], o.env) for o in options(cls)
-            if o.env and o.env in environ}
+def read_env(cls: type, environ: Mapping[str, Any], prefix: str | None = None) -> dict[str, Any]:
+    """The settings the environment sets, converted; a bad value names its variable.
+
+    With `prefix`, the keys are `prefix` + the upper-case name instead (a Flask app's
+    `app.config`, whose values may be typed already), and a key with that prefix that names no
+    setting is an error: a typo there would otherwise go unnoticed.
+    """
+    if prefix is None:
+        return {o.name: o.apply(environ[o.env], o.env) for o in options(cls)
+                if o.env and o.env in environ}
+    known = {prefix + o.name.upper(): o for o in options(cls)}
+    unknown = sorted(k for k in environ if k.startswith(prefix) and k not in known)
+    if unknown:
+        raise SettingsError(f"{', '.join(unknown)}: no such setting in {cls.__name__}")
+    return {o.name: o.apply(environ[key], key) for key, o in known.items() if key in environ}
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -15,6 +15,7 @@ from .conversation import identify, root_key
 from .disagg import Disagg, Reply
 from .errors import BadGateway, GatewayError
 from .exactness import Exactness
+from .fast_path import FastPath
 from .instances import Policy, Pool, Prober
 from .parse import parse
 from .store import ConversationStore, create_store
@@ -49,7 +50,8 @@ class Gateway:
         self.affinity = Affinity(settings, self.upstream)
         self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
                              attempts=settings.attempts,
-                             exactness=Exactness(settings.verify_reuse))
+                             exactness=Exactness(settings.verify_reuse),
+                             fast_path=FastPath(settings.fast_path_tokens))
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
                  environ: Mapping[str, object], request_id: str) -> Reply:

@@ -121,11 +121,11 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
         last = len(steps) - 1  # the last token rides on the finish chunk
         for i in range(last + 1):
             if i and itl >= WATCHED_ITL:
-                if _client_gone(environ, engine, itl):
+                if _client_gone(environ, engine, engine.token_wait(itl)):
                     stats.aborted_streams += 1
                     return
             elif i:
-                engine.sleep(itl)
+                engine.sleep(engine.token_wait(itl))
             if turn.fault.mode == "die_after" and i >= turn.fault.tokens:
                 outcome = "died"
                 stats.fault_responses += 1
@@ -176,7 +176,7 @@ def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cu
         engine.record(turn, "died")
         cut()
         return Response(b"", status=500)  # never arrives: the connection is already shut
-    engine.sleep(itl * (turn.completion_tokens - 1))
+    engine.sleep(engine.token_wait(0.0) + itl * (turn.completion_tokens - 1))
     params = engine.finish(turn)
     gen = turn.gen
     if not req.include_reasoning:

@@ -95,6 +95,12 @@ class Engine:
         self.stats = Stats()
         self.faults = FaultState(config.fault)
         self.session = session or make_session()
+        # Prefill is compute-bound: an engine's prompt tokens are computed one request after
+        # another (a throughput model: batching several prompts takes as long in total). On D
+        # they are computed in the same GPU steps as it decodes, so until then no stream of
+        # this engine emits a token (vLLM's chunked prefill interleaves; a full stall is the
+        # upper bound of what a local prefill costs the others).
+        self.busy_until = 0.0
 
     def start(self, req: CompletionRequest, internal_id: str, fault: Fault, arrival: float) -> Turn:
         """Prefill the prompt (pulling what it can) and decide the reply; raises KVLoadError."""
@@ -166,13 +172,33 @@ class Engine:
                                 "recomputing", turn.internal_id,
                                 "" if got_salt == turn.salt else " (another cache_salt)")
         turn.local, turn.computed = local, n - ready
-        emulated_ms += turn.computed * cfg.prefill_ms_per_token
-        self.sleep(emulated_ms / 1000.0)
+        compute_s = turn.computed * cfg.prefill_ms_per_token / 1000.0
+        now = self.clock()
+        self.busy_until = max(now, self.busy_until) + compute_s
+        if cfg.role == "decode":
+            self.stats.decode_stall_seconds += compute_s
+        self.sleep(emulated_ms / 1000.0 + self.busy_until - now)
+        self._count_path(params, p_node)
         self.prefix.insert(tokens, turn.salt)
         turn.prefill_s = self.clock() - started
         self.stats.local_prefix_tokens += local
         self.stats.computed_prompt_tokens += turn.computed
         self.stats.prefill_seconds += turn.prefill_s
+
+    def _count_path(self, params: dict, p_node: bool) -> None:
+        if self.config.role != "decode" or p_node:
+            return
+        if not params:
+            self.stats.plain_requests += 1
+        elif params.get("do_remote_prefill"):
+            self.stats.remote_prefill_requests += 1
+        else:
+            self.stats.decode_only_requests += 1
+
+    def token_wait(self, itl: float) -> float:
+        """Seconds until a stream's next token: the inter-token latency, or longer while this
+        engine is busy prefilling another request."""
+        return max(itl, self.busy_until - self.clock())
 
     def _declines(self, params: dict, count: int) -> bool:
         expiry = params.get("remote_blocks_expiry_time")
@@ -225,6 +251,8 @@ class Engine:
             "completion_tokens": turn.completion_tokens, "finish_reason": turn.finish_reason})
 
     def snapshot(self) -> dict:
+        leases, blocks, self.stats.leases_expired_unread = self.leases.held()
         return {"role": self.config.role, "engine_id": self.engine_id, **self.stats.snapshot(),
-                "kv_leases": len(self.leases), "prefix_cache_blocks": len(self.prefix),
+                "kv_leases": leases, "kv_lease_blocks": blocks,
+                "prefix_cache_blocks": len(self.prefix),
                 "fault": self.faults.current.mode}

@@ -31,6 +31,17 @@ class LeaseMismatch(ValueError):
     """The reader named block ids this lease does not hold; the lease stays for its real owner."""
 
 
+class _ExpiryCountingCache(TTLCache):
+    """A TTLCache that counts what it expires (it expires on every insert, not only on ask)."""
+
+    expired = 0
+
+    def expire(self, time=None):  # type: ignore[no-untyped-def]
+        gone = super().expire(time)
+        self.expired += len(gone)
+        return gone
+
+
 class LeaseStore:
     """Leases by internal request id; `take` hands one over once, expiry after `ttl` seconds of `clock`."""
 
@@ -39,7 +50,7 @@ class LeaseStore:
         self.block_size = block_size
         self.ttl = ttl
         self._clock = clock
-        self._leases: TTLCache = TTLCache(maxsize, ttl, timer=clock)
+        self._leases = _ExpiryCountingCache(maxsize, ttl, timer=clock)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # cachetools is not thread-safe; cheap under gevent
 
@@ -62,10 +73,15 @@ class LeaseStore:
             del self._leases[request_id]
             return lease
 
-    def __len__(self) -> int:
+    def held(self) -> tuple[int, int, int]:
+        """(leases held, blocks held, leases that expired unread so far)."""
         with self._lock:
             self._leases.expire()
-            return len(self._leases)
+            return (len(self._leases), sum(len(v.block_ids) for v in self._leases.values()),
+                    self._leases.expired)
+
+    def __len__(self) -> int:
+        return self.held()[0]
 
 
 class PrefixCache:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, fields
 
-GAUGES = ("streams_in_flight",)  # describe the present, so a reset keeps them
+GAUGES = ("streams_in_flight", "leases_expired_unread")  # describe the present, so a reset keeps them
 
 
 @dataclass
@@ -29,6 +29,14 @@ class Stats:
     kv_load_errors: int = 0  # requests failed by --kv-load-failure-policy fail
     aborted_streams: int = 0  # the client went away mid-stream
     tokenize_requests: int = 0  # POST /tokenize
+    # D, which path each request took: remote_prefill (pulled the prompt from P: two-stage),
+    # decode_only (params without a pull: prefilled here, from its prefix cache and compute),
+    # plain (no kv_transfer_params: vLLM keeps nothing for a next turn).
+    remote_prefill_requests: int = 0
+    decode_only_requests: int = 0
+    plain_requests: int = 0
+    decode_stall_seconds: float = 0.0  # D: time its streams emitted nothing while it prefilled
+    leases_expired_unread: int = 0  # kept for a pull that never came, freed at their TTL (since start)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0  # emulated compute + pull time before the first token
     first_token_seconds: float = 0.0  # arrival to first byte, as the engine saw it

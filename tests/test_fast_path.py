@@ -1,0 +1,198 @@
+"""The decode-only fast path: short follow-ups go to the D that holds the history, no P call.
+
+End to end with the OpenAI SDK, the gateway under gunicorn and emulated engines (which count
+which path each request took and any wrong reuse); the refusals (D down, overloaded, failing,
+an unproven entry) are pinned at the wire with `responses`.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import requests
+import responses
+from openai import OpenAI
+from responses import matchers
+
+from tests.conftest import D_URL, MODEL, P_URL
+from tests.test_disagg_payloads import MISS, chat_events, d_params, p_params, p_reply
+
+CHAT = "/v1/chat/completions"
+LONG = " ".join(f"detail{i}" for i in range(300))     # ~2,700 characters: far above 64 tokens
+
+
+def path_of(headers) -> str:
+    return headers["X-Gateway-Path"]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "nonstream"])
+def test_short_follow_ups_skip_prefill_and_long_ones_do_not(fresh_engines, gateway_factory,
+                                                            stream):
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], fast_path_tokens=64)
+    client = OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
+    messages = [{"role": "system", "content": "you are terse"},
+                {"role": "user", "content": "first question about kv blocks"}]
+    follow_ups = ["and in Python?", "why?", LONG, "thanks, and then?"]
+    seen = []
+    for turn in range(len(follow_ups) + 1):
+        p_before = p.stats()["requests"]
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, stream=stream, max_tokens=6)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        else:
+            text = raw.parse().choices[0].message.content
+        seen.append((path_of(raw.headers), raw.headers["X-Gateway-Cache"],
+                     p.stats()["requests"] - p_before))
+        if turn < len(follow_ups):
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": follow_ups[turn]}]
+    assert seen == [("two-stage; reason=no_entry", "miss", 1),
+                    ("decode-only; reason=short", "hit", 0),
+                    ("decode-only; reason=short", "hit", 0),
+                    # P reads what D kept after a decode-only turn: those params hold.
+                    ("two-stage; reason=long", "hit", 1),
+                    ("decode-only; reason=short", "hit", 0)]
+    p_stats, d_stats = p.stats(), d.stats()
+    assert p_stats["wrong_reuse"] == 0 and d_stats["wrong_reuse"] == 0
+    assert p_stats["hits"] == 1
+    assert (d_stats["decode_only_requests"], d_stats["remote_prefill_requests"]) == (3, 2)
+    # A decode-only turn computed only its new tokens and the partial block before them (the
+    # prefix cache holds whole blocks of 16); the rest came from D's prefix cache.
+    local = [r for r in d.recent_requests() if r["pulled_tokens"] == 0]
+    assert len(local) == 3
+    assert all(0 < r["local_prefix_tokens"] and r["computed_prompt_tokens"] < 16 + 16
+               for r in local), local
+    assert local[-1]["prompt_tokens"] > 300 and local[-1]["computed_prompt_tokens"] < 16
+    metrics = requests.get(gateway.url + "/metrics", timeout=10).text
+    assert 'pd_gateway_turn_paths_total{path="decode-only",reason="short"}' in metrics
+
+
+def test_off_by_default(fresh_engines, gateway_factory):
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url])
+    cid = uuid.uuid4().hex
+    body = {"model": MODEL, "max_tokens": 4, "conversation_id": cid,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    first = requests.post(gateway.url + CHAT, json=body, timeout=30).json()
+    body["messages"] += [first["choices"][0]["message"], {"role": "user", "content": "more?"}]
+    reply = requests.post(gateway.url + CHAT, json=body, timeout=30)
+    assert reply.headers["X-Gateway-Path"] == "two-stage; reason=off"
+    assert reply.headers["X-Gateway-Cache"] == "hit" and p.stats()["requests"] == 2
+
+
+# --- the refusals, at the wire -----------------------------------------------------------
+D2_URL = "http://10.9.0.3:8200"
+MESSAGES = [{"role": "user", "content": "hi there"}]
+TURN2 = MESSAGES + [{"role": "assistant", "content": "hello world"},
+                    {"role": "user", "content": "more"}]
+
+
+@pytest.fixture
+def fast_client(store):
+    from gateway.app import create_app
+    from gateway.config import Settings
+    app = create_app(Settings(prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
+                              verify_reuse="off", fast_path_tokens=64), store=store)
+    yield app.test_client(), app.extensions["pd_gateway"]
+    app.extensions["pd_gateway"].close()
+
+
+def no_entry(client, d_url: str) -> None:
+    """A first turn whose D (the one at `d_url`) leaves its params for the next turn."""
+    responses.post(P_URL + CHAT, json=p_reply(p_params(1)))
+    responses.post(d_url + CHAT, body=chat_events(["hello", " world"], d_params(1)),
+                   content_type="text/event-stream")
+    reply = client.post(CHAT, json={"model": "m", "messages": MESSAGES, "stream": True,
+                                    "conversation_id": "c1"})
+    assert reply.status_code == 200 and reply.headers["X-Gateway-Path"].startswith("two-stage")
+    responses.calls.reset()
+
+
+def second_turn(client):
+    return client.post(CHAT, json={"model": "m", "messages": TURN2, "stream": True,
+                                   "conversation_id": "c1"})
+
+
+def _root():
+    from gateway.conversation import identify
+    return identify({"model": "m", "messages": MESSAGES}, {}, "c1").root
+
+
+@responses.activate
+def test_a_short_turn_goes_to_its_d_alone_with_local_decode_params(fast_client):
+    client, gateway = fast_client
+    holder = gateway.decode.choose(_root())       # where a new conversation's turn 1 lands
+    no_entry(client, holder.url)
+    # No P call, no P-bound params: D prefills locally and keeps its blocks for the next turn.
+    responses.post(holder.url + CHAT, body=chat_events([" ok"], d_params(2)),
+                   content_type="text/event-stream", match=[matchers.json_params_matcher(
+                       {"model": "m", "messages": TURN2, "stream": True,
+                        "kv_transfer_params": {"do_remote_prefill": False,
+                                               "do_remote_decode": False}})])
+    reply = second_turn(client)
+    assert reply.status_code == 200, reply.data
+    assert reply.headers["X-Gateway-Path"] == "decode-only; reason=short"
+    assert [c.request.url for c in responses.calls] == [holder.url + CHAT]
+
+
+@pytest.mark.parametrize("trouble,reason", [("down", "decode_down"),
+                                            ("overloaded", "decode_overloaded"),
+                                            ("failing", "decode_failed")])
+@responses.activate
+def test_a_turn_whose_d_is_in_trouble_takes_the_two_stage_path(fast_client, trouble, reason):
+    client, gateway = fast_client
+    holder = gateway.decode.choose(_root())
+    other = next(i for i in gateway.decode.instances if i is not holder)
+    no_entry(client, holder.url)
+    if trouble == "down":
+        holder.down = True
+    elif trouble == "overloaded":
+        holder.inflight = 10                  # others idle: 10 > 2 x (0 + 1)
+    else:
+        responses.post(holder.url + CHAT, status=503, json={"error": {"message": "busy"}})
+    # After a failed decode-only call its blocks are not trusted: a miss; else P reads them.
+    p_params_in = MISS if trouble == "failing" else {
+        **d_params(1), "remote_host": holder.host, "do_remote_decode": True,
+        "do_remote_prefill": False}
+    responses.post(P_URL + CHAT, json=p_reply(p_params(2)), match=[
+        matchers.json_params_matcher({"model": "m", "messages": TURN2, "stream": False,
+                                      "max_tokens": 1, "kv_transfer_params": p_params_in})])
+    responses.post(other.url + CHAT, body=chat_events([" ok"], d_params(2)),
+                   content_type="text/event-stream")
+    reply = second_turn(client)
+    assert reply.status_code == 200, reply.data
+    assert reply.headers["X-Gateway-Path"] == f"two-stage; reason={reason}"
+    assert any(c.request.url == P_URL + CHAT for c in responses.calls)
+
+
+@responses.activate
+def test_an_entry_the_two_stage_path_would_not_read_is_not_read_by_the_fast_path(fast_client):
+    # verify_reuse off: a reasoning reply is never reused, so no decode-only turn either.
+    client, gateway = fast_client
+    holder = gateway.decode.choose(_root())
+    responses.post(P_URL + CHAT, json=p_reply(p_params(1)))
+    events = [{"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"},
+                            "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "hello world"},
+                            "finish_reason": "stop"}], "kv_transfer_params": d_params(1)}]
+    responses.post(holder.url + CHAT, content_type="text/event-stream",
+                   body=b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                   + b"data: [DONE]\n\n")
+    client.post(CHAT, json={"model": "m", "messages": MESSAGES, "stream": True,
+                            "conversation_id": "c1"})
+    responses.calls.reset()
+    responses.post(P_URL + CHAT, json=p_reply(p_params(2)), match=[matchers.json_params_matcher(
+        {"model": "m", "messages": [*MESSAGES, {"role": "assistant", "content": "hello world",
+                                                "reasoning_content": "hmm"}, TURN2[-1]],
+         "stream": False, "max_tokens": 1, "kv_transfer_params": MISS})])
+    responses.post(holder.url + CHAT, body=chat_events([" ok"], d_params(2)),
+                   content_type="text/event-stream")
+    echoed = [*MESSAGES, {"role": "assistant", "content": "hello world",
+                          "reasoning_content": "hmm"}, TURN2[-1]]
+    reply = client.post(CHAT, json={"model": "m", "messages": echoed, "stream": True,
+                                    "conversation_id": "c1"})
+    assert reply.headers["X-Gateway-Path"] == "two-stage; reason=unproven"
+    assert reply.headers["X-Gateway-Cache"] == "miss"
