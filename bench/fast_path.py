@@ -1,0 +1,115 @@
+"""The decode-only fast path: TTFT, prefill work on P and D, and D's blocks nobody reads.
+
+Multi-turn chat over emulated engines (1 P, 1 D, a gateway of one gevent worker): C concurrent
+conversations of T turns on a history of about 1,000 tokens, each follow-up N words. With the
+fast path on, a follow-up below `--fast-path-tokens` goes to the D that holds its history;
+off, every turn pays P and two KV transfers. The emulator's cost model: P and D compute prompt
+tokens at the same cost, one request after another (throughput-bound); a local prefill on D
+stalls D's streams meanwhile (the upper bound of what chunked prefill costs them).
+
+    python -m bench.fast_path [--conversations 8] [--turns 6] [--sizes 8 32 128 512 2048]
+
+Each size runs twice, fast path off and on (threshold above the follow-up), on fresh engines.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from devtools import sse
+from devtools.processes import GatewayProcess
+from devtools.workload import MODEL
+from gateway.emulator.process import EmulatorProcess
+from gateway.emulator.tokens import VOCAB
+
+ENGINE = {"itl_ms": 10, "prefill_ms_per_token": 0.1, "pull_ms_per_block": 0.05,
+          "max_model_len": 200_000}
+HISTORY_WORDS = 1000
+ON = 1 << 20          # a threshold above any follow-up: every follow-up takes the fast path
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(VOCAB) for _ in range(count))
+
+
+def conversation(url: str, follow_up: int, turns: int, seed: int) -> dict:
+    """One conversation: TTFT and inter-token gaps of every turn after the first (seconds)."""
+    rng = random.Random(seed)
+    messages = [{"role": "user", "content": f"{seed} {time.time_ns()} "
+                 + words(rng, HISTORY_WORDS)}]
+    out = {"ttft": [], "gaps": [], "hits": 0, "decode_only": 0}
+    session = requests.Session()
+    for turn in range(turns):
+        started = time.monotonic()
+        with session.post(url + "/v1/chat/completions", stream=True, timeout=300, json={
+                "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True}) as r:
+            r.raise_for_status()
+            timed = sse.timed_events(r)
+        if turn:
+            out["ttft"].append(timed[0][0] - started)
+            arrivals = [t for t, event in timed if event != sse.DONE]
+            out["gaps"] += [b - a for a, b in zip(arrivals, arrivals[1:])]
+            out["hits"] += r.headers.get("X-Gateway-Cache") == "hit"
+            out["decode_only"] += r.headers.get("X-Gateway-Path", "").startswith("decode-only")
+        text = sse.reply(event for _, event in timed)
+        messages += [{"role": "assistant", "content": text.strip()},
+                     {"role": "user", "content": words(rng, follow_up)}]
+    return out
+
+
+def pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000
+
+
+def measure(follow_up: int, threshold: int, conversations: int, turns: int) -> dict:
+    with EmulatorProcess("prefill", **ENGINE) as p, EmulatorProcess("decode", **ENGINE) as d, \
+            GatewayProcess([p.url], [d.url], workers=1, fast_path_tokens=threshold) as gateway:
+        with ThreadPoolExecutor(conversations) as pool:
+            runs = list(pool.map(lambda i: conversation(gateway.url, follow_up, turns, i),
+                                 range(conversations)))
+        ps, ds = p.stats(), d.stats()
+    later = conversations * (turns - 1)
+    ttft = [t for r in runs for t in r["ttft"]]
+    gaps = [g for r in runs for g in r["gaps"]]
+    return {"follow_up": follow_up, "fast_path": "on" if threshold else "off",
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p99": pct(gaps, 99),
+            "hits": f"{sum(r['hits'] for r in runs)}/{later}",
+            "decode_only": f"{sum(r['decode_only'] for r in runs)}/{later}",
+            "p_computed": ps["computed_prompt_tokens"], "d_computed": ds["computed_prompt_tokens"],
+            "d_stall_ms": round(ds["decode_stall_seconds"] * 1000),
+            "wrong_reuse": ps["wrong_reuse"] + ds["wrong_reuse"],
+            # One lease per conversation waits for its next turn; the rest nobody will read.
+            "d_leases_unread": ds["kv_leases"] - conversations,
+            "d_blocks_held": ds["kv_lease_blocks"]}
+
+
+COLUMNS = ("follow_up", "fast_path", "ttft_p50", "ttft_p99", "itl_p99", "hits", "decode_only",
+           "p_computed", "d_computed", "d_stall_ms", "wrong_reuse", "d_leases_unread",
+           "d_blocks_held")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32, 128, 512, 2048],
+                        help="words per follow-up message")
+    args = parser.parse_args()
+    print(f"{args.conversations} conversations x {args.turns} turns, history "
+          f"~{HISTORY_WORDS} words, 32-token replies; engines {ENGINE}; ms")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    for size in args.sizes:
+        for threshold in (0, ON):
+            row = measure(size, threshold, args.conversations, args.turns)
+            print("| " + " | ".join(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c])
+                                    for c in COLUMNS) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
