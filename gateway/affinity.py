@@ -2,7 +2,7 @@
 
 Each worker has its own conversation store, and the kernel hands a new connection to any
 worker. So every worker holds a stable slot (assigned by the master, see gunicorn_conf) and a
-private loopback listener on `base_port + slot`; the owner of a conversation is the rendezvous
+private loopback listener on `base + slot`; the owner of a conversation is the rendezvous
 hash of its root key over the slots, and a non-owner forwards the whole request to the owner
 once. A request that arrived on a private listener is always served where it landed.
 """
@@ -16,25 +16,18 @@ from typing import Iterator, Mapping
 
 from werkzeug.http import is_hop_by_hop_header
 
+from . import gunicorn_conf
 from .config import Settings
 from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
+from .gunicorn_conf import PRIVATE_ENV, SLOT_ENV
 from .instances import Instance
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
-SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"
-MAX_SLOTS = 256
-# gunicorn_conf's shared table of live slots (1: owns conversations), set in each worker after
-# fork; None outside gunicorn, where the configured worker count decides.
-LIVE_SLOTS = None
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
 _RECOMPUTED = frozenset({"host", "content-length"})
 _RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "X-Gateway-Path",
                  "Cache-Control", "X-Accel-Buffering")
-
-
-def base_port(settings: Settings) -> int:
-    return settings.private_base_port or settings.port + 1
 
 
 def owner(root: str, slots) -> int:
@@ -52,27 +45,28 @@ class Affinity:
     def __init__(self, settings: Settings, upstream: Upstream,
                  environ: Mapping[str, str] = os.environ) -> None:
         self.slot = int(environ.get(SLOT_ENV, "-1"))
-        self.workers = settings.workers
-        # Off with one worker, with a shared store, outside gunicorn (no slot), or when
-        # switched off.
-        self.enabled = settings.forwards and self.slot >= 0
-        self.base = base_port(settings)
-        self.private_ports = {str(self.base + s) for s in range(MAX_SLOTS)} - {str(settings.port)}
-        self.private_host = settings.private_host
+        # gunicorn_conf's post_fork says where the private listeners are when it opened them
+        # (several workers, local stores, affinity on in the master's settings). Off without
+        # them (one worker, outside gunicorn or without its hooks), with a shared store, or
+        # when switched off.
+        private = environ.get(PRIVATE_ENV, "")
+        self.enabled = settings.forwards and self.slot >= 0 and bool(private)
+        host, _, base = private.rpartition(":")
+        self.private_host, self.base = host, int(base or 0)
+        self.own_port = str(self.base + self.slot)
         self.targets: dict[int, Instance] = {}
         self.upstream = upstream
         self.owner_wait = settings.owner_wait
-        self._live: tuple[bytes, list[int]] = (b"", list(range(self.workers)))
+        self._live: tuple[bytes, list[int]] = (b"", [self.slot])
 
     def may_forward(self, environ: Mapping[str, object]) -> bool:
-        """Could this request belong to another worker? Never if it came on a private port."""
-        return self.enabled and environ.get("SERVER_PORT") not in self.private_ports
+        """Could this request belong to another worker? Never if it came on this worker's
+        private port (only forwards arrive there)."""
+        return self.enabled and environ.get("SERVER_PORT") != self.own_port
 
     def live_slots(self) -> list[int]:
-        """The slots that own conversations now (the master's table, when under gunicorn)."""
-        if LIVE_SLOTS is None:
-            return self._live[1]
-        table = bytes(LIVE_SLOTS)
+        """The slots that own conversations now (the master's table)."""
+        table = bytes(gunicorn_conf.LIVE_SLOTS)
         if table != self._live[0]:
             self._live = (table, [s for s, live in enumerate(table) if live] or [self.slot])
         return self._live[1]

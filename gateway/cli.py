@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings.from_args(argv)
     # gunicorn's master and every worker read the same settings from the environment.
     os.environ.update(settings.to_env())
-    command = [sys.executable, "-m", "gunicorn", "-c", "python:gateway.gunicorn_conf"]
+    command = [sys.executable, "-m", "gunicorn", "-c", "python:gateway.standalone_conf"]
     # exec, so signals (SIGTERM for a graceful stop, SIGHUP) reach gunicorn's master directly.
     os.execv(sys.executable, command)
 

@@ -1,5 +1,6 @@
 """The `GatewayError` hierarchy, and the one place an error becomes the OpenAI error envelope:
-a response (as Werkzeug's `HTTPException.get_response`) or, mid-stream, a final SSE event."""
+a response (as Werkzeug's `HTTPException.get_response`) or, mid-stream, a final SSE event.
+Every JSON body the gateway answers with is serialized here too (`json_response`)."""
 from __future__ import annotations
 
 import json
@@ -40,11 +41,17 @@ class GatewayError(Exception):
 
     def response(self, request_id: str | None = None) -> Response:
         """This error as the client's HTTP response."""
-        body = json.dumps(self.envelope(), separators=(",", ":")).encode() + b"\n"
-        response = Response(body, status=self.status, content_type="application/json")
+        response = json_response(self.envelope(), self.status)
         if request_id:
             response.headers["X-Request-Id"] = request_id
         return response
+
+
+def json_response(body: object, status: int = 200) -> Response:
+    """A JSON reply as the gateway sends them all: compact, one line, as vLLM's, whatever JSON
+    settings the Flask app it is mounted on has (its jsonify would apply them)."""
+    data = json.dumps(body, separators=(",", ":")).encode() + b"\n"
+    return Response(data, status=status, content_type="application/json")
 
 
 class BadRequest(GatewayError):

@@ -1,115 +1,225 @@
-"""gunicorn settings for pd-gateway, read from the same GATEWAY_* settings as the app.
+"""pd-gateway's gunicorn hooks, added to any gunicorn config by one call: `install(globals())`.
 
-`pd-gateway` runs gunicorn with `-c python:gateway.gunicorn_conf`; the top-level
-`gunicorn.conf.py` imports this so `gunicorn -c gunicorn.conf.py` works from a checkout.
+They give each worker a stable slot and, with several workers, a private loopback listener (the
+worker affinity of gateway.affinity), set up the directory where every worker writes its
+metrics (so /metrics sums them), and refuse to start under sync workers. Hooks the config
+already has keep running, after pd-gateway's. The gateway's own config (standalone_conf.py) is
+its settings and the same call; a host app's `gunicorn.conf.py` ends with it (docs/embedding.md).
+
+Importing this module imports neither requests nor the app, so gevent can still be patched
+after it.
 """
+from __future__ import annotations
+
+import functools
+import itertools
+import multiprocessing
 import os
+import socket
+import sys
+import tempfile
+from typing import Any, Callable
+
+from gunicorn.sock import TCPSocket
+from gunicorn.util import get_arity, load_class
 
 from gateway.config import Settings
 
-_settings = Settings.from_env()
-
-# Prometheus multiprocess mode: every worker writes its metrics to files in this directory,
-# and /metrics in any worker sums them. Must be set before prometheus_client is imported.
-# A directory made here is this master's own: on_exit removes it.
-_own_metrics_dir = None
-if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    import tempfile
-
-    _own_metrics_dir = tempfile.mkdtemp(prefix="pd-gateway-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_metrics_dir
-
-if _settings.worker_class == "gevent":
-    # Patch before anything imports ssl/urllib3; gunicorn's own patching comes too late
-    # for modules the master already imported (gunicorn #2177, gevent #1016).
-    from gevent import monkey
-
-    monkey.patch_all()
-
-import itertools  # noqa: E402
-import multiprocessing  # noqa: E402
-import socket  # noqa: E402
-
-from gunicorn.sock import TCPSocket  # noqa: E402
-
-from gateway import affinity  # noqa: E402  (after patching: imports requests)
-from gateway.affinity import MAX_SLOTS, SLOT_ENV, base_port  # noqa: E402
-
-wsgi_app = "gateway.wsgi:app"
-bind = [f"{_settings.host}:{_settings.port}"]
-workers = _settings.workers
-# Streams last as long as decode does: a sync worker would be killed at `timeout` mid-stream.
-# gevent serves thousands of idle streams per worker; gthread one thread per stream.
-# gevent: gunicorn's worker, except that a graceful stop does not wait out idle keep-alives.
-worker_class = ("gateway.workers.GeventWorker" if _settings.worker_class == "gevent"
-                else _settings.worker_class)
-threads = _settings.threads
-worker_connections = _settings.worker_connections
-# The worker heartbeat, not a request limit: streams may run much longer than this.
-timeout = 60
-graceful_timeout = int(_settings.graceful_timeout)
-# Above a fronting proxy's idle timeout, so it never reuses a connection we are closing.
-keepalive = _settings.keepalive
-# Recycling a worker wipes its conversation cache.
-max_requests = 0
-loglevel = _settings.log_level
-accesslog = None
-# gunicorn 25.1+ opens a control socket at one fixed path per user; several gateways on one
-# machine (tests, benchmarks) would fight over it, and nothing here uses it.
-control_socket_disable = True
-
-
-# Stable worker slots (the pattern of gunicorn issue #1352): the master hands each new worker
-# the smallest free slot, and a replacement for a dead worker gets the slot it left. A slot
-# owns a share of conversations (gateway.affinity) and a private port, base + slot.
+SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"          # this worker's slot, set after fork
+# host:port of slot 0's private listener (slot N listens on port + N); set after fork only when
+# the workers forward (several workers, local stores, affinity on).
+PRIVATE_ENV = "PD_GATEWAY_PRIVATE_BASE"
+MAX_SLOTS = 256
 # Which slots own conversations now, shared with every worker (forked from the master, which
 # alone writes it): a worker stopped by TTOU or a smaller reload stops owning at once, so no
-# request waits for an owner that is not coming back.
+# request waits for an owner that is not coming back. gateway.affinity reads it.
 LIVE_SLOTS = multiprocessing.RawArray("b", MAX_SLOTS)
 
-
-def on_starting(server):
-    server.pd_slots = {}    # slot -> the worker holding it
-    # Every configured slot owns its share from the start: a request that reaches the first
-    # worker up waits for its owner (owner_wait) rather than moving once all have started.
-    for slot in range(min(server.num_workers, MAX_SLOTS)):
-        LIVE_SLOTS[slot] = 1
-
-
-def on_reload(server):
-    # SIGHUP: gunicorn starts a whole new set of workers, then stops the old set. The new set
-    # takes slots 0..n-1 again; new and old worker of a slot share its private port
-    # (SO_REUSEPORT) until the old one has stopped.
-    server.pd_slots = {}
+# prometheus_client's own variable; it reads it once, when first imported.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+HOOKS = ("on_starting", "on_reload", "pre_fork", "post_fork", "nworkers_changed", "child_exit",
+         "on_exit")
+_MARK = "_pd_gateway_hook"
+_own_metrics_dir: str | None = None    # made by install(), removed by on_exit
 
 
-def pre_fork(server, worker):
-    # Runs in the single-threaded master, so taking a slot needs no lock.
-    worker.pd_slot = next(slot for slot in itertools.count() if slot not in server.pd_slots)
-    if worker.pd_slot >= MAX_SLOTS:
-        raise RuntimeError(f"pd-gateway supports at most {MAX_SLOTS} workers")
-    server.pd_slots[worker.pd_slot] = worker
-    LIVE_SLOTS[worker.pd_slot] = 1
+def install(config: dict[str, Any], **settings: Any) -> None:
+    """Add pd-gateway's hooks to the gunicorn config namespace `config`: `install(globals())`,
+    last in the file, after the config's own hooks (each keeps running, after pd-gateway's).
+
+    `settings` override the GATEWAY_* environment for what the master needs to know: `affinity`,
+    `store` (a shared Redis store needs no private listeners), `private_host`,
+    `private_base_port` (default: the first bound port + 1).
+    """
+    if any(getattr(config.get(name), _MARK, False) for name in HOOKS):
+        raise RuntimeError("pd-gateway: install() was already called on this gunicorn config")
+    _metrics_dir()
+    worker_class = config.get("worker_class")
+    if worker_class is not None and _is_gevent(load_class(worker_class)):
+        # Patch before the app (--preload) imports ssl/urllib3: the worker's own patching,
+        # after fork, comes too late for modules the master already imported (gunicorn #2177,
+        # gevent #1016).
+        from gevent import monkey
+
+        monkey.patch_all()
+    ours = _hooks(Settings.from_env(**settings))
+    for name in HOOKS:
+        config[name] = _chain(ours[name], config.get(name))
 
 
-def nworkers_changed(server, new_value, old_value):
-    # TTOU (or TTIN): gunicorn's manage_workers stops the oldest workers beyond the new count;
-    # their slots stop owning conversations now, not when their last stream has ended.
-    if old_value is None or new_value >= old_value:
+def _chain(ours: Callable, theirs: Callable | None) -> Callable:
+    """`ours`, then the config's own hook of the same name. gunicorn checks a hook's arity, so
+    the pair keeps the signature of `ours` (functools.wraps)."""
+    setattr(ours, _MARK, True)
+    if theirs is None:
+        return ours
+    if get_arity(theirs) != get_arity(ours):
+        raise RuntimeError(f"pd-gateway: this config's {ours.__name__} takes "
+                           f"{get_arity(theirs)} arguments; gunicorn passes {get_arity(ours)}")
+
+    @functools.wraps(ours)
+    def both(*args: Any) -> None:
+        ours(*args)
+        theirs(*args)
+    return both
+
+
+def _hooks(settings: Settings) -> dict[str, Callable]:
+    """The hooks, over the master's view of `settings`."""
+
+    def on_starting(server):
+        _refuse_what_cannot_work(server)
+        # Stable worker slots (the pattern of gunicorn issue #1352): the master hands each new
+        # worker the smallest free slot, and a replacement for a dead worker gets the slot it
+        # left. A slot owns a share of conversations (gateway.affinity) and a private port.
+        server.pd_slots = {}    # slot -> the worker holding it
+        server.pd_private = _private_base(settings, server)
+        # Every configured slot owns its share from the start: a request that reaches the first
+        # worker up waits for its owner (owner_wait) rather than moving once all have started.
+        for slot in range(min(server.num_workers, MAX_SLOTS)):
+            LIVE_SLOTS[slot] = 1
+
+    def on_reload(server):
+        # SIGHUP: gunicorn starts a whole new set of workers, then stops the old set. The new
+        # set takes slots 0..n-1 again; new and old worker of a slot share its private port
+        # (SO_REUSEPORT) until the old one has stopped.
+        server.pd_slots = {}
+
+    def pre_fork(server, worker):
+        if not hasattr(server, "pd_slots"):    # on_starting was not ours: it says why
+            _refuse_what_cannot_work(server)
+        # Runs in the single-threaded master, so taking a slot needs no lock.
+        worker.pd_slot = next(slot for slot in itertools.count() if slot not in server.pd_slots)
+        if worker.pd_slot >= MAX_SLOTS:
+            raise RuntimeError(f"pd-gateway supports at most {MAX_SLOTS} workers")
+        server.pd_slots[worker.pd_slot] = worker
+        LIVE_SLOTS[worker.pd_slot] = 1
+
+    def nworkers_changed(server, new_value, old_value):
+        # TTOU (or TTIN): gunicorn's manage_workers stops the oldest workers beyond the new
+        # count; their slots stop owning conversations now, not when their last stream ends.
+        if old_value is None or new_value >= old_value:
+            return
+        workers = sorted(server.WORKERS.values(), key=lambda w: w.age)
+        for worker in workers[:max(0, len(workers) - new_value)]:
+            LIVE_SLOTS[worker.pd_slot] = 0
+
+    def post_fork(server, worker):
+        os.environ[SLOT_ENV] = str(worker.pd_slot)
+        os.environ.pop(PRIVATE_ENV, None)
+        if server.pd_private is not None:
+            host, base = server.pd_private
+            # Appended before the worker's accept loop starts, so gunicorn serves it like the
+            # public socket; only this process listens on it.
+            address = (host, base + worker.pd_slot)
+            worker.sockets = [*worker.sockets, _PrivateSocket(address, worker.cfg, worker.log)]
+            os.environ[PRIVATE_ENV] = f"{host}:{base}"
+
+    def child_exit(server, worker):
+        holder = server.pd_slots.get(worker.pd_slot)
+        if holder is worker:                    # not if a reload gave it away
+            del server.pd_slots[worker.pd_slot]
+        # A crashed worker's slot stays live: the master refills the smallest free slots at
+        # once (pre_fork), and its conversations wait for the replacement instead of moving
+        # twice. A slot nobody will refill (TTOU, a smaller reload) stops owning.
+        missing = max(0, server.num_workers - len(server.WORKERS))
+        free = (slot for slot in itertools.count() if slot not in server.pd_slots)
+        refilled = set(itertools.islice(free, missing))
+        if holder is None or (holder is worker and worker.pd_slot not in refilled):
+            LIVE_SLOTS[worker.pd_slot] = 0
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+    def on_exit(server):
+        # The master, after its workers have stopped. A USR2 re-exec gets a directory of its
+        # own (gunicorn starts it with the environment from before install() ran).
+        if _own_metrics_dir:
+            import shutil
+
+            shutil.rmtree(_own_metrics_dir, ignore_errors=True)
+
+    hooks = dict(on_starting=on_starting, on_reload=on_reload, pre_fork=pre_fork,
+                 post_fork=post_fork, nworkers_changed=nworkers_changed, child_exit=child_exit,
+                 on_exit=on_exit)
+    assert tuple(hooks) == HOOKS
+    return hooks
+
+
+def _refuse_what_cannot_work(server) -> None:
+    """Stop gunicorn at startup, saying why, rather than serve broken streams or lose affinity."""
+    from gunicorn.workers.sync import SyncWorker
+
+    if issubclass(server.worker_class, SyncWorker):
+        raise RuntimeError(
+            "pd-gateway cannot run under gunicorn's sync worker: it kills a request at "
+            "--timeout, mid-stream. Use worker_class = 'gateway.workers.GeventWorker' (gevent) "
+            "or 'gthread' with threads >= the concurrent streams per worker.")
+    replaced = [name for name in HOOKS if not getattr(getattr(server.cfg, name), _MARK, False)]
+    if replaced:
+        raise RuntimeError(
+            f"pd-gateway: gunicorn's {', '.join(replaced)} hook(s) were set after "
+            "install(globals()) and replaced pd-gateway's; call install(globals()) at the end of "
+            "gunicorn.conf.py, where it chains the hooks defined before it.")
+
+
+def _private_base(settings: Settings, server) -> tuple[str, int] | None:
+    """Where slot 0 listens privately, or None when the workers never forward (one worker, a
+    shared store, affinity off)."""
+    if not settings.forwards or server.num_workers < 2:
+        return None
+    public = [address[1] for address in server.cfg.address if isinstance(address, tuple)]
+    if not settings.private_base_port and not public:
+        raise RuntimeError("pd-gateway: no TCP address bound to put the private listeners "
+                           "after; set GATEWAY_PRIVATE_BASE_PORT")
+    base = settings.private_base_port or public[0] + 1
+    clash = sorted(set(public) & set(range(base, base + server.num_workers)))
+    if clash:
+        raise RuntimeError(f"pd-gateway: the private listeners ({base}..) would take the bound "
+                           f"port(s) {clash}; set GATEWAY_PRIVATE_BASE_PORT elsewhere")
+    return settings.private_host, base
+
+
+def _is_gevent(worker_class: type) -> bool:
+    from gunicorn.workers.ggevent import GeventWorker
+
+    return issubclass(worker_class, GeventWorker)
+
+
+def _metrics_dir() -> None:
+    """Prometheus multiprocess mode: every worker writes its metrics to files in one directory,
+    and /metrics in any worker sums them. prometheus_client reads the variable when first
+    imported, so it must be set before the app is. A directory made here is this master's own."""
+    global _own_metrics_dir
+    if os.environ.get(MULTIPROC_ENV):
         return
-    workers = sorted(server.WORKERS.values(), key=lambda w: w.age)
-    for worker in workers[:max(0, len(workers) - new_value)]:
-        LIVE_SLOTS[worker.pd_slot] = 0
-
-
-def post_fork(server, worker):
-    os.environ[SLOT_ENV] = str(worker.pd_slot)
-    affinity.LIVE_SLOTS = LIVE_SLOTS
-    if _settings.forwards:
-        # Appended before the worker's accept loop starts, so gunicorn serves it like the
-        # public socket; only this process listens on it.
-        address = (_settings.private_host, base_port(_settings) + worker.pd_slot)
-        worker.sockets = [*worker.sockets, _PrivateSocket(address, worker.cfg, worker.log)]
+    if "prometheus_client.values" in sys.modules:
+        raise RuntimeError(f"pd-gateway: prometheus_client was imported before install(), without "
+                           f"{MULTIPROC_ENV}: each worker's metrics would stay its own. Import "
+                           "it (or your app) inside your hooks rather than at the top of "
+                           f"gunicorn.conf.py, or set {MULTIPROC_ENV} in the environment.")
+    _own_metrics_dir = tempfile.mkdtemp(prefix="pd-gateway-metrics-")
+    os.environ[MULTIPROC_ENV] = _own_metrics_dir
 
 
 class _PrivateSocket(TCPSocket):
@@ -118,29 +228,3 @@ class _PrivateSocket(TCPSocket):
         # gunicorn's own setting, so no other process can bind it.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         return super().set_options(sock, bound)
-
-
-def child_exit(server, worker):
-    holder = server.pd_slots.get(worker.pd_slot)
-    if holder is worker:                    # not if a reload gave it away
-        del server.pd_slots[worker.pd_slot]
-    # A crashed worker's slot stays live: the master refills the smallest free slots at once
-    # (pre_fork), and its conversations wait for the replacement instead of moving twice.
-    # A slot nobody will refill (TTOU, a smaller reload) stops owning.
-    missing = max(0, server.num_workers - len(server.WORKERS))
-    free = (slot for slot in itertools.count() if slot not in server.pd_slots)
-    refilled = set(itertools.islice(free, missing))
-    if holder is None or (holder is worker and worker.pd_slot not in refilled):
-        LIVE_SLOTS[worker.pd_slot] = 0
-    from prometheus_client import multiprocess
-
-    multiprocess.mark_process_dead(worker.pid)
-
-
-def on_exit(server):
-    # The master, after its workers have stopped. A USR2 re-exec gets a directory of its own
-    # (gunicorn starts it with the environment from before this file ran).
-    if _own_metrics_dir:
-        import shutil
-
-        shutil.rmtree(_own_metrics_dir, ignore_errors=True)

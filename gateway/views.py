@@ -1,17 +1,22 @@
-"""The routes: map HTTP to `Gateway` calls and their results (or errors) back to HTTP."""
+"""The routes: map HTTP to `Gateway` calls and their results (or errors) back to HTTP.
+
+A blueprint, so it mounts on any Flask app, under any prefix (gateway.extension): its error
+handlers answer its own routes only, and its replies do not depend on the app's JSON settings.
+"""
 from __future__ import annotations
 
 import hmac
 import logging
 import re
 import uuid
+from typing import Callable
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from . import metrics
 from .errors import (BadRequest, ClientGone, GatewayError, NotFound, PayloadTooLarge,
-                     Unauthorized)
+                     Unauthorized, json_response)
 from .parse import CHAT, COMPLETIONS
 from .service import Gateway
 
@@ -26,6 +31,8 @@ def _read_body(limit: int) -> bytes:
         raw = request.stream.read(limit + 1)
     except (OSError, ValueError) as exc:      # gunicorn's NoMoreData: a cut chunked body
         raise BadRequest("Request body ended before it was complete") from exc
+    except HTTPException as exc:    # e.g. the host app's MAX_CONTENT_LENGTH: answered here
+        raise GatewayError.from_http(exc) from exc
     if len(raw) > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
     return raw
@@ -40,11 +47,12 @@ def _failed(exc: GatewayError, request_id: str) -> Response:
     return exc.response(request_id)
 
 
-def create_blueprint(gateway: Gateway) -> Blueprint:
-    """The gateway's routes; mount it on any Flask app."""
+def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
+    """The gateway's routes, each serving `current()`, this process's `Gateway`."""
     bp = Blueprint("pd_gateway", __name__)
 
     def complete(path: str) -> Response:
+        gateway = current()
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         try:
@@ -58,7 +66,7 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
             if reply.close is not None:
                 response.call_on_close(reply.close)
         else:
-            response = jsonify(reply.body)
+            response = json_response(reply.body)
         response.headers.update(reply.headers)
         response.headers["X-Request-Id"] = request_id
         return response
@@ -73,18 +81,17 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
 
     @bp.get("/v1/models")
     def models() -> Response:
-        return jsonify(gateway.models())
+        return json_response(current().models())
 
     @bp.get("/health")
     def health() -> Response:
         """For load balancers and Kubernetes probes: status only, nothing about the engines."""
-        ok = gateway.healthy()
-        response = jsonify({"status": "ok" if ok else "degraded"})
-        response.status_code = 200 if ok else 503
-        return response
+        ok = current().healthy()
+        return json_response({"status": "ok" if ok else "degraded"}, 200 if ok else 503)
 
     @bp.get("/admin/status")
     def status() -> Response:
+        gateway = current()
         token = gateway.settings.admin_token
         if not token:
             raise NotFound("Not Found")
@@ -93,15 +100,16 @@ def create_blueprint(gateway: Gateway) -> Blueprint:
             raise Unauthorized("the admin report needs Authorization: Bearer <admin token>")
         # debug=1 walks the heap for live greenlets: only for the operator who asked.
         report = gateway.status(debug=request.args.get("debug") == "1")
-        response = jsonify(report)
-        response.status_code = 200 if report["status"] == "ok" else 503
-        return response
+        return json_response(report, 200 if report["status"] == "ok" else 503)
 
     @bp.get("/metrics")
     def prometheus() -> Response:
         body, content_type = metrics.exposition()
         return Response(body, content_type=content_type)
 
+    # Blueprint-scoped: the app's own routes keep the app's handlers. HTTPException too, or an
+    # app-wide handler for it would answer first (Flask looks for the most specific class).
+    @bp.errorhandler(HTTPException)
     @bp.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:
         if isinstance(exc, GatewayError):
