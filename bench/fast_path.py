@@ -45,18 +45,14 @@ def conversation(url: str, follow_up: int, turns: int, seed: int) -> dict:
     out = {"ttft": [], "gaps": [], "hits": 0, "decode_only": 0}
     session = requests.Session()
     for turn in range(turns):
-        started = time.monotonic()
-        with session.post(url + "/v1/chat/completions", stream=True, timeout=300, json={
-                "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True}) as r:
-            r.raise_for_status()
-            timed = sse.timed_events(r)
+        timed = sse.timed_turn(session, url + "/v1/chat/completions", body={
+            "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True})
+        text = timed.text
         if turn:
-            out["ttft"].append(timed[0][0] - started)
-            arrivals = [t for t, event in timed if event != sse.DONE]
-            out["gaps"] += [b - a for a, b in zip(arrivals, arrivals[1:])]
-            out["hits"] += r.headers.get("X-Gateway-Cache") == "hit"
-            out["decode_only"] += r.headers.get("X-Gateway-Path", "").startswith("decode-only")
-        text = sse.reply(event for _, event in timed)
+            out["ttft"].append(timed.ttft)
+            out["gaps"] += timed.gaps
+            out["hits"] += timed.headers.get("X-Gateway-Cache") == "hit"
+            out["decode_only"] += timed.headers.get("X-Gateway-Path", "").startswith("decode-only")
         messages += [{"role": "assistant", "content": text.strip()},
                      {"role": "user", "content": words(rng, follow_up)}]
     return out

@@ -36,16 +36,12 @@ def conversation(url: str, size: int, turns: int, seed: int) -> tuple[list[float
     ttfts, hits = [], 0
     session = requests.Session()
     for turn in range(turns):
-        started = time.monotonic()
-        with session.post(url + "/v1/chat/completions", stream=True, timeout=120, json={
-                "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True}) as r:
-            r.raise_for_status()
-            timed = sse.timed_events(r)
-        first = timed[0][0] - started          # the first event (the role), as a client sees it
-        text = sse.reply(event for _, event in timed)
+        timed = sse.timed_turn(session, url + "/v1/chat/completions", timeout=120, body={
+            "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True})
+        text = timed.text
         if turn:
-            ttfts.append(first)
-            hits += r.headers.get("X-Gateway-Cache") == "hit"
+            ttfts.append(timed.ttft)
+            hits += timed.headers.get("X-Gateway-Cache") == "hit"
         messages += [{"role": "assistant", "content": text.strip()},
                      {"role": "user", "content": " ".join(rng.choice(VOCAB) for _ in range(20))}]
     return ttfts, hits

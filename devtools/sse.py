@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
 
 DONE = "[DONE]"
 Event = dict | str
@@ -70,6 +71,28 @@ def timed_events(source) -> list[tuple[float, Event]]:
     for _ in chunks:
         pass
     return timed
+
+
+@dataclass
+class TimedTurn:
+    """One streamed turn as a client saw it (seconds from sending the request)."""
+
+    headers: Mapping[str, str]
+    ttft: float                    # to the first event (the role chunk of a chat stream)
+    gaps: list[float]              # between consecutive events before "[DONE]"
+    text: str
+
+
+def timed_turn(session, url: str, body: dict, timeout: float = 300) -> TimedTurn:
+    """POST a streamed completion request and time its events; raises on an HTTP error."""
+    started = time.monotonic()
+    with session.post(url, json=body, stream=True, timeout=timeout) as response:
+        response.raise_for_status()
+        timed = timed_events(response)
+    arrivals = [t for t, event in timed if event != DONE]
+    return TimedTurn(response.headers, timed[0][0] - started,
+                     [b - a for a, b in zip(arrivals, arrivals[1:])],
+                     reply(event for _, event in timed))
 
 
 def events(source) -> list[Event]:
