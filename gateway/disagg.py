@@ -20,6 +20,8 @@ from .turn import Turn
 from .upstream import Stream, Upstream
 
 log = logging.getLogger(__name__)
+# One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
+access = logging.getLogger("gateway.access")
 T = TypeVar("T")
 
 
@@ -51,7 +53,8 @@ class Disagg:
 
     def __init__(self, store: ConversationStore, upstream: Upstream,
                  prefill: Pool, decode: Pool, attempts: int = 2,
-                 exactness: Exactness | None = None, fast_path: FastPath = FastPath()) -> None:
+                 exactness: Exactness | None = None, fast_path: FastPath = FastPath(),
+                 access_log: bool = False) -> None:
         self.store = store
         self.upstream = upstream
         self.prefill = prefill
@@ -59,6 +62,7 @@ class Disagg:
         self.attempts = attempts
         self.exactness = exactness or Exactness("auto")
         self.fast_path = fast_path
+        self.access_log = access_log
 
     def take_entry(self, identity: Identity) -> Entry | None:
         """The previous turn's entry, if this request's history extends the history its blocks
@@ -131,7 +135,7 @@ class Disagg:
                 try:
                     return self._decode(request, identity, turn, headers,
                                         lambda failure: local_body, None, started, "hit",
-                                        ("decode-only", reason), only=target)
+                                        ("decode-only", reason, "-"), only=target)
                 except GatewayError as exc:
                     if not exc.instance_fault:
                         raise
@@ -164,7 +168,7 @@ class Disagg:
         return self._decode(request, identity, turn, headers,
                             lambda failure: with_blocks if replayable(failure) else local_body,
                             entry.decode_url if entry else None, started,
-                            "hit" if hit else "miss", ("two-stage", reason))
+                            "hit" if hit else "miss", ("two-stage", reason, prefill.name))
 
     def _decode_body(self, request: ClientRequest, identity: Identity) -> tuple[Turn, dict]:
         """The turn to fold D's reply into, and the client's body as D gets it (before params).
@@ -202,10 +206,11 @@ class Disagg:
 
     def _decode(self, request: ClientRequest, identity: Identity, turn: Turn, headers: dict,
                 body_for: Callable[[GatewayError | None], dict], prefer: str | None,
-                started: float, cache: str, path: tuple[str, str],
+                started: float, cache: str, path: tuple[str, str, str],
                 only: Instance | None = None) -> Reply:
         """Decode on D (retried before the first byte unless `only`), relay, remember."""
-        reply_headers = {"X-Gateway-Cache": cache, "X-Gateway-Path": "%s; reason=%s" % path}
+        reply_headers = {"X-Gateway-Cache": cache, "X-Gateway-Path": "%s; reason=%s" % path[:2]}
+        trace = (headers.get("X-Request-Id"), cache, *path)
         if not request.stream:
             decode, reply = self._attempt(
                 self.decode, identity.root, prefer,
@@ -215,6 +220,7 @@ class Disagg:
             self._count(request, cache, path)
             reply = turn.absorb_body(reply)
             self._remember(request, identity, turn, decode)
+            self._log_turn(trace, decode, turn, None, "completed")
             return Reply(headers=reply_headers, body=reply)
         decode, stream = self._attempt(
             self.decode, identity.root, prefer,
@@ -224,18 +230,30 @@ class Disagg:
         self._count(request, cache, path)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
-                     stream=self._relay(stream, request, identity, turn, decode, started),
+                     stream=self._relay(stream, request, identity, turn, decode, started, trace),
                      content_type=stream.content_type)
 
     @staticmethod
-    def _count(request: ClientRequest, cache: str, path: tuple[str, str]) -> None:
+    def _count(request: ClientRequest, cache: str, path: tuple[str, str, str]) -> None:
         metrics.REQUESTS.labels(request.path, cache).inc()
-        metrics.TURN_PATHS.labels(*path).inc()
+        metrics.TURN_PATHS.labels(*path[:2]).inc()
+
+    def _log_turn(self, trace: tuple, decode: Instance, turn: Turn, ttft: float | None,
+                  outcome: str) -> None:
+        if self.access_log:
+            request_id, cache, path, reason, prefill = trace
+            chunks = len(turn.text) + len(turn.reasoning)
+            access.info("turn %s cache=%s path=%s reason=%s prefill=%s decode=%s ttft_ms=%s "
+                        "chunks=%d finish=%s outcome=%s", request_id, cache, path, reason,
+                        prefill, decode.name, "-" if ttft is None else f"{ttft * 1000:.1f}",
+                        chunks, ",".join(turn.finish_reasons) or "-", outcome)
 
     def _relay(self, stream: Stream, request: ClientRequest, identity: Identity, turn: Turn,
-               decode: Instance, started: float) -> Iterator[bytes]:
+               decode: Instance, started: float, trace: tuple) -> Iterator[bytes]:
         relay = EventRelay(turn)
         first = True
+        ttft = None
+        outcome = "completed"
         try:
             for chunk in stream.chunks():
                 out = relay.feed(chunk)
@@ -246,13 +264,16 @@ class Disagg:
                 if out:
                     if first:
                         first = False
-                        metrics.TTFT_SECONDS.observe(time.perf_counter() - started)
+                        ttft = time.perf_counter() - started
+                        metrics.TTFT_SECONDS.observe(ttft)
                     yield out
             if not turn.done:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
         except ClientGone:
             metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
+            outcome = "client_gone"
         except GatewayError as exc:
+            outcome = f"error_{exc.status}"
             # Bytes are out, so the status can't change: finish with an error event instead.
             if exc.instance_fault:
                 self.decode.failed(decode, unreachable=False)
@@ -260,11 +281,13 @@ class Disagg:
             yield error_event(exc)
         except GeneratorExit:
             metrics.DISCONNECTS.inc()
+            outcome = "client_gone"
             raise
         finally:
             # Runs on completion, on error and on client disconnect (GeneratorExit).
             stream.close()
             self.decode.release(decode)
+            self._log_turn(trace, decode, turn, ttft, outcome)
 
     def _remember(self, request: ClientRequest, identity: Identity, turn: Turn,
                   decode: Instance) -> None:

@@ -51,7 +51,8 @@ class Gateway:
         self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
                              attempts=settings.attempts,
                              exactness=Exactness(settings.verify_reuse),
-                             fast_path=FastPath(settings.fast_path_tokens))
+                             fast_path=FastPath(settings.fast_path_tokens),
+                             access_log=settings.access_log)
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
                  environ: Mapping[str, object], request_id: str) -> Reply:
