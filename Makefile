@@ -22,10 +22,23 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m gateway.demo $(if $(PREFILL),--prefill $(PREFILL)) $(if $(DECODE),--decode $(DECODE))
 
-test: $(STAMP)
-	$(BIN)/python -m pytest
+# The lowest supported versions (constraints/lowest.txt, the floors of setup.cfg) in a venv of
+# their own: the embedding tests (a legacy Flask app under its own gunicorn) run there too.
+LOWEST := .venv-lowest
+LOWEST_STAMP := $(LOWEST)/.installed
 
-# Benchmarks (docs/BENCHMARKS.md): the gateway beside the seed proxy over the same emulated engines.
+$(LOWEST_STAMP): setup.cfg setup.py constraints/lowest.txt
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWEST)/bin/python -m pip install --quiet -c constraints/lowest.txt -e '.[test-embedding]' setuptools
+	touch $@
+
+test: $(STAMP) $(LOWEST_STAMP)
+	$(BIN)/python -m pytest
+	$(LOWEST)/bin/python -m pytest tests/embedding
+
+# Benchmarks (docs/BENCHMARKS.md): the gateway beside the seed proxy and vllm-router (each in a venv
+# of its own under bench/, made on first use) over the same emulated engines.
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $@

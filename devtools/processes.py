@@ -1,4 +1,5 @@
-"""Gateways (under gunicorn) and Redis servers as child processes on free loopback ports.
+"""Gateways (under gunicorn: `pd-gateway`, or a host app that mounts it) and Redis servers as
+child processes on free loopback ports.
 
 Ports and waiting come from `gateway.emulator.process` (`free_port`, `wait_until`), which
 starts the emulated engines.
@@ -11,38 +12,66 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 
 import requests
 
 from gateway.emulator.process import free_port, wait_until
 
 
+@dataclass
+class Mount:
+    """A host's Flask app that mounts the gateway, run under the host's own gunicorn config."""
+
+    app: str                # gunicorn's APP_MODULE, e.g. "tests.embedding.legacy_app:create_app()"
+    config: str             # the host's gunicorn.conf.py
+    prefix: str = ""        # where the app mounts the gateway's routes
+    workers: int = 1        # as WEB_CONCURRENCY, gunicorn's default for `workers`
+    env: dict[str, str] = field(default_factory=dict)   # the host's own variables
+
+
 class GatewayProcess:
-    """`pd-gateway` in a child process on a free loopback port; use as a context manager."""
+    """A gateway under gunicorn in a child process on a free loopback port: `pd-gateway` with
+    `settings` as flags, or, with `mount`, a host app with `settings` as GATEWAY_* variables.
+    Use as a context manager."""
 
     def __init__(self, prefill: list[str], decode: list[str], port: int | None = None,
-                 host: str = "127.0.0.1", **settings) -> None:
+                 host: str = "127.0.0.1", mount: Mount | None = None, **settings) -> None:
         self.host = host
         # The detailed report (/admin/status) for tests and benchmarks.
         self.admin_token = str(settings.setdefault("admin_token", secrets.token_hex(8)))
         # The gateway's workers listen privately on the ports right after it.
-        self.port = port or free_port(host, 1 + int(settings.get("workers", 1)))
-        self.url = f"http://{host}:{self.port}"
-        args = [sys.executable, "-m", "gateway.cli", "--host", host, "--port", str(self.port),
-                "--prefill", *prefill, "--decode", *decode]
-        for name, value in settings.items():
-            args += ["--" + name.replace("_", "-"), str(value)]
+        workers = mount.workers if mount else int(settings.get("workers", 1))
+        self.port = port or free_port(host, 1 + workers)
+        self.prefix = mount.prefix if mount else ""
+        self.url = f"http://{host}:{self.port}{self.prefix}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        if mount is None:
+            args = [sys.executable, "-m", "gateway.cli", "--host", host, "--port", str(self.port),
+                    "--prefill", *prefill, "--decode", *decode]
+            for name, value in settings.items():
+                args += ["--" + name.replace("_", "-"), str(value)]
+        else:
+            args = [sys.executable, "-m", "gunicorn", "-c", mount.config,
+                    "--bind", f"{host}:{self.port}", mount.app]
+            env.update({"GATEWAY_" + name.upper(): str(value) for name, value in settings.items()},
+                       GATEWAY_PREFILL=" ".join(prefill), GATEWAY_DECODE=" ".join(decode))
+            env.update(mount.env, WEB_CONCURRENCY=str(mount.workers))
         self.log_path = tempfile.mktemp(prefix="pd-gateway-", suffix=".log")
         self._log = open(self.log_path, "wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        wait_until(lambda: requests.get(self.url + "/health", timeout=2).status_code in (200, 503),
-                   30, f"gateway on {self.url}", self.process, self.log_path)
+        try:
+            wait_until(lambda: requests.get(self.url + "/health", timeout=2).status_code
+                       in (200, 503), 30, f"gateway on {self.url}", self.process, self.log_path)
+        except RuntimeError:
+            self.stop(timeout=5)     # a master whose workers fail to boot would go on forking
+            raise
 
     def status(self, port: int | None = None, debug: bool = False) -> dict:
         """The admin report of the worker behind the public port, or of the worker listening
         privately on `port`."""
-        url = f"http://{self.host}:{port or self.port}/admin/status" + ("?debug=1" if debug else "")
+        url = (f"http://{self.host}:{port or self.port}{self.prefix}/admin/status"
+               + ("?debug=1" if debug else ""))
         return requests.get(url, timeout=5,
                             headers={"Authorization": f"Bearer {self.admin_token}"}).json()
 

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from typing import Iterator, Mapping
+from urllib.parse import quote
 
 from werkzeug.http import is_hop_by_hop_header
 
@@ -81,9 +82,10 @@ class Affinity:
                                           "worker", slot)
         return self.targets[slot]
 
-    def forward(self, target: Instance, path: str, raw: bytes,
+    def forward(self, target: Instance, environ: Mapping[str, object], raw: bytes,
                 headers: Mapping[str, str]) -> tuple[int, dict, Iterator[bytes]] | None:
-        """Relay the request through its owner; None if the owner is away (serve it here).
+        """Relay the request through its owner, to the path it came on (an app may mount the
+        routes under a prefix); None if the owner is away (serve it here).
 
         Only an owner that is away falls back to serving here. A client that left, or the
         request's deadline, propagate (the view answers 499/504): re-running the whole turn
@@ -91,6 +93,7 @@ class Affinity:
         """
         sent = {k: v for k, v in headers.items()
                 if not is_hop_by_hop_header(k) and k.lower() not in _RECOMPUTED}
+        path = quote(f"{environ.get('SCRIPT_NAME', '')}{environ.get('PATH_INFO', '')}")
         deadline = time.monotonic() + self.owner_wait
         while True:
             try:

@@ -58,10 +58,11 @@ def install(config: dict[str, Any], **settings: Any) -> None:
     if worker_class is not None and _is_gevent(load_class(worker_class)):
         # Patch before the app (--preload) imports ssl/urllib3: the worker's own patching,
         # after fork, comes too late for modules the master already imported (gunicorn #2177,
-        # gevent #1016).
+        # gevent #1016). Once: a reload (SIGHUP) runs the config file, and install(), again.
         from gevent import monkey
 
-        monkey.patch_all()
+        if not monkey.is_module_patched("socket"):
+            monkey.patch_all()
     ours = _hooks(Settings.from_env(**settings))
     for name in HOOKS:
         config[name] = _chain(ours[name], config.get(name))
@@ -130,9 +131,12 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         if server.pd_private is not None:
             host, base = server.pd_private
             # Appended before the worker's accept loop starts, so gunicorn serves it like the
-            # public socket; only this process listens on it.
+            # public socket; only this process listens on it. The worker keeps the object too:
+            # gunicorn 20's gevent worker swaps its sockets for copies of their descriptors,
+            # and a dropped original would close the descriptor under the copy.
             address = (host, base + worker.pd_slot)
-            worker.sockets = [*worker.sockets, _PrivateSocket(address, worker.cfg, worker.log)]
+            worker.pd_private_socket = _PrivateSocket(address, worker.cfg, worker.log)
+            worker.sockets = [*worker.sockets, worker.pd_private_socket]
             os.environ[PRIVATE_ENV] = f"{host}:{base}"
 
     def child_exit(server, worker):

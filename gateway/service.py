@@ -84,7 +84,7 @@ class Gateway:
             owner = self.affinity.forward_to(root_key(*id_args))
             if owner is not None:
                 try:
-                    forwarded = self.affinity.forward(owner, path, raw, headers)
+                    forwarded = self.affinity.forward(owner, environ, raw, headers)
                 except GatewayError:
                     metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
                     raise

@@ -46,12 +46,19 @@ def test_without_affinity_most_later_turns_miss(fresh_engines, gateway_factory):
     assert hits / later < 0.9
 
 
-def test_forwarding_is_off_with_one_worker_or_when_switched_off():
-    environ = {"PD_GATEWAY_WORKER_SLOT": "0"}
-    assert not Affinity(Settings(workers=1), None, environ).enabled
-    assert not Affinity(Settings(workers=4, affinity=False), None, environ).enabled
-    assert not Affinity(Settings(workers=4), None, {}).enabled        # not under gunicorn
-    assert Affinity(Settings(workers=4), None, environ).enabled
+def test_forwarding_is_off_without_private_listeners_or_when_switched_off():
+    # gunicorn_conf's post_fork gives a worker its slot, and the private listeners' address
+    # when it opened them (several workers).
+    environ = {"PD_GATEWAY_WORKER_SLOT": "1", "PD_GATEWAY_PRIVATE_BASE": "127.0.0.1:9001"}
+    assert Affinity(Settings(), None, environ).enabled
+    assert not Affinity(Settings(affinity=False), None, environ).enabled
+    assert not Affinity(Settings(store="redis://127.0.0.1:9/0"), None, environ).enabled
+    assert not Affinity(Settings(), None, {"PD_GATEWAY_WORKER_SLOT": "0"}).enabled  # one worker
+    assert not Affinity(Settings(), None, {}).enabled        # not under gunicorn's hooks
+    # A request that came on this worker's own private port was forwarded: served here.
+    affinity = Affinity(Settings(), None, environ)
+    assert not affinity.may_forward({"SERVER_PORT": "9002"})
+    assert affinity.may_forward({"SERVER_PORT": "9001"}) and affinity.may_forward({})
 
 
 def test_owner_is_stable_and_spreads():

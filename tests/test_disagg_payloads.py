@@ -329,7 +329,7 @@ def test_decode_retry_replays_prefill_params_only_if_the_failed_d_never_got_them
         two_instance_app, failure):
     d2 = "http://10.9.0.4:8200"
     app = two_instance_app([P_URL], [D_URL, d2])
-    first = app.extensions["pd_gateway"].decode.choose(
+    first = app.extensions["pd_gateway"].gateway.decode.choose(
         identify({"messages": MESSAGES}, {}, "conv").root)
     second = [u for u in (D_URL, d2) if u != first.url][0]
     responses.post(P_URL + CHAT, json=p_reply(p_params()))

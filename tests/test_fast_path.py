@@ -30,7 +30,7 @@ def path_of(headers) -> str:
 def test_short_follow_ups_skip_prefill_and_long_ones_do_not(fresh_engines, gateway_factory,
                                                             stream):
     p, d = fresh_engines
-    gateway = gateway_factory([p.url], [d.url], fast_path_tokens=64)
+    gateway = gateway_factory([p.url], [d.url], fast_path_tokens=64, access_log=True)
     client = OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
     messages = [{"role": "system", "content": "you are terse"},
                 {"role": "user", "content": "first question about kv blocks"}]
@@ -68,6 +68,11 @@ def test_short_follow_ups_skip_prefill_and_long_ones_do_not(fresh_engines, gatew
     assert local[-1]["prompt_tokens"] > 300 and local[-1]["computed_prompt_tokens"] < 16
     metrics = requests.get(gateway.url + "/metrics", timeout=10).text
     assert 'pd_gateway_turn_paths_total{path="decode-only",reason="short"}' in metrics
+    # The access log says the same, one line per turn, with the instances and the outcome.
+    lines = [line for line in gateway.log().splitlines() if " turn " in line]
+    assert sum("path=decode-only reason=short prefill=- decode=decode[0]" in line
+               and "outcome=completed" in line for line in lines) >= 3, lines[-5:]
+    assert any("path=two-stage reason=long prefill=prefill[0]" in line for line in lines)
 
 
 def test_off_by_default(fresh_engines, gateway_factory):
@@ -96,7 +101,7 @@ def fast_client(store):
     from gateway.config import Settings
     app = create_app(Settings(prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
                               verify_reuse="off", fast_path_tokens=64), store=store)
-    yield app.test_client(), app.extensions["pd_gateway"]
+    yield app.test_client(), app.extensions["pd_gateway"].gateway
     app.extensions["pd_gateway"].close()
 
 
