@@ -1,4 +1,4 @@
-"""Tables (terminal and Markdown), ratios gateway / seed, PNG plots and docs/BENCHMARKS.md."""
+"""Tables (terminal and Markdown), ratios gateway / peer, PNG plots and docs/BENCHMARKS.md."""
 from __future__ import annotations
 
 import math
@@ -24,7 +24,7 @@ COLUMNS = (
     ("D pulled/turn", "pulled_per_turn", "{:.0f}"), ("P hits", "hit_rate", "{:.0%}"),
     ("client CPU", "client_core_share", "{:.0%}"), ("machine busy", "machine_busy", "{:.0%}"),
 )
-# Ratios gateway / seed: below 1 is better for the times and CPU, above 1 for the rates.
+# Ratios gateway / peer: below 1 is better for the times and CPU, above 1 for the rates.
 RATIOS = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"),
           ("added TTFT p50", "added_ttft_p50_ms"), ("turns/s", "turns_per_s"),
           ("CPU/turn", "cpu_ms_per_turn"), ("events/s/core", "events_per_core_s"))
@@ -47,27 +47,30 @@ def table(rows: list[dict], columns=COLUMNS, markdown: bool = False) -> str:
 
 
 def ratios(rows: list[dict], systems) -> list[dict]:
-    """Gateway / seed for every gateway configuration at every concurrency.
+    """Gateway / peer for every gateway configuration at every concurrency, the peers being the
+    seed and vllm-router.
 
-    Each gateway run is compared with the seed run of the same ids setting, else the one with ids.
+    Each gateway run is compared with the seed run of the same ids setting, else the one with ids,
+    and with the first vllm-router configuration (it ignores ids).
     """
     seeds = {s.ids: s.label for s in systems if s.kind == "seed"}
+    routers = [s.label for s in systems if s.kind == "router"][:1]  # its default configuration
     by_key = {(r["system"], r["conversations"]): r for r in rows}
     out = []
     for system in (s for s in systems if s.kind == "gateway"):
-        seed = seeds.get(system.ids) or seeds.get(True)
-        for r in (r for r in rows if r["system"] == system.label):
-            base = by_key.get((seed, r["conversations"]))
-            if base is None:
-                continue
-            ratio = {"system": f"{system.label} / {seed}", "conversations": r["conversations"]}
-            for name, key in RATIOS:
-                ratio[name] = r[key] / base[key] if base[key] else float("nan")
-            out.append(ratio)
+        for peer in filter(None, (seeds.get(system.ids) or seeds.get(True), *routers)):
+            for r in (r for r in rows if r["system"] == system.label):
+                base = by_key.get((peer, r["conversations"]))
+                if base is None:
+                    continue
+                ratio = {"system": f"{system.label} / {peer}", "conversations": r["conversations"]}
+                for name, key in RATIOS:
+                    ratio[name] = r[key] / base[key] if base[key] else float("nan")
+                out.append(ratio)
     return out
 
 
-RATIO_COLUMNS = (("gateway / seed", "system", "{}"), ("conv", "conversations", "{}"),
+RATIO_COLUMNS = (("gateway / peer", "system", "{}"), ("conv", "conversations", "{}"),
                  *((name, name, "{:.2f}") for name, _ in RATIOS))
 
 

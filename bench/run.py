@@ -1,4 +1,5 @@
-"""`make bench`: gateway configurations, the seed proxy and an nginx relay over the same engines."""
+"""`make bench`: gateway configurations, the seed proxy, vllm-router and an nginx relay over the
+same engines."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
 
-from bench import growth, report, seed_env
+from bench import growth, report, venvs
 from bench.measure import Load, run_load
 from bench.metrics import summarize
 from bench.systems import Engines, System, nginx_binary, start
@@ -37,6 +38,10 @@ SYSTEMS = {
     "gw-noid-4": System("gw gevent x4, no ids", "gateway", False, {"workers": 4}),
     "seed": System("seed", "seed", True),
     "seed-noid": System("seed, no ids", "seed", False),
+    "vllm-router": System("vllm-router", "router", True),
+    # No tokenize requests to the engines (nothing to choose between with one P and one D).
+    "vllm-router-rr": System("vllm-router, round_robin", "router", True,
+                             {"argv": ("--policy", "round_robin")}),
     "nginx": System("nginx -> D only", "nginx", True),
 }
 
@@ -53,7 +58,7 @@ class Plan:
 
 
 QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-redis-4", "gw-noid-1",
-                       "seed", "nginx"),
+                       "seed", "vllm-router", "nginx"),
              (8, 64, 256), turns=5, duration=2, min_conversations=8, growth=growth.QUICK)
 FULL = Plan("full", tuple(SYSTEMS), (8, 64, 256), turns=8, duration=60, min_conversations=32,
             growth=growth.FULL)
@@ -62,10 +67,11 @@ FULL = Plan("full", tuple(SYSTEMS), (8, 64, 256), turns=8, duration=60, min_conv
 def available(plan: Plan, notes: list[str]) -> list[System]:
     """The plan's systems that can run here; what is skipped goes into the notes."""
     missing = set()
-    problem = seed_env.ensure()
-    if problem:
-        notes.append(f"The seed was skipped: {problem}.")
-        missing.add("seed")
+    for kind, name, problem in (("seed", "The seed", venvs.seed_problem()),
+                                ("router", "vllm-router", venvs.ROUTER.ensure())):
+        if problem:
+            notes.append(f"{name} was skipped: {problem}.")
+            missing.add(kind)
     if nginx_binary() is None:
         notes.append("nginx was skipped: not installed and not installable here (needs root and apt).")
         missing.add("nginx")
@@ -99,13 +105,14 @@ def matrix(plan: Plan, systems: list[System], engines: Engines, out_dir: str,
 
 def versions() -> str:
     ours = ", ".join(f"{p} {version(p)}" for p in ("flask", "gunicorn", "gevent", "requests"))
-    seed = ", ".join(f"{p} {v}" for p, v in seed_env.versions().items()) or "not installed"
+    seed, router = (", ".join(f"{p} {v}" for p, v in venv.versions().items()) or "not installed"
+                    for venv in (venvs.SEED, venvs.ROUTER))
     nginx = nginx_binary()
     nginx_version = (subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip()
                      if nginx else "not installed")
     return (f"Python {platform.python_version()}; gateway: {ours}; seed venv: {seed} "
             f"(plain uvicorn: asyncio loop and h11, as `pip install fastapi uvicorn httpx` gives); "
-            f"{nginx_version}")
+            f"router venv: {router}; {nginx_version}")
 
 
 def revision() -> str:
@@ -174,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         "load": (f"load average {load_before[0]:.1f} at the start and {os.getloadavg()[0]:.1f} at "
                  f"the end; all CPUs were {min(busy):.0%}–{max(busy):.0%} busy during the runs"),
         "versions": versions(), "revision": revision(),
-        "summary": report.summary(ratio_rows, f"{SYSTEMS['gw-gevent-1'].label} / seed"),
+        "summary": "\n\n".join(filter(None, (
+            report.summary(ratio_rows, f"{SYSTEMS['gw-gevent-1'].label} / {SYSTEMS[peer].label}")
+            for peer in ("seed", "vllm-router")))),
         "timing": ", ".join(f"`--{k.replace('_', '-')} {v}`"
                                                     for k, v in ENGINE_TIMING.items()),
         "reply_words": REPLY_WORDS, "turns": plan.turns, "duration": f"{plan.duration:g}",

@@ -1,4 +1,5 @@
-"""The systems under test (gateway configurations, the seed proxy, an nginx relay) and the engines."""
+"""The systems under test (gateway configurations, the seed proxy, vllm-router, an nginx relay)
+and the engines."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from bench import seed_env
+from bench import venvs
 from devtools.processes import GatewayProcess, RedisProcess
 from gateway.emulator.process import EmulatorProcess, free_port, wait_until
 
@@ -55,8 +56,12 @@ class Engines:
 
     @classmethod
     def start(cls, **timing: object) -> Engines:
-        return cls(EmulatorProcess("prefill", host=PREFILL_HOST, **timing),
-                   EmulatorProcess("decode", host=DECODE_HOST, **timing))
+        # Each advertises its own address as remote_host: vllm-router passes kv_transfer_params
+        # through as the engines write them (the gateway and the seed overwrite the field).
+        return cls(EmulatorProcess("prefill", host=PREFILL_HOST, advertise_host=PREFILL_HOST,
+                                   **timing),
+                   EmulatorProcess("decode", host=DECODE_HOST, advertise_host=DECODE_HOST,
+                                   **timing))
 
     def __iter__(self):
         return iter((self.prefill, self.decode))
@@ -75,9 +80,9 @@ class System:
     """One configuration to measure; `ids` says whether the client sends conversation ids."""
 
     label: str
-    kind: str  # gateway | seed | nginx
+    kind: str  # gateway | seed | router | nginx
     ids: bool = True
-    options: dict = field(default_factory=dict)  # gateway flags
+    options: dict = field(default_factory=dict)  # gateway flags; vllm-router: extra "argv"
 
 
 class Running:
@@ -106,7 +111,7 @@ def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
 
 
 def start(system: System, engines: Engines, log_dir: str) -> Running:
-    starters = {"gateway": _gateway, "seed": _seed, "nginx": _nginx}
+    starters = {"gateway": _gateway, "seed": _seed, "router": _router, "nginx": _nginx}
     return starters[system.kind](system, engines, log_dir)
 
 
@@ -141,19 +146,39 @@ def _spawn(argv: list[str], log_path: str, url: str, ready_path: str) -> subproc
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
-    wait_until(lambda: requests.get(url + ready_path, timeout=2).status_code < 500, 30,
-               argv[0], process, log_path)
+    try:
+        wait_until(lambda: requests.get(url + ready_path, timeout=2).status_code < 500, 30,
+                   argv[0], process, log_path)
+    except RuntimeError:
+        stop_process(process)  # timed out: don't leave it running behind the next system
+        raise
     return process
 
 
 def _seed(system: System, engines: Engines, log_dir: str) -> Running:
     url = f"http://{PROXY_HOST}:{quiet_ports(1)}"
     p, d = urlsplit(engines.prefill.url), urlsplit(engines.decode.url)
-    argv = [seed_env.python(), seed_env.script(), "--host", PROXY_HOST,
+    argv = [venvs.SEED.python(), venvs.seed_script(), "--host", PROXY_HOST,
             "--port", url.rsplit(":", 1)[1], "--prefiller-host", p.hostname,
             "--prefiller-port", str(p.port), "--decoder-host", d.hostname,
             "--decoder-port", str(d.port)]
     return Running(url, _spawn(argv, os.path.join(log_dir, "seed.log"), url, "/health"))
+
+
+def _router(system: System, engines: Engines, log_dir: str) -> Running:
+    """vllm-router in vLLM P/D mode over NIXL (P first with max_tokens 1, then D with P's
+    kv_transfer_params), its default policy unless options["argv"] says otherwise; its Prometheus
+    listener moved off the fixed default port 29000."""
+    port = quiet_ports(2)
+    url = f"http://{PROXY_HOST}:{port}"
+    argv = [venvs.ROUTER.bin("vllm-router"), "--host", PROXY_HOST, "--port", str(port),
+            "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+            "--prefill", engines.prefill.url, "--decode", engines.decode.url,
+            "--prometheus-host", PROXY_HOST, "--prometheus-port", str(port + 1),
+            "--worker-startup-timeout-secs", "20", *system.options.get("argv", ())]
+    # One process (a Python launcher, the Rust router in it on tokio threads): /proc sees it all.
+    return Running(url, _spawn(argv, os.path.join(log_dir, f"{slug(system.label)}.log"), url,
+                               "/health"))
 
 
 def _which_nginx() -> str | None:
