@@ -128,7 +128,9 @@ class Disagg:
         if entry is None or not self.fast_path.max_tokens:
             reason = "no_entry" if entry is None else "off"
         else:
-            target, reason, admitted = self._fast_path_target(entry, request, identity, headers)
+            target, reason, admitted = self.fast_path.target(
+                entry, request, identity, self.decode, self.exactness,
+                lambda d, body: self.upstream.tokenize(d, body, headers))
             if target is not None:
                 turn, d_body = self._decode_body(request, identity)
                 local_body = {**d_body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
@@ -179,30 +181,6 @@ class Disagg:
                    and not request.body.get("return_token_ids"))
         body = {**request.body, "return_token_ids": True} if ask_ids else request.body
         return Turn(strip_ids=ask_ids), body
-
-    def _fast_path_target(self, entry: Entry, request: ClientRequest, identity: Identity,
-                          headers: dict) -> tuple[Instance | None, str, bool | None]:
-        """The D for a decode-only turn, or None; why; and the entry's reuse if decided."""
-        decode, state = self.decode.readiness(entry.decode_url)
-        if decode is None:
-            return None, f"decode_{state}", None
-        if self.fast_path.estimate(request, entry) >= self.fast_path.max_tokens:
-            return None, "long", None
-
-        def tokenize(body: dict) -> list:
-            return self.upstream.tokenize(decode, body, headers)
-
-        # The same proof as the two-stage path: a decode-only turn never reuses what P would
-        # not have been allowed to read.
-        self.exactness.prepare(request, tokenize)
-        reuse, prompt_tokens = self.exactness.admit(entry, request, identity, tokenize)
-        if not reuse:
-            return None, "unproven", False
-        held = entry.params.get("remote_num_tokens")
-        if (prompt_tokens is not None and isinstance(held, int)
-                and prompt_tokens - held >= self.fast_path.max_tokens):
-            return None, "long", True            # exact where the tokens were counted
-        return decode, "short", True
 
     def _decode(self, request: ClientRequest, identity: Identity, turn: Turn, headers: dict,
                 body_for: Callable[[GatewayError | None], dict], prefer: str | None,

@@ -1,5 +1,5 @@
-"""The decode-only fast path's measure: how many new prompt tokens a follow-up turn adds to the
-history its D already holds, estimated from text before any engine is asked.
+"""The decode-only fast path's decision: may a follow-up turn skip P and go to the D that
+already holds its history? It may when that D is ready and the new prompt tokens are few.
 
 A short follow-up ("and in Python?") costs D a few tokens of prefill from its own prefix cache;
 the two-stage path costs a P round trip and two KV transfers. The threshold (`--fast-path-tokens`)
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable
 
-from .conversation import canonical_content
+from .conversation import Identity, canonical_content
+from .exactness import Exactness
+from .instances import Instance, Pool
 from .parse import ClientRequest
 from .store import Entry
 
@@ -25,6 +28,31 @@ TOKENS_PER_MESSAGE = 8
 @dataclass(frozen=True)
 class FastPath:
     max_tokens: int = 0            # new prompt tokens below which a turn skips P; 0: off
+
+    def target(self, entry: Entry, request: ClientRequest, identity: Identity, decode: Pool,
+               exactness: Exactness, tokenize: Callable[[Instance, dict], list]
+               ) -> tuple[Instance | None, str, bool | None]:
+        """The D for a decode-only turn, or None; why; and the entry's reuse if decided."""
+        instance, state = decode.readiness(entry.decode_url)
+        if instance is None:
+            return None, f"decode_{state}", None
+        if self.estimate(request, entry) >= self.max_tokens:
+            return None, "long", None
+
+        def on_d(body: dict) -> list:
+            return tokenize(instance, body)
+
+        # The same proof as the two-stage path: a decode-only turn never reuses what P would
+        # not have been allowed to read.
+        exactness.prepare(request, on_d)
+        reuse, prompt_tokens = exactness.admit(entry, request, identity, on_d)
+        if not reuse:
+            return None, "unproven", False
+        held = entry.params.get("remote_num_tokens")
+        if (prompt_tokens is not None and isinstance(held, int)
+                and prompt_tokens - held >= self.max_tokens):
+            return None, "long", True            # exact where the tokens were counted
+        return instance, "short", True
 
     @staticmethod
     def estimate(request: ClientRequest, entry: Entry) -> int:
