@@ -1,12 +1,12 @@
 """`create_app(settings)`: the gateway as an app of its own, the extension mounted at the root."""
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict
 
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
+from . import logs
 from .config import Settings
 from .errors import GatewayError
 from .extension import PDGateway
@@ -16,8 +16,7 @@ from .store import ConversationStore
 def create_app(settings: Settings | None = None, store: ConversationStore | None = None) -> Flask:
     """Build the gateway app; `settings` default to the GATEWAY_* environment."""
     settings = settings if settings is not None else Settings.from_env()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
     app = Flask(__name__)
     PDGateway(app, conversation_store=store, **asdict(settings))
 

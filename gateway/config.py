@@ -123,6 +123,9 @@ class Settings:
     admin_token: str = option("", str, "Bearer token for GET /admin/status, the detailed report "
                               "(engine URLs, in-flight counts, breakers, store, worker); empty "
                               "turns the report off. /health shows status only.")
+    log_format: str = option("text", str, "Log lines as text or as one JSON object each; "
+                             "either way every line of a request carries its request id.",
+                             choices=("text", "json"))
     log_level: str = option("info", str, "Log level.",
                             choices=("debug", "info", "warning", "error"))
 

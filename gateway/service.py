@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Mapping
 
-from . import metrics
+from . import logs, metrics
 from .affinity import Affinity
 from .config import Settings
 from .conversation import identify, root_key
@@ -93,7 +93,9 @@ class Gateway:
                     status, relayed, body = forwarded
                     return Reply(headers=relayed, stream=body, status=status)
         identity = identify(*id_args)
-        engine_headers = self.upstream.headers(request_id, headers.get("Authorization"))
+        engine_headers = self.upstream.headers(request_id, headers.get("Authorization"),
+                                               logs.traceparent(headers.get("traceparent")),
+                                               headers.get("tracestate"))
         return self.disagg.run(request, identity, engine_headers)
 
     def models(self) -> dict:

@@ -114,9 +114,15 @@ class Upstream:
         self.timeout = (connect_timeout, read_timeout)
         self.api_key = api_key
 
-    def headers(self, request_id: str, authorization: str | None) -> dict[str, str]:
-        """Headers for the engine calls; a client credential requests can't send is a 400."""
+    def headers(self, request_id: str, authorization: str | None, traceparent: str = "",
+                tracestate: str | None = None) -> dict[str, str]:
+        """Headers for the engine calls (request id, W3C trace context, credential); a client
+        credential requests can't send is a 400."""
         out = {"X-Request-Id": request_id, "Accept-Encoding": "identity"}
+        if traceparent:
+            out["traceparent"] = traceparent
+            if tracestate and len(tracestate) <= 512 and tracestate.isprintable():
+                out["tracestate"] = tracestate
         if self.api_key:
             out["Authorization"] = f"Bearer {self.api_key}"
         elif authorization:

@@ -14,7 +14,7 @@ from typing import Callable
 from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
-from . import metrics
+from . import logs, metrics
 from .errors import (BadRequest, ClientGone, GatewayError, NotFound, PayloadTooLarge,
                      Unauthorized, json_response)
 from .parse import CHAT, COMPLETIONS
@@ -55,6 +55,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         gateway = current()
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
+        logs.REQUEST_ID.set(request_id)      # this request's log lines, the relay's included
         try:
             raw = _read_body(gateway.settings.max_body_bytes)   # whole, before the watcher
             reply = gateway.complete(path, raw, request.headers, request.environ, request_id)

@@ -1,0 +1,65 @@
+"""Logs that trace a turn: the request id on every line of a request, W3C trace context to P and D."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import responses
+
+from gateway import logs
+from tests.conftest import D_URL, P_URL
+from tests.test_disagg_payloads import chat_events, d_params, p_params, p_reply
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+GIVEN = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def engines() -> None:
+    responses.post(P_URL + CHAT, json=p_reply(p_params(1)))
+    responses.post(D_URL + CHAT, body=chat_events(["hello"], d_params(1)),
+                   content_type="text/event-stream")
+
+
+@responses.activate
+@pytest.mark.parametrize("sent,kept", [(GIVEN, True), (None, False), ("00-zz-bad-01", False),
+                                       ("00-" + "0" * 32 + "-00f067aa0ba902b7-01", False)])
+def test_trace_context_reaches_p_and_d(client, sent, kept):
+    engines()
+    headers = {"traceparent": sent, "tracestate": "vendor=1"} if sent else {}
+    assert client.post(CHAT, json=BODY, headers=headers).status_code == 200
+    seen = [c.request.headers.get("traceparent") for c in responses.calls]
+    assert len(seen) == 2 and seen[0] == seen[1], seen     # one trace for the turn
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}", seen[0])
+    assert (seen[0] == GIVEN) is kept
+    if kept:
+        assert all(c.request.headers.get("tracestate") == "vendor=1" for c in responses.calls)
+
+
+@responses.activate
+def test_every_line_of_a_request_carries_its_id(client, caplog):
+    engines()
+    responses.replace(responses.POST, D_URL + CHAT, status=500, json={"error": "boom"})
+    handler = caplog.handler
+    handler.addFilter(logs.RequestIdFilter())
+    with caplog.at_level(logging.INFO):
+        reply = client.post(CHAT, json=BODY, headers={"X-Request-Id": "req-42"})
+    assert reply.status_code == 502
+    lines = [r for r in caplog.records if r.name.startswith("gateway")]
+    assert lines and all(r.request_id == "req-42" for r in lines), \
+        [(r.name, r.request_id, r.getMessage()) for r in lines]
+
+
+def test_json_lines_hold_the_request_id():
+    record = logging.LogRecord("gateway.disagg", logging.WARNING, __file__, 1, "D said %s",
+                               ("no",), None)
+    token = logs.REQUEST_ID.set("req-7")
+    try:
+        logs.RequestIdFilter().filter(record)
+    finally:
+        logs.REQUEST_ID.reset(token)
+    line = json.loads(logs.JsonFormatter().format(record))
+    assert line["request_id"] == "req-7" and line["message"] == "D said no"
+    assert line["level"] == "WARNING" and line["logger"] == "gateway.disagg"
