@@ -95,13 +95,17 @@ class Pool:
                 while (chosen := next(self._next)) not in candidates:
                     pass
                 return chosen
-            limit = self.policy.overload_factor * (min(i.inflight for i in candidates) + 1)
+            limit = self._limit(candidates)
             preferred = self._by_url.get(prefer) if prefer else None
             if preferred in candidates and preferred.inflight <= limit:
                 return preferred
             raw = key.encode()
             ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
             return next((i for i in ranked if i.inflight <= limit), ranked[0])
+
+    def _limit(self, candidates: list[Instance]) -> float:
+        """In flight above this is overloaded: factor x (the least loaded's + 1)."""
+        return self.policy.overload_factor * (min(i.inflight for i in candidates) + 1)
 
     def readiness(self, url: str) -> tuple[Instance | None, str]:
         """The instance at `url` if it may take a request now, else None and why: down (or
@@ -113,8 +117,7 @@ class Pool:
                 return None, "gone"
             if not instance.available(now):
                 return None, "down"
-            least = min(i.inflight for i in self.instances if i.available(now))
-            if instance.inflight > self.policy.overload_factor * (least + 1):
+            if instance.inflight > self._limit([i for i in self.instances if i.available(now)]):
                 return None, "overloaded"
             return instance, "ready"
 

@@ -35,19 +35,17 @@ class EventRelay:
             data = self._pending + chunk
         else:
             scan_from, data = 0, chunk
-        last = None
-        for last in _BOUNDARY.finditer(data, scan_from):
-            pass
-        if last is None:
+        bounds = [m.end() for m in _BOUNDARY.finditer(data, scan_from)]
+        if not bounds:
             self._pending = data
             return b""
-        complete, self._pending = data[:last.end()], data[last.end():]
+        complete, self._pending = data[:bounds[-1]], data[bounds[-1]:]
         out = []
         rewritten = False
         start = 0
-        for boundary in _BOUNDARY.finditer(complete):
-            event = complete[start:boundary.end()]
-            start = boundary.end()
+        for end in bounds:          # one scan: no boundary lies before scan_from
+            event = complete[start:end]
+            start = end
             kept = self._event(event)
             rewritten |= kept is not event
             out.append(kept)

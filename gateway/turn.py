@@ -62,7 +62,10 @@ class Turn:
             if key == PROMPT_IDS:
                 self.prompt_ids = ids
             else:
-                self.output_ids = ids if self.output_ids is None else self.output_ids + ids
+                if self.output_ids is None:
+                    self.output_ids = list(ids)
+                else:
+                    self.output_ids.extend(ids)    # per chunk: never re-copy the reply so far
             if self.strip_ids:
                 holder[key] = None
                 changed = True
