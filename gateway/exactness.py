@@ -207,15 +207,15 @@ class Exactness:
                 or self.templates.known(body) is not True)
 
     def admit(self, entry: Entry, request: ClientRequest, identity: Identity,
-              tokenize: Tokenize) -> tuple[bool, int | None]:
+              tokenize: Tokenize) -> tuple[bool, int | None, str]:
         """May P read `entry`'s blocks for this request? Counts why not. Also the prompt's
-        token count, where it was tokenized."""
+        token count, where it was tokenized, and the check's result (a REUSE_CHECKS label)."""
         proven = entry.plain and identity.at_boundary(entry.history_len)
         if self.mode == "off" or (self.mode == "auto" and proven and (
                 not request.is_chat or self.templates.known(request.body))):
             if proven:
                 metrics.REUSE_CHECKS.labels("digest").inc()
-                return True, None
+                return True, None, "digest"
             return self._refuse("unproven")
         if entry.token_digest is None:
             return self._refuse("unverifiable")
@@ -233,7 +233,7 @@ class Exactness:
         # P reads min(held, prompt - 1) tokens: the prompt must be longer than what D holds.
         if isinstance(held, int) and len(tokens) > held and token_digest(tokens[:held]) == entry.token_digest:
             metrics.REUSE_CHECKS.labels("verified").inc()
-            return True, len(tokens)
+            return True, len(tokens), "verified"
         return self._refuse("mismatch")
 
     @staticmethod
@@ -251,6 +251,6 @@ class Exactness:
         return out
 
     @staticmethod
-    def _refuse(reason: str) -> tuple[bool, None]:
+    def _refuse(reason: str) -> tuple[bool, None, str]:
         metrics.REUSE_CHECKS.labels(reason).inc()
-        return False, None
+        return False, None, reason

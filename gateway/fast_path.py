@@ -45,7 +45,9 @@ class FastPath:
         # The same proof as the two-stage path: a decode-only turn never reuses what P would
         # not have been allowed to read.
         exactness.prepare(request, on_d)
-        reuse, prompt_tokens = exactness.admit(entry, request, identity, on_d)
+        reuse, prompt_tokens, result = exactness.admit(entry, request, identity, on_d)
+        if result == "error":
+            return None, "tokenize_failed", None    # D's /tokenize failed: P may still prove it
         if not reuse:
             return None, "unproven", False
         held = entry.params.get("remote_num_tokens")

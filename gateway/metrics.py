@@ -31,7 +31,7 @@ TEMPLATE_PROBES = Counter("pd_gateway_template_probes", "Chat template checks (3
                           "each): safe (keeps the prefix property), unsafe, error", ["result"])
 TURN_PATHS = Counter("pd_gateway_turn_paths", "Turns by path and why: decode-only (short, D holds "
                      "the history: no P call) or two-stage (no_entry, off, long, unproven, "
-                     "decode_down, decode_overloaded, decode_gone, decode_failed)",
+                     "decode_down, decode_overloaded, decode_gone, decode_failed, tokenize_failed)",
                      ["path", "reason"])
 RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"])
 FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",

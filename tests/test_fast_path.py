@@ -201,3 +201,32 @@ def test_an_entry_the_two_stage_path_would_not_read_is_not_read_by_the_fast_path
                                     "conversation_id": "c1"})
     assert reply.headers["X-Gateway-Path"] == "two-stage; reason=unproven"
     assert reply.headers["X-Gateway-Cache"] == "miss"
+
+
+@responses.activate
+def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
+    # verify_reuse always: the decode-only check tokenizes on D; when that fails, the two-stage
+    # path proves the entry on P instead of taking the refusal as final.
+    from gateway.app import create_app
+    from gateway.config import Settings
+    from gateway.emulator.tokens import Template
+    from tests.test_exactness_payloads import PLAIN, d_stream, tokenizer
+    app = create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+                              verify_reuse="always", fast_path_tokens=64), store=store)
+    client = app.test_client()
+    try:
+        responses.add_callback(responses.POST, P_URL + "/tokenize",
+                               callback=tokenizer(Template(), []))
+        responses.post(D_URL + "/tokenize", status=500, json={"error": {"message": "busy"}})
+        responses.post(P_URL + CHAT, json=p_reply(p_params(1)))
+        first = [{"role": "user", "content": "hi there"}]
+        responses.post(D_URL + CHAT, body=d_stream(Template().render(first), PLAIN, True),
+                       content_type="text/event-stream")
+        client.post(CHAT, json={"model": "m", "messages": first, "stream": True})
+        follow = first + [{"role": "assistant", "content": "fine thanks"},
+                          {"role": "user", "content": "more"}]
+        reply = client.post(CHAT, json={"model": "m", "messages": follow, "stream": True})
+        assert reply.headers["X-Gateway-Path"] == "two-stage; reason=tokenize_failed"
+        assert reply.headers["X-Gateway-Cache"] == "hit"
+    finally:
+        app.extensions["pd_gateway"].close()
