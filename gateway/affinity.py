@@ -22,13 +22,14 @@ from .config import Settings
 from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
 from .gunicorn_conf import PRIVATE_ENV, SLOT_ENV
 from .instances import Instance
+from .reply import Reply, once
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
 _RECOMPUTED = frozenset({"host", "content-length"})
 _RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "X-Gateway-Path",
-                 "Cache-Control", "X-Accel-Buffering")
+                 "Cache-Control", "X-Accel-Buffering", "Retry-After", "WWW-Authenticate")
 
 
 def owner(root: str, slots) -> int:
@@ -83,7 +84,7 @@ class Affinity:
         return self.targets[slot]
 
     def forward(self, target: Instance, environ: Mapping[str, object], raw: bytes,
-                headers: Mapping[str, str]) -> tuple[int, dict, Iterator[bytes]] | None:
+                headers: Mapping[str, str]) -> Reply | None:
         """Relay the request through its owner, to the path it came on (an app may mount the
         routes under a prefix); None if the owner is away (serve it here).
 
@@ -109,7 +110,8 @@ class Affinity:
                     return None
                 time.sleep(0.05)
         relayed = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
-        return response.status, relayed, self._relay(response, relayed)
+        return Reply(headers=relayed, stream=self._relay(response, relayed),
+                     status=response.status, close=once(response.close))
 
     @staticmethod
     def _relay(response, headers: dict) -> Iterator[bytes]:

@@ -27,6 +27,20 @@ def _url_list(value: Any) -> list[str]:
     return urls
 
 
+def _key_list(value: Any) -> list[str]:
+    keys = value.replace(",", " ").split() if isinstance(value, str) else [str(k) for k in value]
+    if any(not k.isprintable() for k in keys):
+        raise ValueError("a key has characters an Authorization header cannot carry")
+    return keys
+
+
+def _keys_file(value: Any) -> str:
+    path = str(value)
+    if path and not os.access(path, os.R_OK):
+        raise ValueError(f"{path!r} is not a readable file")
+    return path
+
+
 def _store_url(value: Any) -> str:
     if value == "local" or str(value).startswith(("redis://", "rediss://", "unix://")):
         return str(value)
@@ -120,6 +134,27 @@ class Settings:
     keepalive: int = option(75, positive(int), "Seconds an idle client connection is kept open; "
                             "above a fronting proxy's idle timeout. After SIGTERM, idle "
                             "connections are closed within 2 s.")
+    max_turns: int = option(0, bounded(int, 0), "Admission control: turns one worker runs at "
+                            "once (a stream holds its place until its last byte); more wait "
+                            "briefly, then get 429 with Retry-After before any engine is called. "
+                            "0: the threads with gthread, a quarter of the worker connections "
+                            "with gevent.")
+    admission_queue: int = option(32, bounded(int, 0), "Turns that may wait for a place when a "
+                                  "worker is at --max-turns; beyond them a turn is refused at "
+                                  "once.")
+    admission_wait: float = option(0.02, bounded(float, 0.0), "Seconds a waiting turn may wait "
+                                   "for a place before it is refused (keep it short: a refusal "
+                                   "should come fast, the client retries).")
+    retry_after: int = option(1, positive(int),
+                              "Seconds a refused turn's Retry-After header asks the client to wait.")
+    api_keys: list[str] = option([], _key_list, "Client API keys (space or comma separated): a "
+                                 "completion or /v1/models request needs Authorization: Bearer "
+                                 "<one of them>, else 401. Empty (and no --api-keys-file): no "
+                                 "client authentication. Each key is its own tenant.",
+                                 nargs="+", show="empty")
+    api_keys_file: str = option("", _keys_file, "A file of client API keys, one a line (# starts "
+                                "a comment); re-read within a second when it changes, caches "
+                                "kept.")
     admin_token: str = option("", str, "Bearer token for GET /admin/status, the detailed report "
                               "(engine URLs, in-flight counts, breakers, store, worker); empty "
                               "turns the report off. /health shows status only.")
@@ -156,6 +191,13 @@ class Settings:
         except SettingsError as exc:
             parser.error(str(exc))
         raise AssertionError("unreachable")
+
+    @property
+    def turn_limit(self) -> int:
+        """Turns in flight per worker (--max-turns, or what the worker can serve at once)."""
+        if self.max_turns:
+            return self.max_turns
+        return self.threads if self.worker_class == "gthread" else max(1, self.worker_connections // 4)
 
     @property
     def forwards(self) -> bool:

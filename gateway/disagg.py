@@ -3,39 +3,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 from . import metrics
 from .conversation import Identity
-from .errors import BadGateway, ClientGone, GatewayError, ServiceUnavailable, error_event
+from .errors import GatewayError, ServiceUnavailable
 from .exactness import Exactness, held_digest, plain_reply
 from .fast_path import FastPath
 from .instances import Instance, Pool
 from .kv_params import LOCAL_DECODE_PARAMS, clean_params, decode_body, prefill_body
 from .parse import ClientRequest
-from .sse import EventRelay
 from .store import ConversationStore, Entry
 from .turn import Turn
-from .upstream import Stream, Upstream
+from .reply import Reply, StreamRelay, once
+from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
 access = logging.getLogger("gateway.access")
 T = TypeVar("T")
-
-
-@dataclass
-class Reply:
-    """What the client gets: a JSON body, or a stream of bytes (`close` when it has ended);
-    plus the status and response headers."""
-
-    headers: dict
-    body: dict | None = None
-    stream: Iterator[bytes] | None = None
-    content_type: str = "application/json"
-    status: int = 200
-    close: Callable[[], None] | None = None
 
 
 def replayable(failure: GatewayError | None) -> bool:
@@ -206,10 +192,18 @@ class Disagg:
                                                          headers),
             hold=True, only=only)
         self._count(request, cache, path)
+        relay = StreamRelay(stream, turn, decode, self.decode, started,
+                            lambda: self._remember(request, identity, turn, decode),
+                            lambda ttft, outcome: self._log_turn(trace, decode, turn, ttft,
+                                                                 outcome))
+        chunks = relay.chunks()
+
+        def close() -> None:
+            chunks.close()        # cut short: its GeneratorExit is counted as a disconnect
+            relay.finish()        # never iterated at all: the stream and D's count still go
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
-                     stream=self._relay(stream, request, identity, turn, decode, started, trace),
-                     content_type=stream.content_type)
+                     stream=chunks, content_type=stream.content_type, close=once(close))
 
     @staticmethod
     def _count(request: ClientRequest, cache: str, path: tuple[str, str, str]) -> None:
@@ -225,47 +219,6 @@ class Disagg:
                         "chunks=%d finish=%s outcome=%s", request_id, cache, path, reason,
                         prefill, decode.name, "-" if ttft is None else f"{ttft * 1000:.1f}",
                         chunks, ",".join(turn.finish_reasons) or "-", outcome)
-
-    def _relay(self, stream: Stream, request: ClientRequest, identity: Identity, turn: Turn,
-               decode: Instance, started: float, trace: tuple) -> Iterator[bytes]:
-        relay = EventRelay(turn)
-        first = True
-        ttft = None
-        outcome = "completed"
-        try:
-            for chunk in stream.chunks():
-                out = relay.feed(chunk)
-                if turn.done and not turn.stored:
-                    # Store before the client sees [DONE]: its next turn may come at once.
-                    turn.stored = True
-                    self._remember(request, identity, turn, decode)
-                if out:
-                    if first:
-                        first = False
-                        ttft = time.perf_counter() - started
-                        metrics.TTFT_SECONDS.observe(ttft)
-                    yield out
-            if not turn.done:
-                raise BadGateway(f"{decode.name} ended the stream before it was complete")
-        except ClientGone:
-            metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
-            outcome = "client_gone"
-        except GatewayError as exc:
-            outcome = f"error_{exc.status}"
-            # Bytes are out, so the status can't change: finish with an error event instead.
-            if exc.instance_fault:
-                self.decode.failed(decode, unreachable=False)
-            metrics.ERRORS.labels("stream", str(exc.status)).inc()
-            yield error_event(exc)
-        except GeneratorExit:
-            metrics.DISCONNECTS.inc()
-            outcome = "client_gone"
-            raise
-        finally:
-            # Runs on completion, on error and on client disconnect (GeneratorExit).
-            stream.close()
-            self.decode.release(decode)
-            self._log_turn(trace, decode, turn, ttft, outcome)
 
     def _remember(self, request: ClientRequest, identity: Identity, turn: Turn,
                   decode: Instance) -> None:
@@ -289,3 +242,4 @@ class Disagg:
                                   plain=plain_reply(identity, turn, request.body),
                                   token_digest=held))
         metrics.ENTRIES.labels("stored").inc()
+

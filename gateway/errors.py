@@ -39,9 +39,14 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.status}}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers this error adds (Retry-After, WWW-Authenticate)."""
+        return {}
+
     def response(self, request_id: str | None = None) -> Response:
         """This error as the client's HTTP response."""
         response = json_response(self.envelope(), self.status)
+        response.headers.update(self.headers())
         if request_id:
             response.headers["X-Request-Id"] = request_id
         return response
@@ -63,6 +68,9 @@ class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"
 
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
 
 class NotFound(GatewayError):
     status = 404
@@ -72,6 +80,20 @@ class NotFound(GatewayError):
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
+
+
+class Overloaded(GatewayError):
+    """This worker has as many turns in flight as it may (admission control): try later."""
+
+    status = 429
+    type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
 
 
 class UpstreamRejected(GatewayError):

@@ -38,6 +38,9 @@ FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner wor
                     ["result"])
 STORE_ERRORS = Counter("pd_gateway_store_errors", "Calls to a Redis store that failed (a take "
                        "becomes a miss, a put leaves no entry)", ["operation"])
+ADMISSIONS = Counter("pd_gateway_admissions", "Turns by admission (--max-turns): admitted at "
+                     "once, queued (waited for a place, then admitted), rejected_queue_full and "
+                     "rejected_waited (429 with Retry-After, no engine called)", ["result"])
 DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
 PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill call to P",
                             buckets=_LATENCY)

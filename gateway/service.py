@@ -9,15 +9,18 @@ import time
 from typing import Mapping
 
 from . import logs, metrics
+from .admission import Admission
 from .affinity import Affinity
+from .auth import ApiKeys
 from .config import Settings
 from .conversation import identify, root_key
-from .disagg import Disagg, Reply
+from .disagg import Disagg
 from .errors import BadGateway, GatewayError
 from .exactness import Exactness
 from .fast_path import FastPath
 from .instances import Policy, Pool, Prober
 from .parse import parse
+from .reply import Reply, once
 from .store import ConversationStore, create_store
 from .upstream import Upstream
 from .watch import Watch
@@ -48,6 +51,9 @@ class Gateway:
                              settings.probe_interval)
         self.prefill.on_down = self.decode.on_down = self.prober.wake
         self.affinity = Affinity(settings, self.upstream)
+        self.admission = Admission(settings.turn_limit, settings.admission_queue,
+                                   settings.admission_wait, settings.retry_after)
+        self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file)
         self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
                              attempts=settings.attempts,
                              exactness=Exactness(settings.verify_reuse),
@@ -60,24 +66,26 @@ class Gateway:
 
         The body must be read before this call: bytes still unread in the socket would look to
         the disconnect watcher like a pipelined next request, and it would stop watching.
-        A streamed reply's `close` stops the watcher; call it when the stream has ended.
+        The reply's `close` releases what the turn holds (the engine stream, D's in-flight
+        count, its admission place, the watcher): call it when the reply has ended or was
+        dropped; a JSON reply comes released.
         """
         total = self.settings.total_timeout
         watch = Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
                       time.monotonic() + total if total else None)
+        held = [watch.stop]        # what this call took, released after the reply's own
         try:
-            reply = self._complete(path, raw, headers, environ, request_id)
+            reply = self._complete(path, raw, headers, environ, request_id, held)
         except BaseException:
-            watch.stop()
+            once(*reversed(held))()
             raise
+        reply.close = once(reply.close, *reversed(held))
         if reply.stream is None:
-            watch.stop()
-        else:
-            reply.close = watch.stop     # the stream outlives this call
+            reply.close()
         return reply
 
     def _complete(self, path: str, raw: bytes, headers: Mapping[str, str],
-                  environ: Mapping[str, object], request_id: str) -> Reply:
+                  environ: Mapping[str, object], request_id: str, held: list) -> Reply:
         request = parse(path, raw)
         id_args = (request.body, headers, request.conversation_id)
         if self.affinity.may_forward(environ):
@@ -90,10 +98,13 @@ class Gateway:
                     raise
                 metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
                 if forwarded is not None:
-                    status, relayed, body = forwarded
-                    return Reply(headers=relayed, stream=body, status=status)
+                    return forwarded         # the owner admits it (or refuses it) itself
+        self.admission.enter()               # a place for this turn, or 429: no engine called
+        held.append(self.admission.leave)
         identity = identify(*id_args)
-        engine_headers = self.upstream.headers(request_id, headers.get("Authorization"),
+        # A client's own key is the gateway's to check, not the engines' (--upstream-api-key).
+        client_credential = None if self.api_keys.enabled else headers.get("Authorization")
+        engine_headers = self.upstream.headers(request_id, client_credential,
                                                logs.traceparent(headers.get("traceparent")),
                                                headers.get("tracestate"))
         return self.disagg.run(request, identity, engine_headers)
@@ -123,7 +134,7 @@ class Gateway:
                 "threads": sum(not t.name.startswith("ThreadPoolExecutor")
                                for t in threading.enumerate()),
                 "watchers": sum(t.name == "pd-gateway-watch" for t in threading.enumerate()),
-                **self.store.report(), **pools,
+                **self.admission.report(), **self.store.report(), **pools,
                 **({"greenlets": _greenlets()} if debug else {})}
 
     def close(self) -> None:

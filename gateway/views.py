@@ -5,7 +5,6 @@ handlers answer its own routes only, and its replies do not depend on the app's 
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import uuid
@@ -15,9 +14,10 @@ from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from . import logs, metrics
-from .errors import (BadRequest, ClientGone, GatewayError, NotFound, PayloadTooLarge,
-                     Unauthorized, json_response)
+from .auth import check_admin
+from .errors import BadRequest, ClientGone, GatewayError, PayloadTooLarge, json_response
 from .parse import CHAT, COMPLETIONS
+from .reply import once
 from .service import Gateway
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,23 @@ def _read_body(limit: int) -> bytes:
     if len(raw) > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
     return raw
+
+
+_UNSENT = "pd_gateway.stream_response"
+
+
+class _StreamResponse(Response):
+    """A streamed reply that knows whether the WSGI server took it."""
+
+    served = False
+
+    def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
+        self.served = True
+        return super().__call__(environ, start_response)
+
+
+def _forget_request_id() -> None:
+    logs.REQUEST_ID.set("-")     # this thread's (or greenlet's) next lines belong to no request
 
 
 def _failed(exc: GatewayError, request_id: str) -> Response:
@@ -57,20 +74,33 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         logs.REQUEST_ID.set(request_id)      # this request's log lines, the relay's included
         try:
+            gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
             raw = _read_body(gateway.settings.max_body_bytes)   # whole, before the watcher
             reply = gateway.complete(path, raw, request.headers, request.environ, request_id)
         except GatewayError as exc:
-            return _failed(exc, request_id)
+            response = _failed(exc, request_id)
+            logs.REQUEST_ID.set("-")
+            return response
         if reply.stream is not None:
-            response = Response(reply.stream, status=reply.status,
-                                content_type=reply.content_type)
-            if reply.close is not None:
-                response.call_on_close(reply.close)
+            response = _StreamResponse(reply.stream, status=reply.status,
+                                       content_type=reply.content_type)
+            response.call_on_close(once(reply.close, _forget_request_id))
+            request.environ[_UNSENT] = response     # until the server takes it (teardown)
         else:
+            logs.REQUEST_ID.set("-")
             response = json_response(reply.body)
         response.headers.update(reply.headers)
         response.headers["X-Request-Id"] = request_id
         return response
+
+    @bp.teardown_request
+    def release_unsent(error: BaseException | None) -> None:
+        # After the app chose its response, before the server iterates it: a stream the server
+        # did not take (a host's after_request raised, and Flask answered with an error
+        # instead) is closed here, so D's count, its place and the watcher are released.
+        response = request.environ.pop(_UNSENT, None)
+        if response is not None and not response.served:
+            response.close()
 
     @bp.post(CHAT)
     def chat_completions() -> Response:
@@ -82,7 +112,9 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
 
     @bp.get("/v1/models")
     def models() -> Response:
-        return json_response(current().models())
+        gateway = current()
+        gateway.api_keys.check(request.headers.get("Authorization"))
+        return json_response(gateway.models())
 
     @bp.get("/health")
     def health() -> Response:
@@ -93,18 +125,18 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
     @bp.get("/admin/status")
     def status() -> Response:
         gateway = current()
-        token = gateway.settings.admin_token
-        if not token:
-            raise NotFound("Not Found")
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise Unauthorized("the admin report needs Authorization: Bearer <admin token>")
+        check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
+                    "the admin report")
         # debug=1 walks the heap for live greenlets: only for the operator who asked.
         report = gateway.status(debug=request.args.get("debug") == "1")
         return json_response(report, 200 if report["status"] == "ok" else 503)
 
     @bp.get("/metrics")
     def prometheus() -> Response:
+        gateway = current()
+        if gateway.api_keys.enabled:     # clients authenticate: metrics are for the operator
+            check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
+                        "/metrics (with API keys on)")
         body, content_type = metrics.exposition()
         return Response(body, content_type=content_type)
 

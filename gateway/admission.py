@@ -1,0 +1,65 @@
+"""Admission control: a bound on the turns one worker has in flight, a short bounded wait for
+a place, and a refusal (429 with Retry-After) beyond it, before any engine is called.
+
+A turn holds its place until its reply has ended (a stream until its last byte or its client's
+disconnect), so streams in flight are never cut to make room: newcomers wait or are refused.
+
+Hand-written: a counter and a condition are all it takes, and `threading.Condition` is what
+gevent patches (a greenlet waits cooperatively) as well as what gthread's threads share.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from . import metrics
+from .errors import Overloaded
+
+
+class Admission:
+    """At most `limit` turns at once; up to `queue` more wait at most `wait` seconds each."""
+
+    def __init__(self, limit: int, queue: int, wait: float, retry_after: int) -> None:
+        self.limit = limit
+        self.queue = queue
+        self.wait = wait
+        self.retry_after = retry_after
+        self.inflight = 0
+        self.waiting = 0
+        self._ready = threading.Condition(threading.Lock())
+
+    def enter(self) -> None:
+        """Take a place for one turn, or raise `Overloaded`; call `leave` when the turn ends."""
+        with self._ready:
+            if self.inflight < self.limit:
+                self.inflight += 1
+                metrics.ADMISSIONS.labels("admitted").inc()
+                return
+            if self.waiting >= self.queue:
+                self._refuse("queue_full")
+            self.waiting += 1
+            deadline = time.monotonic() + self.wait
+            try:
+                while self.inflight >= self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._refuse("waited")
+                    self._ready.wait(left)
+            finally:
+                self.waiting -= 1
+            self.inflight += 1
+            metrics.ADMISSIONS.labels("queued").inc()
+
+    def leave(self) -> None:
+        with self._ready:
+            self.inflight -= 1
+            self._ready.notify()
+
+    def _refuse(self, why: str) -> None:
+        metrics.ADMISSIONS.labels(f"rejected_{why}").inc()
+        raise Overloaded(f"The gateway is at its limit of {self.limit} turns in flight; "
+                         f"retry after {self.retry_after} s", retry_after=self.retry_after)
+
+    def report(self) -> dict:
+        return {"turns_in_flight": self.inflight, "turns_waiting": self.waiting,
+                "max_turns": self.limit}

@@ -1,0 +1,106 @@
+"""Who may call: client API keys (from settings and a file re-read when it changes) and the
+admin token, each compared in constant time and never logged.
+
+Keys are kept as SHA-256 digests and every one is compared (`hmac.compare_digest`, no early
+exit), so the time a check takes says nothing about how much of a key was right.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from .errors import NotFound, Unauthorized
+
+log = logging.getLogger(__name__)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def bearer(authorization: str | None) -> str:
+    """The credential of an `Authorization: Bearer <credential>` header, or ""."""
+    scheme, _, credential = (authorization or "").partition(" ")
+    return credential.strip() if scheme.lower() == "bearer" else ""
+
+
+def _matches(given: str, digests: list[bytes]) -> bool:
+    wanted = _digest(given)
+    found = False
+    for digest in digests:
+        found |= hmac.compare_digest(digest, wanted)
+    return found
+
+
+def read_keys(path: str) -> list[str]:
+    """One key a line; blank lines and lines starting with # are skipped."""
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+class ApiKeys:
+    """The client keys this gateway accepts; off when there are none and no file."""
+
+    CHECK_SECONDS = 1.0   # how often the file's stat is looked at (on the request path)
+
+    def __init__(self, keys: list[str], path: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._given = [_digest(k) for k in keys]
+        self.path = path
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._from_file: list[bytes] = []
+        self._stamp: tuple | None = None
+        self._checked = float("-inf")
+        if path:
+            self._reload()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._given or self.path)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise Unauthorized unless the header carries an accepted key (when keys are on)."""
+        if not self.enabled:
+            return
+        if self.path and self._clock() - self._checked >= self.CHECK_SECONDS:
+            self._reload()
+        given = bearer(authorization)
+        if not given:
+            raise Unauthorized("Missing API key: send Authorization: Bearer <key>")
+        if not _matches(given, self._given + self._from_file):
+            raise Unauthorized("Incorrect API key provided")
+
+    def _reload(self) -> None:
+        """Re-read the file if it changed; a file that cannot be read keeps the last keys."""
+        if not self._lock.acquire(blocking=False):
+            return                       # another request is looking already
+        try:
+            self._checked = self._clock()
+            try:
+                st = os.stat(self.path)
+                stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+                if stamp == self._stamp:
+                    return
+                keys = read_keys(self.path)
+            except OSError as exc:
+                log.warning("API keys file %s: %s; keeping the %d keys read before", self.path,
+                            exc.strerror or exc, len(self._from_file))
+                return
+            self._from_file, self._stamp = [_digest(k) for k in keys], stamp
+            log.info("API keys file %s: %d keys", self.path, len(keys))
+        finally:
+            self._lock.release()
+
+
+def check_admin(token: str, authorization: str | None, what: str) -> None:
+    """The admin rule: 404 when no admin token is set (the route is off), 401 for a wrong one."""
+    if not token:
+        raise NotFound("Not Found")
+    if not _matches(bearer(authorization), [_digest(token)]):
+        raise Unauthorized(f"{what} needs Authorization: Bearer <admin token>")

@@ -1,0 +1,108 @@
+"""What a client gets (`Reply`) and the relay of D's stream to it (`StreamRelay`), with the
+cleanup that releases what a reply holds exactly once, however it ends."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from . import metrics
+from .errors import BadGateway, ClientGone, GatewayError, error_event
+from .instances import Instance, Pool
+from .sse import EventRelay
+from .turn import Turn
+from .upstream import Stream
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class Reply:
+    """What the client gets: a JSON body, or a stream of bytes; plus the status and response
+    headers. `close` releases what the reply holds (the engine stream, its place, the
+    watcher): call it once the reply has ended, or was dropped unsent; calling again is a no-op."""
+
+    headers: dict
+    body: dict | None = None
+    stream: Iterator[bytes] | None = None
+    content_type: str = "application/json"
+    status: int = 200
+    close: Callable[[], None] = _nothing
+
+
+def once(*steps: Callable[[], None]) -> Callable[[], None]:
+    """One cleanup of `steps`, run in order, each even if one before it raised, at most once."""
+    pending = list(steps)
+
+    def run() -> None:
+        error = None
+        while pending:
+            try:
+                pending.pop(0)()
+            except BaseException as exc:     # the rest must still run
+                error = error or exc
+        if error is not None:
+            raise error
+    return run
+
+
+class StreamRelay:
+    """One stream's way to its client: D's bytes out (params taken out), the entry put before
+    [DONE], and `finish`, which runs once however the stream ends: completed, failed, the
+    client gone, or the reply closed before its first byte."""
+
+    def __init__(self, stream: Stream, turn: Turn, decode: Instance, pool: Pool, started: float,
+                 remember: Callable[[], None],
+                 log_turn: Callable[[float | None, str], None]) -> None:
+        self.stream, self.turn, self.decode, self.pool = stream, turn, decode, pool
+        self.started = started
+        self.remember = remember            # puts the next turn's entry
+        self.log_turn = log_turn            # the access-log line, with TTFT and outcome
+        self.ttft: float | None = None
+        self.outcome = "client_gone"          # until the relay ends otherwise
+        self._finished = False
+
+    def chunks(self) -> Iterator[bytes]:
+        turn, decode = self.turn, self.decode
+        relay = EventRelay(turn)
+        try:
+            for chunk in self.stream.chunks():
+                out = relay.feed(chunk)
+                if turn.done and not turn.stored:
+                    # Store before the client sees [DONE]: its next turn may come at once.
+                    turn.stored = True
+                    self.remember()
+                if out:
+                    if self.ttft is None:
+                        self.ttft = time.perf_counter() - self.started
+                        metrics.TTFT_SECONDS.observe(self.ttft)
+                    yield out
+            if not turn.done:
+                raise BadGateway(f"{decode.name} ended the stream before it was complete")
+            self.outcome = "completed"
+        except ClientGone:
+            metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
+        except GatewayError as exc:
+            self.outcome = f"error_{exc.status}"
+            # Bytes are out, so the status can't change: finish with an error event instead.
+            if exc.instance_fault:
+                self.pool.failed(decode, unreachable=False)
+            metrics.ERRORS.labels("stream", str(exc.status)).inc()
+            yield error_event(exc)
+        except GeneratorExit:
+            metrics.DISCONNECTS.inc()
+            raise
+        finally:
+            self.finish()
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self.stream.close()
+        finally:
+            self.pool.release(self.decode)
+            self.log_turn(self.ttft, self.outcome)

@@ -1,0 +1,266 @@
+"""Operating it in production: admission control (a bound on turns in flight, 429 with
+Retry-After before any engine is called), client API keys, and the one cleanup a reply owes
+whatever becomes of it."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+import responses
+from flask import Flask
+
+from gateway.emulator.process import EmulatorProcess, wait_until
+from tests.conftest import D_URL, MODEL, P_URL, gateway_process
+from tests.test_disagg_payloads import CHAT, MESSAGES, chat_events, d_params, p_params, p_reply
+from tests.test_hardening import metric
+
+
+def _chat(gateway, n: int, **extra) -> requests.Response:
+    return requests.post(gateway.url + CHAT, timeout=20, json={
+        "model": MODEL, "stream": True, "max_tokens": 8,
+        "messages": [{"role": "user", "content": f"turn {n}"}], **extra})
+
+
+def _events(response: requests.Response) -> list:
+    return [line[6:] for line in response.iter_lines() if line.startswith(b"data: ")]
+
+
+# --- admission control ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
+def test_a_worker_at_its_limit_refuses_with_429_and_never_cuts_its_streams(worker_class):
+    with EmulatorProcess("prefill", host="127.0.0.41", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.42", itl_ms=150) as d, \
+            gateway_process([p.url], [d.url], worker_class=worker_class, max_turns=2,
+                            admission_queue=1, admission_wait=0.02, retry_after=3) as gateway:
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(lambda n: _events(_chat(gateway, n, stream=True)), n)
+                       for n in range(2)]
+            wait_until(lambda: d.stats()["streams_in_flight"] == 2, 10, "two streams open")
+            p_before = p.stats()["requests"]
+            # Refused by the OpenAI SDK as a client sees it (its own retries off).
+            client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
+            for n in range(4):
+                with pytest.raises(openai.RateLimitError) as refused:
+                    client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+                        {"role": "user", "content": f"refused {n}"}])
+                response = refused.value.response
+                assert response.headers["Retry-After"] == "3"
+                error = response.json()["error"]
+                assert error["code"] == 429 and error["type"] == "rate_limit_exceeded"
+                assert "2 turns in flight" in error["message"]
+            assert p.stats()["requests"] == p_before        # no engine was called for them
+            for future in streams:                         # never cut to make room
+                events = future.result()
+                assert events[-1] == b"[DONE]" and not any(b'"error"' in e for e in events)
+        # Their places are free again: a turn goes through, and nothing is held.
+        assert _chat(gateway, 9, stream=False).status_code == 200
+        report = gateway.status()
+        assert report["turns_in_flight"] == 0 and report["turns_waiting"] == 0
+        assert metric(gateway, "pd_gateway_admissions_total", result="admitted") == 3
+        refused_total = (metric(gateway, "pd_gateway_admissions_total",
+                                result="rejected_waited")
+                         + metric(gateway, "pd_gateway_admissions_total",
+                                  result="rejected_queue_full"))
+        assert refused_total == 4
+
+
+def test_a_waiting_turn_takes_a_place_that_frees_up(clock):
+    """The wait queue: a turn that arrives at the limit gets the next free place."""
+    import threading
+
+    from gateway.admission import Admission
+    from gateway.errors import Overloaded
+    admission = Admission(limit=1, queue=1, wait=10.0, retry_after=1)
+    admission.enter()
+    entered = threading.Event()
+    waiter = threading.Thread(target=lambda: (admission.enter(), entered.set()))
+    waiter.start()
+    wait_until(lambda: admission.waiting == 1, 5, "a turn waiting")
+    with pytest.raises(Overloaded):     # the queue is full: refused at once
+        admission.enter()
+    admission.leave()
+    waiter.join(5)
+    assert entered.is_set() and admission.inflight == 1 and admission.waiting == 0
+
+
+def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
+    """The owner worker admits or refuses a conversation's turns; a worker that forwards one
+    passes the owner's 429 on, Retry-After included."""
+    with EmulatorProcess("prefill", host="127.0.0.43", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.44", itl_ms=200) as d, \
+            gateway_process([p.url], [d.url], workers=2, max_turns=1, admission_queue=0) as gw:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(lambda: _events(_chat(gw, 0)))   # the owner's one place
+            wait_until(lambda: d.stats()["streams_in_flight"] == 1, 10, "the stream open")
+            for _ in range(12):   # new connections: the kernel picks either worker
+                refused = _chat(gw, 0)
+                assert refused.status_code == 429
+                assert refused.headers["Retry-After"] == "1"
+                assert refused.json()["error"]["code"] == 429
+            assert held.result()[-1] == b"[DONE]"
+        assert metric(gw, "pd_gateway_forwarded_total", result="sent") > 0, \
+            "no request was forwarded: the test shows nothing"
+
+
+# --- the one cleanup a reply owes -------------------------------------------------------------
+
+@responses.activate
+def test_a_stream_dropped_before_its_first_byte_still_releases_d_and_its_place(store):
+    """A host app whose after_request raises drops the gateway's response unsent: D's count,
+    the engine connection, the admission place and the watcher must still be released."""
+    from gateway.app import create_app
+    from gateway.config import Settings
+    app = create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+                              threads=8, verify_reuse="off", max_turns=1, admission_queue=0),
+                     store=store)
+
+    @app.after_request
+    def broken(response):
+        if response.mimetype == "text/event-stream":
+            raise RuntimeError("a host hook that fails")
+        return response
+
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events(["a"], d_params()),
+                   content_type="text/event-stream")
+    try:
+        client = app.test_client()
+        for _ in range(3):       # with one place, a leak would make the second one a 429
+            reply = client.post(CHAT, json={"messages": MESSAGES, "stream": True})
+            assert reply.status_code == 500
+        gateway = app.extensions["pd_gateway"].gateway
+        assert gateway.admission.inflight == 0
+        assert gateway.decode.instances[0].inflight == 0
+    finally:
+        app.extensions["pd_gateway"].close()
+
+
+@responses.activate
+def test_a_request_id_does_not_outlive_its_request(client):
+    from gateway import logs
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events(["a"], d_params()),
+                   content_type="text/event-stream")
+    reply = client.post(CHAT, json={"messages": MESSAGES, "stream": True},
+                        headers={"X-Request-Id": "req-1"})
+    assert reply.status_code == 200 and reply.data.endswith(b"[DONE]\n\n")
+    reply.close()
+    assert logs.REQUEST_ID.get() == "-"
+
+
+# --- client API keys ----------------------------------------------------------------------------
+
+def _keys_app(store, **settings):
+    from gateway.app import create_app
+    from gateway.config import Settings
+    return create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+                               threads=8, verify_reuse="off", **settings), store=store)
+
+
+@responses.activate
+def test_api_keys_guard_the_openai_routes_and_metrics_but_not_health(store, caplog):
+    app = _keys_app(store, api_keys=["key-alpha", "key-beta"], admin_token="adm")
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, json={"id": "x", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "kv_transfer_params": d_params()})
+    try:
+        client = app.test_client()
+        body = {"messages": MESSAGES}
+        with caplog.at_level(logging.DEBUG):
+            for headers, status in (({}, 401), ({"Authorization": "Bearer key-alph"}, 401),
+                                    ({"Authorization": "Basic key-alpha"}, 401),
+                                    ({"Authorization": "Bearer key-beta"}, 200),
+                                    ({"Authorization": "bearer key-alpha"}, 200)):
+                reply = client.post(CHAT, json=body, headers=headers)
+                assert reply.status_code == status, headers
+                if status == 401:
+                    assert reply.json["error"]["type"] == "authentication_error"
+                    assert reply.headers["WWW-Authenticate"] == "Bearer"
+            assert client.get("/v1/models").status_code == 401
+        assert "key-alph" not in caplog.text and "key-beta" not in caplog.text
+        # The engines never see the client's key.
+        assert all("Authorization" not in call.request.headers for call in responses.calls)
+        assert len(responses.calls) == 4           # P and D of the two admitted turns only
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": "Bearer key-beta"}
+                          ).status_code == 401
+        assert client.get("/metrics", headers={"Authorization": "Bearer adm"}).status_code == 200
+    finally:
+        app.extensions["pd_gateway"].close()
+
+
+def test_without_keys_nothing_changes(client):
+    assert client.get("/metrics").status_code == 200
+    assert not client.application.extensions["pd_gateway"].gateway.api_keys.enabled
+
+
+def test_a_keys_file_is_reread_when_it_changes(tmp_path, clock):
+    from gateway.auth import ApiKeys
+    from gateway.errors import Unauthorized
+    path = tmp_path / "keys"
+    path.write_text("# the team's keys\nold-key\n\n")
+    keys = ApiKeys([], str(path), clock=clock)
+    keys.check("Bearer old-key")
+    path.write_text("new-key\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))   # a distinct mtime
+    keys.check("Bearer old-key")           # within the second: not looked at yet
+    clock.advance(1.0)
+    with pytest.raises(Unauthorized):
+        keys.check("Bearer old-key")
+    keys.check("Bearer new-key")
+    path.unlink()                          # gone: the last keys stay
+    clock.advance(1.0)
+    keys.check("Bearer new-key")
+
+
+def test_each_key_is_its_own_tenant():
+    from gateway.conversation import identify
+    body = {"model": MODEL, "messages": MESSAGES}
+    one = identify(body, {"Authorization": "Bearer key-alpha"}, None)
+    two = identify(body, {"Authorization": "Bearer key-beta"}, None)
+    assert one.root != two.root
+    assert not set(one.lookups()) & set(two.lookups())
+
+
+def test_api_keys_end_to_end_with_a_keys_file(tmp_path):
+    """Real gunicorn, the OpenAI SDK: a key added to the file works without a restart, and
+    the conversation cache survives (later turns still hit)."""
+    path = tmp_path / "keys"
+    path.write_text("first-key\n")
+    with EmulatorProcess("prefill", host="127.0.0.45", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.46", itl_ms=1) as d, \
+            gateway_process([p.url], [d.url], api_keys_file=str(path)) as gateway:
+        def turn(key, history):
+            client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=6, messages=history, extra_body={"conversation_id": "c1"})
+            reply = raw.parse().choices[0].message
+            return raw.headers["X-Gateway-Cache"], history + [
+                {"role": "assistant", "content": reply.content}]
+
+        history = [{"role": "user", "content": "hello"}]
+        cache, history = turn("first-key", history)
+        assert cache == "miss"
+        with pytest.raises(openai.AuthenticationError):
+            turn("second-key", history)
+        path.write_text("first-key\nsecond-key\n")
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+
+        def accepted():
+            try:
+                return turn("second-key", [{"role": "user", "content": "other"}])
+            except openai.AuthenticationError:
+                return None
+        wait_until(accepted, 10, "the new key accepted")
+        cache, history = turn("first-key", history + [{"role": "user", "content": "more"}])
+        assert cache == "hit"          # the worker was not restarted: its cache is whole
+        assert p.stats()["wrong_reuse"] == 0 and json.dumps(history)
