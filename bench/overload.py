@@ -1,6 +1,7 @@
 """Admission control under overload (`python -m bench.overload`): one gevent worker with
 `--max-turns C` over the emulated engines, offered C, 2C and 5C conversations in flight (a
-refused turn is sent again after ~0.1 s), and the same 5C without admission control.
+refused turn is sent again after its Retry-After, as the OpenAI SDK does), 5C whose clients
+ignore Retry-After (again after ~0.1 s), and 5C without admission control.
 
 Prints, per run: admitted turns and their TTFT p50/p99, refused turns and the time to their
 429 (p50, p99, max, share within 50 ms), other errors, clients stuck at the end, and what the
@@ -27,14 +28,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run_one(engines: Engines, label: str, offered: int, duration: float, out_dir: str,
-            **settings) -> dict:
+            backoff: float, **settings) -> dict:
     port = quiet_ports(2)
     with GatewayProcess([engines.prefill.url], [engines.decode.url], host=PROXY_HOST, port=port,
                         workers=1, **settings) as gateway:
         out = os.path.join(out_dir, f"overload-{label}.json")
         subprocess.run([sys.executable, "-m", "bench.overload_client", "--url", gateway.url,
                         "--concurrency", str(offered), "--duration", str(duration),
-                        "--salt", f"overload-{label}", "--out", out], check=True,
+                        "--salt", f"overload-{label}", "--out", out,
+                        "--backoff", str(backoff)], check=True,
                        timeout=duration + 200, cwd=ROOT)
         with open(out) as f:
             result = json.load(f)
@@ -81,15 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         limited = {"max_turns": c, "admission_queue": max(1, c // 4), "admission_wait": 0.02}
-        for label, offered, settings in (("1x", c, limited), ("2x", 2 * c, limited),
-                                         ("5x", 5 * c, limited),
-                                         ("5x, no admission control", 5 * c,
-                                          {"max_turns": 100_000})):
+        plan = (("1x", c, limited, 0.0), ("2x", 2 * c, limited, 0.0), ("5x", 5 * c, limited, 0.0),
+                ("5x, clients ignore Retry-After (0.1 s)", 5 * c, limited, 0.1),
+                ("5x, no admission control", 5 * c, {"max_turns": 100_000}, 0.0))
+        for n, (label, offered, settings, backoff) in enumerate(plan):
             engines.prefill.reset_stats()
             engines.decode.reset_stats()
-            rows.append(run_one(engines, label.split(",")[0].replace(" ", "") +
-                                ("-open" if "no admission" in label else ""), offered,
-                                args.duration, args.out, **settings))
+            rows.append(run_one(engines, f"run{n}", offered, args.duration, args.out, backoff,
+                                **settings))
             rows[-1]["run"] = label
             print(table(rows[-1:]), flush=True)
     finally:

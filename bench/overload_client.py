@@ -1,5 +1,6 @@
 """Overload client: N conversations in flight against one URL for a fixed time; a refused turn
-(429) is timed and sent again after a short back-off, so the offered load stays N. JSON out."""
+(429) is timed and sent again after its Retry-After (as the OpenAI SDK does), or after a fixed
+short back-off (`--backoff`: a client that ignores the header). JSON out."""
 from gevent import monkey
 
 monkey.patch_all()   # before http.client and socket: every conversation is a greenlet
@@ -38,7 +39,8 @@ def conversation(url: str, index: int, salt: str, deadline: float, backoff: floa
                 response.read()
                 out["refused"].append({"seconds": time.monotonic() - sent,
                                        "retry_after": response.getheader("Retry-After")})
-                gevent.sleep(backoff * (0.5 + rng.random()))
+                wait = backoff or float(response.getheader("Retry-After") or 1)
+                gevent.sleep(wait * (0.5 + rng.random()))
                 continue
             if response.status != 200:
                 raise sse.StreamError(f"status {response.status}: {response.read()[:200]!r}")
@@ -66,8 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--duration", type=float, required=True, help="no turn starts after")
-    parser.add_argument("--backoff", type=float, default=0.1,
-                        help="mean seconds a refused client waits before it sends again")
+    parser.add_argument("--backoff", type=float, default=0.0,
+                        help="mean seconds a refused client waits before it sends again; "
+                             "0: its Retry-After (jittered 0.5-1.5x)")
     parser.add_argument("--salt", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

@@ -18,8 +18,8 @@ from .disagg import Disagg
 from .errors import BadGateway, GatewayError
 from .exactness import Exactness
 from .fast_path import FastPath
-from .instances import Policy, Pool, Prober
-from .parse import parse
+from .instances import Instance, Policy, Pool, Prober
+from .parse import ClientRequest, parse
 from .reply import Reply, once
 from .store import ConversationStore, create_store
 from .upstream import Upstream
@@ -70,12 +70,22 @@ class Gateway:
         count, its admission place, the watcher): call it when the reply has ended or was
         dropped; a JSON reply comes released.
         """
-        total = self.settings.total_timeout
-        watch = Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
-                      time.monotonic() + total if total else None)
-        held = [watch.stop]        # what this call took, released after the reply's own
+        request = parse(path, raw)            # CPU only: no watcher, no place taken yet
+        id_args = (request.body, headers, request.conversation_id)
+        owner = (self.affinity.forward_to(root_key(*id_args))
+                 if self.affinity.may_forward(environ) else None)
+        held: list = []        # what this call took, released after the reply's own
         try:
-            reply = self._complete(path, raw, headers, environ, request_id, held)
+            if owner is None:
+                self._admit(held)             # a place for this turn, or 429: nothing started
+            total = self.settings.total_timeout
+            held.append(Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
+                              time.monotonic() + total if total else None).stop)
+            reply = None if owner is None else self._forward(owner, environ, raw, headers)
+            if reply is None:
+                if owner is not None:
+                    self._admit(held)         # its owner is away: served here, as a miss
+                reply = self._serve(request, id_args, headers, request_id)
         except BaseException:
             once(*reversed(held))()
             raise
@@ -84,23 +94,23 @@ class Gateway:
             reply.close()
         return reply
 
-    def _complete(self, path: str, raw: bytes, headers: Mapping[str, str],
-                  environ: Mapping[str, object], request_id: str, held: list) -> Reply:
-        request = parse(path, raw)
-        id_args = (request.body, headers, request.conversation_id)
-        if self.affinity.may_forward(environ):
-            owner = self.affinity.forward_to(root_key(*id_args))
-            if owner is not None:
-                try:
-                    forwarded = self.affinity.forward(owner, environ, raw, headers)
-                except GatewayError:
-                    metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
-                    raise
-                metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
-                if forwarded is not None:
-                    return forwarded         # the owner admits it (or refuses it) itself
-        self.admission.enter()               # a place for this turn, or 429: no engine called
+    def _admit(self, held: list) -> None:
+        self.admission.enter()
         held.append(self.admission.leave)
+
+    def _forward(self, owner: Instance, environ: Mapping[str, object], raw: bytes,
+                 headers: Mapping[str, str]) -> Reply | None:
+        """The owner's reply (it admits or refuses the turn itself), or None if it is away."""
+        try:
+            forwarded = self.affinity.forward(owner, environ, raw, headers)
+        except GatewayError:
+            metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
+            raise
+        metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
+        return forwarded
+
+    def _serve(self, request: ClientRequest, id_args: tuple, headers: Mapping[str, str],
+               request_id: str) -> Reply:
         identity = identify(*id_args)
         # A client's own key is the gateway's to check, not the engines' (--upstream-api-key).
         client_credential = None if self.api_keys.enabled else headers.get("Authorization")
