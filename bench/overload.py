@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+from bench import procstat
 from bench.run import ENGINE_TIMING, ROOT
 from bench.systems import PROXY_HOST, Engines, quiet_ports
 from devtools.processes import GatewayProcess
@@ -33,11 +34,14 @@ def run_one(engines: Engines, label: str, offered: int, duration: float, out_dir
     with GatewayProcess([engines.prefill.url], [engines.decode.url], host=PROXY_HOST, port=port,
                         workers=1, **settings) as gateway:
         out = os.path.join(out_dir, f"overload-{label}.json")
+        tree = procstat.tree(gateway.process.pid)
+        cpu_before = procstat.cpu_seconds(tree)
         subprocess.run([sys.executable, "-m", "bench.overload_client", "--url", gateway.url,
                         "--concurrency", str(offered), "--duration", str(duration),
                         "--salt", f"overload-{label}", "--out", out,
                         "--backoff", str(backoff)], check=True,
                        timeout=duration + 200, cwd=ROOT)
+        cpu = procstat.cpu_seconds(tree) - cpu_before
         with open(out) as f:
             result = json.load(f)
         status = gateway.status()
@@ -52,14 +56,15 @@ def run_one(engines: Engines, label: str, offered: int, duration: float, out_dir
             "refusal_max_ms": max(wait, default=float("nan")),
             "refused_within_50ms": sum(w <= 50 for w in wait),
             "retry_after": sorted({r["retry_after"] for r in refused}),
-            "errors": len(result["errors"]), "first_error": (result["errors"] or [""])[0],
+            "gateway_cpu_s": cpu, "errors": len(result["errors"]), "first_error": (result["errors"] or [""])[0],
             "stuck_clients": result["stuck"],
             "gateway_turns_in_flight_after": status.get("turns_in_flight"),
             "d_streams_in_flight_after": d["streams_in_flight"]}
 
 
 COLUMNS = ("run", "offered", "admitted", "ttft_p50_ms", "ttft_p99_ms", "hits", "refused",
-           "refusal_p50_ms", "refusal_p99_ms", "refusal_max_ms", "refused_within_50ms", "errors",
+           "refusal_p50_ms", "refusal_p99_ms", "refusal_max_ms", "refused_within_50ms", "gateway_cpu_s",
+           "errors",
            "stuck_clients", "gateway_turns_in_flight_after", "d_streams_in_flight_after")
 
 
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     engines = Engines.start(**ENGINE_TIMING)
     rows = []
     try:
-        limited = {"max_turns": c, "admission_queue": max(1, c // 4), "admission_wait": 0.02}
+        limited = {"max_turns": c, "admission_queue": max(1, c // 4), "admission_wait": 0.01}
         plan = (("1x", c, limited, 0.0), ("2x", 2 * c, limited, 0.0), ("5x", 5 * c, limited, 0.0),
                 ("5x, clients ignore Retry-After (0.1 s)", 5 * c, limited, 0.1),
                 ("5x, no admission control", 5 * c, {"max_turns": 100_000}, 0.0))

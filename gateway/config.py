@@ -142,7 +142,7 @@ class Settings:
     admission_queue: int = option(32, bounded(int, 0), "Turns that may wait for a place when a "
                                   "worker is at --max-turns; beyond them a turn is refused at "
                                   "once.")
-    admission_wait: float = option(0.02, bounded(float, 0.0), "Seconds a waiting turn may wait "
+    admission_wait: float = option(0.01, bounded(float, 0.0), "Seconds a waiting turn may wait "
                                    "for a place before it is refused (keep it short: a refusal "
                                    "should come fast, the client retries).")
     retry_after: int = option(1, positive(int),

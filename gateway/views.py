@@ -15,7 +15,8 @@ from werkzeug.exceptions import HTTPException
 
 from . import logs, metrics
 from .auth import check_admin
-from .errors import BadRequest, ClientGone, GatewayError, PayloadTooLarge, json_response
+from .errors import (BadRequest, ClientGone, GatewayError, Overloaded, PayloadTooLarge,
+                     json_response)
 from .parse import CHAT, COMPLETIONS
 from .reply import once
 from .service import Gateway
@@ -59,7 +60,10 @@ def _failed(exc: GatewayError, request_id: str) -> Response:
     if isinstance(exc, ClientGone):
         metrics.DISCONNECTS.inc()      # nobody reads the reply
     else:
-        log.info("request %s failed with %d: %s", request_id, exc.status, exc.message)
+        # A refusal under overload is counted (pd_gateway_admissions_total), not logged: at
+        # hundreds a second the log lines would cost more than the refusals themselves.
+        log.log(logging.DEBUG if isinstance(exc, Overloaded) else logging.INFO,
+                "request %s failed with %d: %s", request_id, exc.status, exc.message)
         metrics.ERRORS.labels("request", str(exc.status)).inc()
     return exc.response(request_id)
 
