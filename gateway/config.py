@@ -86,7 +86,7 @@ class Settings:
     private_base_port: int = option(0, lambda v: 0 if int(v) == 0 else _port(v),
                                     "Worker slot N listens privately on this port + N; 0 means "
                                     "the gateway port + 1.")
-    owner_wait: float = option(3.0, lambda v: max(0.0, float(v)), "Seconds a request waits for "
+    owner_wait: float = option(3.0, bounded(float, 0.0), "Seconds a request waits for "
                                "its owner worker to come back (a restart) before this worker "
                                "serves it itself, as a miss.")
     verify_reuse: str = option("auto", str, "How the gateway proves that a turn's prompt tokens "
@@ -120,7 +120,7 @@ class Settings:
     connect_timeout: float = option(5.0, positive(float), "Seconds to connect to an engine.")
     read_timeout: float = option(600.0, positive(float), "Longest silence, in seconds, between "
                                  "bytes from an engine (prefill included).")
-    total_timeout: float = option(900.0, lambda v: max(0.0, float(v)), "Deadline, in seconds, "
+    total_timeout: float = option(900.0, bounded(float, 0.0), "Deadline, in seconds, "
                                   "for a whole request, stream included; 0 for none.")
     max_body_bytes: int = option(32 * 1024 * 1024, positive(int),
                                  "Largest request body accepted; larger ones get 413.")
