@@ -92,6 +92,11 @@ class ApiKeys:
                 log.warning("API keys file %s: %s; keeping the %d keys read before", self.path,
                             exc.strerror or exc, len(self._from_file))
                 return
+            if not keys and self._from_file:
+                # Most likely caught mid-rewrite (write the file elsewhere, then rename it in).
+                log.warning("API keys file %s is empty; keeping the %d keys read before",
+                            self.path, len(self._from_file))
+                return
             self._from_file, self._stamp = [_digest(k) for k in keys], stamp
             log.info("API keys file %s: %d keys", self.path, len(keys))
         finally:

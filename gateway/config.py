@@ -28,7 +28,8 @@ def _url_list(value: Any) -> list[str]:
 
 
 def _key_list(value: Any) -> list[str]:
-    keys = value.replace(",", " ").split() if isinstance(value, str) else [str(k) for k in value]
+    items = [value] if isinstance(value, str) else [str(k) for k in value]
+    keys = [k for item in items for k in item.replace(",", " ").split()]
     if any(not k.isprintable() for k in keys):
         raise ValueError("a key has characters an Authorization header cannot carry")
     return keys
@@ -137,8 +138,9 @@ class Settings:
     max_turns: int = option(0, bounded(int, 0), "Admission control: turns one worker runs at "
                             "once (a stream holds its place until its last byte); more wait "
                             "briefly, then get 429 with Retry-After before any engine is called. "
-                            "0: the threads with gthread, a quarter of the worker connections "
-                            "with gevent.")
+                            "0: three quarters of the threads with gthread (the rest answer "
+                            "refusals and probes), a quarter of the worker connections with "
+                            "gevent.")
     admission_queue: int = option(32, bounded(int, 0), "Turns that may wait for a place when a "
                                   "worker is at --max-turns; beyond them a turn is refused at "
                                   "once.")
@@ -197,7 +199,11 @@ class Settings:
         """Turns in flight per worker (--max-turns, or what the worker can serve at once)."""
         if self.max_turns:
             return self.max_turns
-        return self.threads if self.worker_class == "gthread" else max(1, self.worker_connections // 4)
+        if self.worker_class == "gthread":
+            # Beyond its threads gunicorn queues requests itself, unseen; a quarter of them
+            # stays free to answer refusals, /health and forwarded requests at once.
+            return max(1, self.threads * 3 // 4)
+        return max(1, self.worker_connections // 4)
 
     @property
     def forwards(self) -> bool:

@@ -191,11 +191,15 @@ class Disagg:
             lambda d, failure: self.upstream.open_stream(d, request.path, body_for(failure),
                                                          headers),
             hold=True, only=only)
-        self._count(request, cache, path)
         relay = StreamRelay(stream, turn, decode, self.decode, started,
                             lambda: self._remember(request, identity, turn, decode),
                             lambda ttft, outcome: self._log_turn(trace, decode, turn, ttft,
                                                                  outcome))
+        try:
+            self._count(request, cache, path)
+        except BaseException:
+            relay.finish()        # D's count and its stream are held from here on
+            raise
         chunks = relay.chunks()
 
         def close() -> None:

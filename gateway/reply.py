@@ -2,6 +2,7 @@
 cleanup that releases what a reply holds exactly once, however it ends."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -12,6 +13,8 @@ from .instances import Instance, Pool
 from .sse import EventRelay
 from .turn import Turn
 from .upstream import Stream
+
+log = logging.getLogger(__name__)
 
 
 def _nothing() -> None:
@@ -98,11 +101,17 @@ class StreamRelay:
             self.finish()
 
     def finish(self) -> None:
+        """Close D's stream, release D's count, log the turn; once, and never raising (it runs
+        inside a generator's close, where an error would stop the rest of the cleanup)."""
         if self._finished:
             return
         self._finished = True
         try:
             self.stream.close()
-        finally:
-            self.pool.release(self.decode)
+        except Exception:
+            log.exception("closing %s's stream failed", self.decode.name)
+        self.pool.release(self.decode)
+        try:
             self.log_turn(self.ttft, self.outcome)
+        except Exception:
+            log.exception("logging the turn failed")

@@ -87,11 +87,11 @@ class Gateway:
                     self._admit(held)         # its owner is away: served here, as a miss
                 reply = self._serve(request, id_args, headers, request_id)
         except BaseException:
-            once(*reversed(held))()
+            _release(once(*reversed(held)))      # the error the client sees is the first one
             raise
         reply.close = once(reply.close, *reversed(held))
         if reply.stream is None:
-            reply.close()
+            _release(reply.close)                # the body is whole: it goes out regardless
         return reply
 
     def _admit(self, held: list) -> None:
@@ -152,6 +152,13 @@ class Gateway:
         tests; a gunicorn worker just exits)."""
         self.prober.stop()
         self.upstream.session.close()
+
+
+def _release(close) -> None:
+    try:
+        close()
+    except Exception:
+        log.exception("releasing a turn failed")
 
 
 def _greenlets() -> int:

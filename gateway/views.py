@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import Callable
+from typing import Callable, Iterator
 
 from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
@@ -48,8 +48,20 @@ class _StreamResponse(Response):
     served = False
 
     def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
+        app_iter = super().__call__(environ, start_response)   # start_response may raise
         self.served = True
-        return super().__call__(environ, start_response)
+        return app_iter
+
+
+class _Chunks:
+    """A stream's bytes whose `close` (what a WSGI server calls) releases the whole reply."""
+
+    def __init__(self, chunks: Iterator[bytes], close: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self.close = close
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._chunks
 
 
 def _forget_request_id() -> None:
@@ -77,22 +89,27 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         logs.REQUEST_ID.set(request_id)      # this request's log lines, the relay's included
+        streaming = False
         try:
             gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
             raw = _read_body(gateway.settings.max_body_bytes)   # whole, before the watcher
             reply = gateway.complete(path, raw, request.headers, request.environ, request_id)
+            if reply.stream is None:
+                response = json_response(reply.body)
+            else:
+                # The server's close of the response is the reply's close: the whole chain,
+                # run once, even if one step of it fails (werkzeug would skip its on-close
+                # callbacks after a failing iterable close).
+                response = _StreamResponse(_Chunks(reply.stream, once(reply.close,
+                                                                      _forget_request_id)),
+                                           status=reply.status, content_type=reply.content_type)
+                request.environ[_UNSENT] = response     # until the server takes it (teardown)
+                streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:
-            response = _failed(exc, request_id)
-            logs.REQUEST_ID.set("-")
-            return response
-        if reply.stream is not None:
-            response = _StreamResponse(reply.stream, status=reply.status,
-                                       content_type=reply.content_type)
-            response.call_on_close(once(reply.close, _forget_request_id))
-            request.environ[_UNSENT] = response     # until the server takes it (teardown)
-        else:
-            logs.REQUEST_ID.set("-")
-            response = json_response(reply.body)
+            return _failed(exc, request_id)
+        finally:
+            if not streaming:
+                _forget_request_id()
         response.headers.update(reply.headers)
         response.headers["X-Request-Id"] = request_id
         return response
@@ -100,10 +117,11 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
     @bp.teardown_request
     def release_unsent(error: BaseException | None) -> None:
         # After the app chose its response, before the server iterates it: a stream the server
-        # did not take (a host's after_request raised, and Flask answered with an error
-        # instead) is closed here, so D's count, its place and the watcher are released.
+        # did not take because a host's after_request raised (Flask answered with an error
+        # instead) is closed here, so D's count, its place and the watcher are released. Only
+        # on an error: a host may wrap our stream in a response of its own and serve that.
         response = request.environ.pop(_UNSENT, None)
-        if response is not None and not response.served:
+        if error is not None and response is not None and not response.served:
             response.close()
 
     @bp.post(CHAT)

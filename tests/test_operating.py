@@ -143,6 +143,51 @@ def test_a_stream_dropped_before_its_first_byte_still_releases_d_and_its_place(s
 
 
 @responses.activate
+def test_a_stream_a_host_rewraps_is_served_whole(store):
+    """A host's after_request may put our stream in a response of its own: it must arrive."""
+    from flask import Response
+
+    from gateway.app import create_app
+    from gateway.config import Settings
+    app = create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+                              threads=8, verify_reuse="off", max_turns=1, admission_queue=0),
+                     store=store)
+
+    @app.after_request
+    def rewrap(response):
+        if response.mimetype == "text/event-stream":
+            return Response(response.response, headers=response.headers)
+        return response
+
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events(["a", "b"], d_params()),
+                   content_type="text/event-stream")
+    try:
+        reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "stream": True})
+        assert reply.status_code == 200 and reply.data.endswith(b"data: [DONE]\n\n")
+        assert b'"content":"b"' in reply.data.replace(b" ", b"")
+    finally:
+        app.extensions["pd_gateway"].close()
+
+
+@responses.activate
+def test_a_failing_engine_stream_close_still_releases_the_place(client, monkeypatch):
+    from gateway.upstream import Stream
+
+    def broken_close(self):
+        raise OSError("close failed")
+    monkeypatch.setattr(Stream, "close", broken_close)
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events(["a"], d_params()),
+                   content_type="text/event-stream")
+    gateway = client.application.extensions["pd_gateway"].gateway
+    reply = client.post(CHAT, json={"messages": MESSAGES, "stream": True}, buffered=False)
+    next(iter(reply.response))            # the first bytes, then the client goes
+    reply.close()
+    assert gateway.admission.inflight == 0 and gateway.decode.instances[0].inflight == 0
+
+
+@responses.activate
 def test_a_request_id_does_not_outlive_its_request(client):
     from gateway import logs
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
@@ -198,6 +243,14 @@ def test_api_keys_guard_the_openai_routes_and_metrics_but_not_health(store, capl
         app.extensions["pd_gateway"].close()
 
 
+def test_keys_split_on_commas_and_spaces_however_given():
+    from gateway.config import Settings
+    argv = ["--api-keys", "k1,k2", "k3"]
+    assert Settings.from_args(argv, environ={}).api_keys == ["k1", "k2", "k3"]
+    assert Settings(api_keys=["a,b", "c d"]).api_keys == ["a", "b", "c", "d"]
+    assert Settings.from_env({"GATEWAY_API_KEYS": "x, y"}).api_keys == ["x", "y"]
+
+
 def test_without_keys_nothing_changes(client):
     assert client.get("/metrics").status_code == 200
     assert not client.application.extensions["pd_gateway"].gateway.api_keys.enabled
@@ -216,6 +269,10 @@ def test_a_keys_file_is_reread_when_it_changes(tmp_path, clock):
     clock.advance(1.0)
     with pytest.raises(Unauthorized):
         keys.check("Bearer old-key")
+    keys.check("Bearer new-key")
+    path.write_text("")                    # caught mid-rewrite: the last keys stay
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    clock.advance(1.0)
     keys.check("Bearer new-key")
     path.unlink()                          # gone: the last keys stay
     clock.advance(1.0)
