@@ -112,17 +112,34 @@ def test_which_urls_are_resolved():
 
 
 def test_a_settings_name_that_cannot_be_resolved_is_kept_as_given():
-    # .invalid never resolves (RFC 6761): the URL stays as it was, for connections to resolve.
-    url = "http://decode.invalid:8200"
-    settings = Settings(prefill=[P_URL], decode=[url], resolve_interval=30)
-    pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
-    membership = Membership(settings, pools, environ={})
-    try:
-        assert [i.url for i in pools["decode"].instances] == [url]
-        assert pools["decode"].instances[0].origin == f"dns:{url}"
-        assert [i.url for i in pools["prefill"].instances] == [P_URL]   # an IP: as given
-    finally:
-        membership.stop()
+    from devtools.dns import LoopbackDNS
+    url = "http://decode.test:8200"
+    with LoopbackDNS() as dns:             # knows no name: NXDOMAIN
+        settings = Settings(prefill=[P_URL], decode=[url], resolve_interval=30,
+                            resolve_nameserver=dns.nameserver)
+        pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
+        membership = Membership(settings, pools, environ={})
+        try:
+            # The URL stays as it was, for connections to resolve, until the name has addresses.
+            assert [i.url for i in pools["decode"].instances] == [url]
+            assert pools["decode"].instances[0].origin == f"dns:{url}"
+            assert [i.url for i in pools["prefill"].instances] == [P_URL]   # an IP: as given
+            dns.set("decode.test", ["10.9.0.7", "10.9.0.6"])
+            membership.discovery.refresh()
+            assert [(i.url, i.host, i.name) for i in pools["decode"].instances] == [
+                ("http://10.9.0.6:8200", "10.9.0.6", "decode[1]"),
+                ("http://10.9.0.7:8200", "10.9.0.7", "decode[2]")]
+            dns.failing = True                 # a failed lookup keeps the last set
+            membership.discovery.refresh()
+            dns.failing = False
+            dns.set("decode.test", [])         # so does an empty answer
+            membership.discovery.refresh()
+            assert len(pools["decode"].instances) == 2
+            dns.set("decode.test", ["10.9.0.7"])
+            membership.discovery.refresh()
+            assert [i.name for i in pools["decode"].instances] == ["decode[2]"]
+        finally:
+            membership.stop()
 
 
 def test_admin_changes_reach_every_member_of_the_file_in_order(tmp_path):
