@@ -104,7 +104,9 @@ class Pool:
             instance = Instance(url, self.role, next(self._numbers), origin)
             self._by_url[url] = instance
             self.instances = [*self.instances, instance]
-        log.info("%s (%s) added (%s)", instance.name, url, origin)
+        # Run-time changes are news; the settings' own instances are not.
+        (log.debug if origin == "settings" else log.info)("%s (%s) added (%s)", instance.name,
+                                                          url, origin)
         return instance, True
 
     def remove(self, url: str) -> Instance | None:
