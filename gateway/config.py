@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -46,6 +47,27 @@ def _store_url(value: Any) -> str:
     if value == "local" or str(value).startswith(("redis://", "rediss://", "unix://")):
         return str(value)
     raise ValueError(f"{value!r} is neither 'local' nor a redis://, rediss:// or unix:// URL")
+
+
+def split_nameserver(value: str) -> tuple[str, int]:
+    """A DNS server as "address" or "address:port" ("[v6]:port"): (address, port)."""
+    value = value.strip()
+    if value.startswith("["):
+        address, _, port = value[1:].partition("]")
+        port = port.removeprefix(":")
+    elif value.count(":") == 1:
+        address, _, port = value.partition(":")
+    else:
+        address, port = value, ""
+    ipaddress.ip_address(address)          # a DNS server is given by its address
+    number = _port(port) if port else 53
+    return address, number
+
+
+def _nameserver(value: Any) -> str:
+    if value:
+        split_nameserver(str(value))
+    return str(value)
 
 
 # Every setting, documented once: each field is a flag (--name-with-dashes), a GATEWAY_*
@@ -118,6 +140,16 @@ class Settings:
                                      "instance before trying it again.")
     probe_interval: float = option(2.0, positive(float),
                                    "Seconds between /health probes of instances marked down.")
+    resolve_interval: float = option(10.0, lambda v: max(0.0, float(v)), "Seconds between "
+                                     "lookups of instance URLs whose host is a DNS name (http; "
+                                     "IP addresses and localhost are used as given): each address "
+                                     "is an instance (a Kubernetes headless Service has one per "
+                                     "pod), new ones are added, vanished ones removed (their "
+                                     "streams finish); a failed lookup keeps the last set. 0: "
+                                     "names are used as given, never expanded.")
+    resolve_nameserver: str = option("", _nameserver, "DNS server (address or address:port) "
+                                     "asked for those names; empty: the system resolver "
+                                     "(/etc/hosts, resolv.conf and its search domains).")
     connect_timeout: float = option(5.0, positive(float), "Seconds to connect to an engine.")
     read_timeout: float = option(600.0, positive(float), "Longest silence, in seconds, between "
                                  "bytes from an engine (prefill included).")
@@ -159,7 +191,8 @@ class Settings:
                                 "kept.")
     admin_token: str = option("", str, "Bearer token for GET /admin/status, the detailed report "
                               "(engine URLs, in-flight counts, breakers, store, worker); empty "
-                              "turns the report off. /health shows status only.")
+                              "turns the report off. /health shows status only. The same token "
+                              "guards /admin/instances (adding and removing engines).")
     log_format: str = option("text", str, "Log lines as text or as one JSON object each; "
                              "either way every line of a request carries its request id.",
                              choices=("text", "json"))

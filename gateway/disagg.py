@@ -111,7 +111,12 @@ class Disagg:
         started = time.perf_counter()
         entry = self.take_entry(identity)
         admitted: bool | None = None       # the entry's reuse, once decided
-        if entry is None or not self.fast_path.max_tokens:
+        if entry is not None and self.decode.get(entry.decode_url) is None:
+            # Its D has left the pool (removed, or its address gone from DNS): a miss, so P is
+            # never sent to pull blocks from an engine that may no longer be there.
+            metrics.ENTRIES.labels("gone").inc()
+            entry, reason = None, "decode_gone"
+        elif entry is None or not self.fast_path.max_tokens:
             reason = "no_entry" if entry is None else "off"
         else:
             target, reason, admitted = self.fast_path.target(

@@ -34,6 +34,13 @@ MAX_SLOTS = 256
 # alone writes it): a worker stopped by TTOU or a smaller reload stops owning at once, so no
 # request waits for an owner that is not coming back. gateway.affinity reads it.
 LIVE_SLOTS = multiprocessing.RawArray("b", MAX_SLOTS)
+# Instances added or removed through the admin endpoint reach every worker through one file
+# the master makes (gateway.membership: each worker appends what it was asked, and applies every
+# line in order), named to each worker after fork; a reload (SIGHUP) starts a new, empty one.
+# APPLIED[slot] is how far into it that slot's worker has applied, so an admin call can wait
+# until every live worker has its change.
+CHANGES_ENV = "PD_GATEWAY_CHANGES"
+APPLIED = multiprocessing.RawArray("q", MAX_SLOTS)
 
 # prometheus_client's own variable; it reads it once, when first imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -95,6 +102,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # left. A slot owns a share of conversations (gateway.affinity) and a private port.
         server.pd_slots = {}    # slot -> the worker holding it
         server.pd_private = _private_base(settings, server)
+        server.pd_changes = _new_changes(None)
         # Every configured slot owns its share from the start: a request that reaches the first
         # worker up waits for its owner (owner_wait) rather than moving once all have started.
         for slot in range(min(server.num_workers, MAX_SLOTS)):
@@ -105,6 +113,9 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # set takes slots 0..n-1 again; new and old worker of a slot share its private port
         # (SO_REUSEPORT) until the old one has stopped.
         server.pd_slots = {}
+        # Admin changes are reset with the settings: the new workers start from those alone.
+        # Old workers notice their file was unlinked and stop reporting progress in APPLIED.
+        server.pd_changes = _new_changes(getattr(server, "pd_changes", None))
 
     def pre_fork(server, worker):
         if not hasattr(server, "pd_slots"):    # on_starting was not ours: it says why
@@ -127,6 +138,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
 
     def post_fork(server, worker):
         os.environ[SLOT_ENV] = str(worker.pd_slot)
+        os.environ[CHANGES_ENV] = server.pd_changes
         os.environ.pop(PRIVATE_ENV, None)
         if server.pd_private is not None:
             host, base = server.pd_private
@@ -158,6 +170,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
     def on_exit(server):
         # The master, after its workers have stopped. A USR2 re-exec gets a directory of its
         # own (gunicorn starts it with the environment from before install() ran).
+        _remove(getattr(server, "pd_changes", None))
         if _own_metrics_dir:
             import shutil
 
@@ -202,6 +215,25 @@ def _private_base(settings: Settings, server) -> tuple[str, int] | None:
         raise RuntimeError(f"pd-gateway: the private listeners ({base}..) would take the bound "
                            f"port(s) {clash}; set GATEWAY_PRIVATE_BASE_PORT elsewhere")
     return settings.private_host, base
+
+
+def _new_changes(old: str | None) -> str:
+    """A new, empty admin-changes file (mode 0600: only the gateway's user may add instances);
+    the old one unlinked."""
+    _remove(old)
+    for slot in range(MAX_SLOTS):
+        APPLIED[slot] = 0
+    fd, path = tempfile.mkstemp(prefix="pd-gateway-instances-", suffix=".jsonl")
+    os.close(fd)
+    return path
+
+
+def _remove(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _is_gevent(worker_class: type) -> bool:

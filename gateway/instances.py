@@ -1,5 +1,6 @@
-"""What this process knows of the engines: instances, their pools, the choice between them,
-breakers, and the prober that brings instances marked down back."""
+"""What this process knows of the engines: instances, their pools (whose instance sets may change
+while the process runs), the choice between them, breakers, and the prober that brings instances
+marked down back."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 from urllib.parse import urlsplit
+
+from .errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +31,16 @@ class Policy:
 class Instance:
     """One engine and what this process knows of it.
 
-    `name` (e.g. "prefill[0]") is what clients may see; the URL stays inside the gateway.
+    `name` (e.g. "prefill[0]") is what clients may see; the URL stays inside the gateway. The
+    number is given once per pool and never reused, so a name stays its instance's while it lives.
+    `origin` says where it came from: "settings", "admin", or "dns:" + the settings URL whose
+    host name resolved to this instance's address.
     """
 
     url: str
     role: str
     index: int
+    origin: str = "settings"
     host: str = field(init=False)
     salt: bytes = field(init=False)
     inflight: int = 0
@@ -66,18 +73,68 @@ def _weight(key: bytes, instance: Instance) -> bytes:
 
 
 class Pool:
-    """The instances of one role: health, in-flight counts, breakers, and the choice between them."""
+    """The instances of one role: health, in-flight counts, breakers, and the choice between them.
+
+    Instances come and go at run time (`add`, `remove`, `sync`), under the lock. `instances` is
+    replaced, never changed in place, so a reader without the lock sees one whole set. A removed
+    instance is never chosen again, but the requests and streams on it keep it (acquire and
+    release work on the object), so they finish there.
+    """
 
     def __init__(self, role: str, urls: list[str], policy: Policy = Policy(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.role = role
         self.policy = policy
-        self.instances = [Instance(url, role, i) for i, url in enumerate(urls)]
-        self._by_url = {i.url: i for i in self.instances}
-        self._next = itertools.cycle(self.instances)
+        self.instances: list[Instance] = []
+        self._by_url: dict[str, Instance] = {}
+        self._numbers = itertools.count()
+        self._turn = 0                    # round robin: where the next search starts
         self._lock = threading.Lock()
         self._clock = clock
         self.on_down: Callable[[], None] | None = None   # wakes the prober
+        for url in urls:
+            self.add(url)
+
+    def add(self, url: str, origin: str = "settings") -> tuple[Instance, bool]:
+        """The instance at `url`, added unless it is there already; and whether it is new."""
+        with self._lock:
+            found = self._by_url.get(url)
+            if found is not None:
+                return found, False
+            instance = Instance(url, self.role, next(self._numbers), origin)
+            self._by_url[url] = instance
+            self.instances = [*self.instances, instance]
+        # Run-time changes are news; the settings' own instances are not.
+        (log.debug if origin == "settings" else log.info)("%s (%s) added (%s)", instance.name,
+                                                          url, origin)
+        return instance, True
+
+    def remove(self, url: str) -> Instance | None:
+        """Take the instance at `url` out of the pool (None if it is not there). What runs on it
+        finishes; nothing new is sent to it."""
+        with self._lock:
+            instance = self._by_url.pop(url, None)
+            if instance is None:
+                return None
+            self.instances = [i for i in self.instances if i is not instance]
+        log.info("%s (%s) removed (%d in flight finish there)", instance.name, url,
+                 instance.inflight)
+        return instance
+
+    def sync(self, origin: str, urls: list[str]) -> tuple[list[Instance], list[Instance]]:
+        """Make the instances of `origin` exactly `urls` (a name's addresses, just resolved):
+        the instances added and those removed. An instance of another origin at one of the
+        URLs stays as it is."""
+        wanted = set(urls)
+        gone = [i.url for i in self.instances if i.origin == origin and i.url not in wanted]
+        removed = [i for i in map(self.remove, gone) if i is not None]
+        added = [i for i, new in (self.add(url, origin) for url in urls) if new]
+        return added, removed
+
+    def get(self, url: str | None) -> Instance | None:
+        """The instance at `url` if it is in the pool now."""
+        with self._lock:
+            return self._by_url.get(url) if url else None
 
     def choose(self, key: str, prefer: str | None = None,
                exclude: Collection[Instance] = ()) -> Instance:
@@ -88,13 +145,21 @@ class Pool:
         """
         now = self._clock()
         with self._lock:
-            candidates = [i for i in self.instances if i not in exclude and i.available(now)]
+            instances = self.instances
+            if not instances:     # every address of its names gone, say: nothing to choose
+                raise ServiceUnavailable(f"no {self.role} instance is known",
+                                         instance_fault=False)
+            candidates = [i for i in instances if i not in exclude and i.available(now)]
             if not candidates:
-                candidates = [i for i in self.instances if i not in exclude] or self.instances
+                candidates = [i for i in instances if i not in exclude] or instances
             if self.policy.routing == "round_robin":
-                while (chosen := next(self._next)) not in candidates:
-                    pass
-                return chosen
+                # The next candidate after the last one chosen, in the pool's order (which
+                # instances joining or leaving only lengthen or shorten).
+                for step in range(len(instances)):
+                    chosen = instances[(self._turn + step) % len(instances)]
+                    if chosen in candidates:
+                        self._turn = (self._turn + step + 1) % len(instances)
+                        return chosen
             limit = self._limit(candidates)
             preferred = self._by_url.get(prefer) if prefer else None
             if preferred in candidates and preferred.inflight <= limit:
@@ -152,8 +217,9 @@ class Pool:
 
     def report(self) -> list[dict]:
         now = self._clock()
-        return [{"name": i.name, "url": i.url, "state": i.state(now), "inflight": i.inflight,
-                 "consecutive_failures": i.failures} for i in self.instances]
+        return [{"name": i.name, "url": i.url, "origin": i.origin, "state": i.state(now),
+                 "inflight": i.inflight, "consecutive_failures": i.failures}
+                for i in self.instances]
 
 
 class Prober:

@@ -20,7 +20,8 @@ ERRORS = Counter("pd_gateway_errors", "Requests that ended in an error, by where
 ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored; found (an entry "
                   "whose history the request extends; reuse_checks says if it was read); "
                   "mismatch (an entry whose history the request does not extend); absent (no "
-                  "entry for the id or any history prefix); rejected (malformed D params)",
+                  "entry for the id or any history prefix); rejected (malformed D params); gone (an entry "
+                  "whose D has left the pool: a miss)",
                   ["event"])
 REUSE_CHECKS = Counter("pd_gateway_reuse_checks", "Found entries, by the proof of reuse: digest "
                        "(plain turn, template keeps the prefix) and verified (tokens match) are "
@@ -41,6 +42,12 @@ STORE_ERRORS = Counter("pd_gateway_store_errors", "Calls to a Redis store that f
 ADMISSIONS = Counter("pd_gateway_admissions", "Turns by admission (--max-turns): admitted at "
                      "once, queued (waited for a place, then admitted), rejected_queue_full and "
                      "rejected_waited (429 with Retry-After, no engine called)", ["result"])
+RESOLUTIONS = Counter("pd_gateway_resolutions", "Lookups of instance DNS names (--resolve-"
+                      "interval): ok, or failed (an error or no address: the last set is kept)",
+                      ["result"])
+INSTANCE_CHANGES = Counter("pd_gateway_instance_changes", "Instances added to or removed from a "
+                           "pool at run time, by source (dns, admin); each worker counts its own",
+                           ["role", "change", "source"])
 DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
 PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill call to P",
                             buckets=_LATENCY)

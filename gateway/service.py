@@ -19,6 +19,7 @@ from .errors import BadGateway, GatewayError
 from .exactness import Exactness
 from .fast_path import FastPath
 from .instances import Instance, Policy, Pool, Prober
+from .membership import Membership
 from .parse import ClientRequest, parse
 from .reply import Reply, once
 from .store import ConversationStore, create_store
@@ -41,12 +42,14 @@ class Gateway:
         self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
                                  pool_size=concurrency, api_key=settings.upstream_api_key,
                                  hosts=len(settings.prefill) + len(settings.decode)
-                                 + settings.workers + 4)
+                                 + settings.workers + 36)   # room for engines added later
         policy = Policy(routing=settings.routing, overload_factor=settings.overload_factor,
                         breaker_failures=settings.breaker_failures,
                         breaker_cooldown=settings.breaker_cooldown)
-        self.prefill = Pool("prefill", settings.prefill, policy)
-        self.decode = Pool("decode", settings.decode, policy)
+        self.prefill = Pool("prefill", [], policy)
+        self.decode = Pool("decode", [], policy)
+        # Filled from the settings (DNS names resolved), then kept current (gateway.membership).
+        self.membership = Membership(settings, {"prefill": self.prefill, "decode": self.decode})
         self.prober = Prober(self.upstream.probe, [self.prefill, self.decode],
                              settings.probe_interval)
         self.prefill.on_down = self.decode.on_down = self.prober.wake
@@ -148,9 +151,10 @@ class Gateway:
                 **({"greenlets": _greenlets()} if debug else {})}
 
     def close(self) -> None:
-        """Stop the background prober and close pooled engine connections (for embedders and
+        """Stop the background prober and membership loop, and close pooled engine connections (for embedders and
         tests; a gunicorn worker just exits)."""
         self.prober.stop()
+        self.membership.stop()
         self.upstream.session.close()
 
 

@@ -80,6 +80,15 @@ def _failed(exc: GatewayError, request_id: str) -> Response:
     return exc.response(request_id)
 
 
+def _instance_args() -> tuple[object, object]:
+    body = request.get_json(silent=True) if request.content_length else None
+    if body is None:
+        body = request.args
+    elif not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object with role and url")
+    return body.get("role"), body.get("url")
+
+
 def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
     """The gateway's routes, each serving `current()`, this process's `Gateway`."""
     bp = Blueprint("pd_gateway", __name__)
@@ -144,14 +153,37 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         ok = current().healthy()
         return json_response({"status": "ok" if ok else "degraded"}, 200 if ok else 503)
 
-    @bp.get("/admin/status")
-    def status() -> Response:
+    def admin() -> Gateway:
+        """This process's Gateway, for a caller with the admin token (404 when none is set)."""
         gateway = current()
         check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
-                    "the admin report")
+                    "the admin routes")
+        return gateway
+
+    @bp.get("/admin/status")
+    def status() -> Response:
+        gateway = admin()
         # debug=1 walks the heap for live greenlets: only for the operator who asked.
         report = gateway.status(debug=request.args.get("debug") == "1")
         return json_response(report, 200 if report["status"] == "ok" else 503)
+
+    # Engines added and removed at run time, in every worker (gateway.membership says how).
+    # {"role": "prefill"|"decode", "url": "http://host:port"}, as JSON (or query arguments).
+    @bp.get("/admin/instances")
+    def instances() -> Response:
+        return json_response(admin().membership.report())
+
+    @bp.post("/admin/instances")
+    def add_instance() -> Response:
+        membership = admin().membership
+        role, url = _instance_args()
+        report, new = membership.add(role, url)
+        return json_response(report, 201 if new else 200)
+
+    @bp.delete("/admin/instances")
+    def remove_instance() -> Response:
+        membership = admin().membership
+        return json_response(membership.remove(*_instance_args()))
 
     @bp.get("/metrics")
     def prometheus() -> Response:

@@ -1,0 +1,204 @@
+"""This worker's instance set as it changes at run time: admin changes (POST/DELETE
+/admin/instances), shared by every worker of the gunicorn master, and DNS names re-resolved.
+
+How an admin change reaches every worker: gunicorn runs several worker processes, each with its
+own pools, and an admin call reaches one of them. The master makes one file for its workers
+(gateway.gunicorn_conf, `CHANGES_ENV`); the worker that is asked appends the change, one JSON
+line, and every worker applies every line in file order, the asked one at once, the others
+within `TICK` seconds (a background thread, a greenlet under gevent). Each worker publishes how
+far it has applied (`APPLIED[slot]`), and the asked worker waits, bounded, until every live slot
+has the change before it answers. Why a file rather than relaying the call to each worker's
+private listener: it needs no listener (a Redis store has none), a worker that restarts
+replays it and comes up with the same set as its siblings, and applying one ordered log in
+every worker keeps them identical.
+
+Admin changes live as long as the master: a restart, or a reload (SIGHUP), starts again from
+the settings. Outside gunicorn's hooks (one process, an embedder without `install`), a file of
+this process's own: the change applies here only.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+
+from . import gunicorn_conf, metrics
+from .config import Settings, _url_list
+from .discovery import Discovery, Resolver
+from .errors import BadRequest, NotFound
+from .gunicorn_conf import APPLIED, CHANGES_ENV, SLOT_ENV, MAX_SLOTS
+from .instances import Pool
+
+log = logging.getLogger(__name__)
+TICK = 0.5          # seconds between looks at the changes file
+CONFIRM_WAIT = 5.0  # seconds an admin call waits for the other workers to apply its change
+
+
+class ChangeLog:
+    """The ordered admin changes of one gunicorn master's workers: a file every worker appends
+    to (under an exclusive lock, one write per line) and reads from where it stopped."""
+
+    def __init__(self, path: str | None) -> None:
+        if path:
+            self.shared = True
+            self._fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        else:
+            self.shared = False
+            self._fd, own = tempfile.mkstemp(prefix="pd-gateway-instances-")
+            os.unlink(own)       # this process's alone; gone when it exits
+        self.offset = 0          # bytes read and applied
+
+    def append(self, change: dict) -> None:
+        line = (json.dumps(change, separators=(",", ":")) + "\n").encode()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            os.write(self._fd, line)     # O_APPEND: at the end, whatever another worker wrote
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def unread(self) -> list[dict]:
+        """The whole lines written since the last call, in order."""
+        data = os.pread(self._fd, 1 << 20, self.offset)
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+    def retired(self) -> bool:
+        """Has the master replaced this file (a reload)? This worker is one of the old set."""
+        return self.shared and os.fstat(self._fd).st_nlink == 0
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class Membership:
+    """Fills the pools from the settings (names resolved), then keeps them current."""
+
+    def __init__(self, settings: Settings, pools: dict[str, Pool],
+                 environ=os.environ) -> None:
+        self.pools = pools
+        self.slot = int(environ.get(SLOT_ENV, "-1"))
+        self.interval = settings.resolve_interval
+        self.discovery = Discovery(Resolver(settings.resolve_nameserver),
+                                   enabled=self.interval > 0)
+        for role, pool in pools.items():
+            self.discovery.seed(pool, getattr(settings, role))
+        self.changes = ChangeLog(environ.get(CHANGES_ENV))
+        self._lock = threading.Lock()       # one applier at a time: the file's order holds
+        self.apply_pending()               # a worker that (re)starts catches up with the rest
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.changes.shared or self.discovery.names:
+            self._thread = threading.Thread(target=self._run, name="pd-gateway-membership",
+                                            daemon=True)
+            self._thread.start()
+
+    # --- the admin endpoint's calls ----------------------------------------------------------
+
+    def add(self, role: str, url: str) -> tuple[dict, bool]:
+        """Add an instance in every worker: (its report and which workers have it, new?)."""
+        pool, url = self._pool(role), self._url(url)
+        if pool.get(url) is not None:
+            return self._confirmed(pool, url), False
+        self.changes.append({"op": "add", "role": role, "url": url})
+        self.apply_pending()
+        return self._confirmed(pool, url), True
+
+    def remove(self, role: str, url: str) -> dict:
+        """Remove an instance in every worker; what runs on it finishes there."""
+        pool, url = self._pool(role), self._url(url)
+        instance = pool.get(url)
+        if instance is None:
+            raise NotFound(f"no {role} instance at {url}")
+        if instance.origin.startswith("dns:"):
+            raise BadRequest(f"{instance.name} is an address of {instance.origin[4:]}: it comes "
+                             "and goes with DNS", status=409)
+        if len(pool.instances) == 1:
+            raise BadRequest(f"{instance.name} is the last {role} instance", status=409)
+        self.changes.append({"op": "remove", "role": role, "url": url})
+        self.apply_pending()
+        return {**self._confirmed(pool, url), "name": instance.name,
+                "inflight": instance.inflight}
+
+    def report(self) -> dict:
+        return {"worker": self.slot, "shared": self.changes.shared,
+                **{role: pool.report() for role, pool in self.pools.items()}}
+
+    def _pool(self, role: object) -> Pool:
+        if role not in self.pools:
+            raise BadRequest(f"role must be one of {', '.join(self.pools)}", param="role")
+        return self.pools[role]       # type: ignore[index]
+
+    @staticmethod
+    def _url(url: object) -> str:
+        try:
+            if not isinstance(url, str):
+                raise ValueError("url must be a string")
+            (parsed,) = _url_list(url)
+        except ValueError as exc:
+            raise BadRequest(f"url: {exc}", param="url") from exc
+        return parsed
+
+    def _confirmed(self, pool: Pool, url: str) -> dict:
+        """Wait (bounded) until every live worker has applied the file as far as this one."""
+        target = self.changes.offset
+        pending = self._pending(target)
+        deadline = time.monotonic() + CONFIRM_WAIT
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pending = self._pending(target)
+        instance = pool.get(url)
+        return {"role": pool.role, "url": url, "name": instance.name if instance else None,
+                "workers_pending": pending}
+
+    def _pending(self, target: int) -> list[int]:
+        if not self.changes.shared or self.slot < 0:
+            return []
+        return [slot for slot in range(MAX_SLOTS)
+                if gunicorn_conf.LIVE_SLOTS[slot] and slot != self.slot
+                and APPLIED[slot] < target]
+
+    # --- applying ------------------------------------------------------------------------------
+
+    def apply_pending(self) -> None:
+        """Apply every change other workers (or this one) logged since the last call."""
+        with self._lock:
+            for change in self.changes.unread():
+                self._apply(change)
+            if self.changes.shared and 0 <= self.slot < MAX_SLOTS and not self.changes.retired():
+                APPLIED[self.slot] = self.changes.offset
+
+    def _apply(self, change: dict) -> None:
+        pool = self.pools.get(change.get("role"))
+        if pool is None:
+            return
+        url = change.get("url", "")
+        if change.get("op") == "add":
+            if pool.add(url, origin="admin")[1]:
+                metrics.INSTANCE_CHANGES.labels(pool.role, "added", "admin").inc()
+        elif change.get("op") == "remove":
+            # Checked where it was asked; here too, so no worker's pool ever empties.
+            if len(pool.instances) > 1 and pool.remove(url) is not None:
+                metrics.INSTANCE_CHANGES.labels(pool.role, "removed", "admin").inc()
+
+    def _run(self) -> None:
+        next_resolve = time.monotonic() + self.interval
+        tick = min(TICK, self.interval) if self.discovery.names else TICK
+        while not self._stop.wait(tick):
+            try:
+                self.apply_pending()
+                if self.discovery.names and time.monotonic() >= next_resolve:
+                    self.discovery.refresh()
+                    next_resolve = time.monotonic() + self.interval
+            except Exception:        # a bad line, a full disk: logged, and the loop goes on
+                log.exception("updating the instance set failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(TICK + self.discovery.resolver.timeout * 2 + 1)
+        self.changes.close()
