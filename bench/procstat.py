@@ -46,6 +46,12 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process."""
+    fields = _stat(pid) or [0] * 13
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -9,7 +9,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib.metadata import version
 
@@ -134,14 +134,42 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs ({model}), {mem_gib:.0f} GiB, Linux {platform.release()}"
 
 
+def partial(plan: Plan, args: argparse.Namespace) -> None:
+    """A few systems at a few concurrencies, for work in progress: tables printed, no doc."""
+    keys = args.systems.split(",") if args.systems else list(plan.systems)
+    unknown = [k for k in keys if k not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    concurrencies = (tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency
+                     else plan.concurrencies)
+    plan = replace(plan, systems=tuple(keys), concurrencies=concurrencies)
+    os.makedirs(args.out, exist_ok=True)
+    notes: list[str] = []
+    systems = available(plan, notes)
+    engines = Engines.start(**ENGINE_TIMING)
+    try:
+        rows = matrix(plan, systems, engines, args.out, notes)
+    finally:
+        engines.stop()
+    print("\n" + report.table(rows) + "\n\n"
+          + report.table(report.ratios(rows, systems), report.RATIO_COLUMNS))
+    for note in notes:
+        print("note:", note)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the < 3 minute variant")
     parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "BENCHMARKS.md"))
     parser.add_argument("--plots", default=os.path.join(ROOT, "docs", "bench"))
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "out"), help="raw results, logs")
+    parser.add_argument("--systems", help="only these (comma separated keys of SYSTEMS); with "
+                        "--concurrency: a partial run that prints its tables and writes no doc")
+    parser.add_argument("--concurrency", help="only these concurrencies (comma separated)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.systems or args.concurrency:
+        return partial(plan, args)
     os.makedirs(args.out, exist_ok=True)
     began, load_before, clock = datetime.now(timezone.utc), os.getloadavg(), time.monotonic()
     notes: list[str] = []

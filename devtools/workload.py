@@ -6,6 +6,7 @@ connection (the tests' client, driven by `drive` and `run`); the benchmark's cli
 """
 from __future__ import annotations
 
+import os
 import random
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,9 @@ MODEL = "emulated-model"  # the emulator's default served name
 # client turns are matched to engine records (bench.metrics).
 FIRST_WORDS = 300
 TURN_WORDS = (120, 160)
-REPLY_WORDS = 32  # the benchmark's max_tokens: the emulator obeys it exactly (finish "length")
+# The benchmark's max_tokens: the emulator obeys it exactly (finish "length"). bench.profile
+# --reply-words sets BENCH_REPLY_WORDS for its load generator (per-event against per-turn cost).
+REPLY_WORDS = int(os.environ.get("BENCH_REPLY_WORDS", "32"))
 
 
 def words(rng: random.Random, count: int) -> str:

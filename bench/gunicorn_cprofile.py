@@ -1,0 +1,19 @@
+"""gunicorn config for `bench.profile --calls`: the gateway's own config, plus cProfile in the
+worker from its start to its exit (the stats file: $BENCH_CPROFILE). Function call counts per
+turn are exact; cProfile's times are not (greenlet switches and its own overhead)."""
+from gateway.standalone_conf import *  # noqa: F401,F403  (first: it monkey-patches under gevent)
+
+import cProfile  # noqa: E402
+import os  # noqa: E402
+
+CPROFILE_ENV = "BENCH_CPROFILE"   # as bench.profile sets it
+
+
+def post_worker_init(worker):
+    worker.bench_profile = cProfile.Profile()
+    worker.bench_profile.enable()
+
+
+def worker_exit(server, worker):
+    worker.bench_profile.disable()
+    worker.bench_profile.dump_stats(os.environ[CPROFILE_ENV])
