@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterable, Iterator, Mapping
 
+import orjson
+
 # Request fields known NOT to change the prompt an engine renders: sampling and output options
 # (vLLM's ChatCompletionRequest and CompletionRequest). Every other field is part of the digest
 # scope, so two requests differing in it never share KV blocks: a field vLLM adds tomorrow
@@ -47,7 +49,11 @@ def _h(*parts: bytes) -> bytes:
 
 def canonical_json(value: Any) -> bytes:
     """JSON bytes independent of key order and layout: what digests are taken over."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:     # an integer beyond 64 bits (gateway.jsonio)
+        return json.dumps(value, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False).encode()
 
 
 def canonical_content(content: Any) -> Any:

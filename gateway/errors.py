@@ -3,10 +3,10 @@ a response (as Werkzeug's `HTTPException.get_response`) or, mid-stream, a final 
 Every JSON body the gateway answers with is serialized here too (`json_response`)."""
 from __future__ import annotations
 
-import json
-
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response
+
+from . import jsonio
 
 
 class GatewayError(Exception):
@@ -55,7 +55,7 @@ class GatewayError(Exception):
 def json_response(body: object, status: int = 200) -> Response:
     """A JSON reply as the gateway sends them all: compact, one line, as vLLM's, whatever JSON
     settings the Flask app it is mounted on has (its jsonify would apply them)."""
-    data = json.dumps(body, separators=(",", ":")).encode() + b"\n"
+    data = jsonio.dumps(body) + b"\n"
     return Response(data, status=status, content_type="application/json")
 
 
@@ -131,5 +131,5 @@ class GatewayTimeout(GatewayError):
 
 def error_event(error: GatewayError, done: bool = True) -> bytes:
     """The SSE error event of a stream that failed after its first byte, then [DONE]."""
-    event = b"data: " + json.dumps(error.envelope()).encode() + b"\n\n"
+    event = b"data: " + jsonio.dumps(error.envelope()) + b"\n\n"
     return event + b"data: [DONE]\n\n" if done else event

@@ -1,12 +1,10 @@
 """Parse and validate client request bodies; anything a client can get wrong becomes a 400."""
 from __future__ import annotations
 
-import json
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from . import jsonio
 from .errors import BadRequest
 
 CHAT = "/v1/chat/completions"
@@ -27,38 +25,13 @@ class ClientRequest:
         return self.path == CHAT
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite(text: str) -> float:
-    # 1e999 parses to inf, which would go to the engines as the non-JSON constant Infinity.
-    number = float(text)
-    if math.isinf(number):
-        raise ValueError(f"{text} is out of range")
-    return number
-
-
-# A JSON escape of half a UTF-16 pair decodes to a lone surrogate, which no engine can
-# tokenize and UTF-8 cannot encode; only bodies holding such an escape are checked in full.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _has_lone_surrogate(body: Any) -> bool:
-    try:
-        json.dumps(body, ensure_ascii=False).encode()
-        return False
-    except UnicodeEncodeError:
-        return True
-
-
 # No OpenAI request nests deeper (a tool's JSON Schema is the deepest, a dozen levels or so);
 # deeper bodies would reach the recursion limit in some later JSON or digest walk (a 500).
 MAX_DEPTH = 64
 
 
-def _too_deep(text: str, body: Any) -> bool:
-    if text.count("[") + text.count("{") <= MAX_DEPTH:    # cheap: most bodies stop here
+def _too_deep(raw: bytes, body: Any) -> bool:
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:    # cheap: most bodies stop here
         return False
     todo = [(body, 1)]
     while todo:
@@ -121,16 +94,12 @@ def _is_prompt(prompt: Any) -> bool:
 def parse(path: str, raw: bytes) -> ClientRequest:
     """Validate `raw` for `path`; raises BadRequest naming the offending field."""
     try:
-        # UTF-8 only (RFC 8259): json.loads would also guess UTF-16/32 from bytes.
-        text = raw.decode("utf-8")
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+        body = jsonio.loads(raw)
     except (ValueError, RecursionError) as exc:
-        # UnicodeDecodeError and JSONDecodeError are both ValueErrors.
+        # UnicodeDecodeError, JSONDecodeError and orjson's are all ValueErrors.
         raise BadRequest(f"Request body is not valid JSON: {exc}"[:300]) from exc
-    if isinstance(body, (dict, list)) and _too_deep(text, body):
+    if isinstance(body, (dict, list)) and _too_deep(raw, body):
         raise BadRequest(f"Request body nests JSON deeper than {MAX_DEPTH} levels")
-    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
-        raise BadRequest("Request body holds an unpaired UTF-16 surrogate escape")
     _check(isinstance(body, dict), "body", "Request body must be a JSON object")
     if path == CHAT:
         _check("messages" in body, "messages", "'messages' is required")

@@ -1,13 +1,13 @@
 """`ConversationStore`: where each conversation's latest decode KV params wait for the next turn."""
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
+import orjson
 from cachetools import TTLCache
 
 from . import metrics
@@ -52,14 +52,13 @@ class _Takes:
 
 def encode(entry: Entry) -> bytes:
     # Compact JSON: a block-id list as Python ints costs 36 bytes an id, as JSON about 6.
-    return json.dumps([entry.params, entry.decode_url, entry.history_digest,
-                       entry.history_len, entry.plain, entry.token_digest, entry.expires_at],
-                      separators=(",", ":")).encode()
+    return orjson.dumps([entry.params, entry.decode_url, entry.history_digest,
+                         entry.history_len, entry.plain, entry.token_digest, entry.expires_at])
 
 
 def decode(packed: bytes) -> Entry:
     params, decode_url, history_digest, history_len, plain, token_digest, expires_at = \
-        json.loads(packed)
+        orjson.loads(packed)
     if not (isinstance(params, dict) and isinstance(decode_url, str)
             and isinstance(history_digest, str) and isinstance(history_len, int)
             and isinstance(plain, bool) and (token_digest is None or isinstance(token_digest, str))

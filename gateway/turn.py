@@ -54,6 +54,8 @@ class Turn:
     def take_ids(self, holder: dict) -> bool:
         """Collect token ids from a chunk, body or choice; null them if the client did not ask.
         True if `holder` changed."""
+        if PROMPT_IDS not in holder and OUTPUT_IDS not in holder:
+            return False                   # every chunk of a turn whose ids nobody asked for
         changed = False
         for key in (PROMPT_IDS, OUTPUT_IDS):
             ids = holder.get(key)
@@ -74,19 +76,24 @@ class Turn:
     def add_choice(self, choice: dict, delta_key: str) -> None:
         """Fold one choice of a chunk (delta_key "delta") or of a whole body ("message")."""
         self.choices.add(choice.get("index", 0))
-        if choice.get("finish_reason"):
-            self.finish_reasons.append(choice["finish_reason"])
+        finish = choice.get("finish_reason")
+        if finish:
+            self.finish_reasons.append(finish)
         if "text" in choice:
             self.text.append(choice["text"] or "")
-        part = choice.get(delta_key) or {}
-        if part.get("content"):
-            self.text.append(part["content"] if isinstance(part["content"], str)
-                             else json.dumps(part["content"]))
+        part = choice.get(delta_key)
+        if not part:
+            return
+        content = part.get("content")
+        if content:
+            self.text.append(content if isinstance(content, str) else json.dumps(content))
         reasoning = part.get("reasoning_content") or part.get("reasoning")
         if reasoning:
             self.reasoning.append(reasoning)
-        for call in part.get("tool_calls") or ():
-            self._add_tool_call(call)
+        calls = part.get("tool_calls")
+        if calls:
+            for call in calls:
+                self._add_tool_call(call)
 
     def _add_tool_call(self, call: dict) -> None:
         index = call.get("index", len(self.tool_calls))

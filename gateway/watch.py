@@ -33,18 +33,25 @@ class Watch:
         self.deadline = deadline
         self.gone = False
         self.expired = False
+        # The read timeout of a stream this watch keeps (`keep_quiet_limit`): the stream sets
+        # `heard_at` as bytes come; silent for `quiet_limit` seconds, its connection is cut.
+        self.quiet_limit: float | None = None
+        self.quiet_source = ""
+        self.heard_at = 0.0
+        self.silent = False
+        self._running = client is not None or deadline is not None
         self._connections: list[HTTPConnection] = []
         self._lock = threading.Lock()
         self._done = False
         self._token = _WATCH.set(self)
-        if client is not None or deadline is not None:
+        if self._running:
             threading.Thread(target=self._run, name="pd-gateway-watch", daemon=True).start()
 
     def track(self, connection: HTTPConnection) -> None:
         """Register a connection this request is about to use; refuse if the request is
         already cut (its client left, or its deadline passed, before this call began)."""
         with self._lock:
-            if self.gone or self.expired:
+            if self.gone or self.expired or self.silent:
                 raise ConnectionAbortedError("the request was cut before this engine call")
             self._connections.append(connection)
 
@@ -55,10 +62,27 @@ class Watch:
             elif connection in self._connections:
                 self._connections.remove(connection)
 
+    def keep_quiet_limit(self, seconds: float, source: str) -> bool:
+        """Take over a stream's read timeout (its socket then needs none): cut the request's
+        connections if the stream is silent for `seconds`. False if this watch has no thread
+        to do it (no client socket and no deadline): the socket keeps its own timeout.
+
+        Why: under gevent a socket timeout costs a Timeout (a timer started and stopped) on
+        every wait for bytes, that is on every token of every stream."""
+        if not self._running:
+            return False
+        self.quiet_source = source
+        self.heard_at = time.monotonic()
+        self.quiet_limit = seconds
+        return True
+
     def error(self) -> GatewayError | None:
         """Why this request's engine calls were cut, if they were."""
         if self.gone:
             return ClientGone("the client closed the connection")
+        if self.silent:
+            return GatewayTimeout(f"{self.quiet_source} sent nothing for "
+                                  f"{self.quiet_limit:g} s")
         if self.expired:
             return GatewayTimeout("the request took longer than its total deadline",
                                   instance_fault=False)
@@ -84,6 +108,12 @@ class Watch:
                 if wait <= 0:
                     self.expired = True
                     return self._cut()
+            if self.quiet_limit is not None:
+                quiet_left = self.heard_at + self.quiet_limit - time.monotonic()
+                if quiet_left <= 0:
+                    self.silent = True
+                    return self._cut()
+                wait = min(wait, quiet_left)
             if poller is None:
                 time.sleep(wait)
                 continue
