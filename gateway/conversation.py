@@ -40,11 +40,8 @@ ID_HEADERS = ("X-Conversation-Id", "X-Session-ID")
 
 
 def _h(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for part in parts:
-        h.update(len(part).to_bytes(4, "little"))
-        h.update(part)
-    return h.digest()
+    return hashlib.blake2b(b"".join(len(part).to_bytes(4, "little") + part for part in parts),
+                           digest_size=16).digest()
 
 
 def canonical_json(value: Any) -> bytes:
@@ -69,6 +66,9 @@ def canonical_content(content: Any) -> Any:
 
 def canonical_message(message: Mapping[str, Any]) -> bytes:
     """The bytes of one chat message that decide its rendered tokens, independent of JSON layout."""
+    if len(message) == 2 and type(message.get("content")) is str and "role" in message:
+        # Most of every history, digested on every turn: the general form below, built direct.
+        return orjson.dumps([message["role"], message["content"], None, [], None, None])
     tool_calls = [{"id": c.get("id"), "type": c.get("type", "function"),
                    "function": {"name": (c.get("function") or {}).get("name"),
                                 "arguments": (c.get("function") or {}).get("arguments")}}

@@ -61,6 +61,9 @@ def _check_messages(messages: Any) -> None:
     _check(isinstance(messages, list) and messages, "messages",
            "'messages' must be a non-empty list of message objects")
     for i, m in enumerate(messages):
+        if (type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str
+                and "name" not in m and "tool_calls" not in m and "tool_call_id" not in m):
+            continue       # a plain message, most of every history: nothing more to check
         where = f"messages.{i}"
         _check(isinstance(m, dict), where, f"'{where}' must be an object")
         _check(isinstance(m.get("role"), str), f"{where}.role", f"'{where}.role' must be a string")

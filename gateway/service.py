@@ -146,7 +146,7 @@ class Gateway:
                 # the main thread, the prober, request watchers. Under gevent, greenlets.
                 "threads": sum(not t.name.startswith("ThreadPoolExecutor")
                                for t in threading.enumerate()),
-                "watchers": sum(t.name == "pd-gateway-watch" for t in threading.enumerate()),
+                "watchers": Watch.live,
                 **self.admission.report(), **self.store.report(), **pools,
                 **({"greenlets": _greenlets()} if debug else {})}
 

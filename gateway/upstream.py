@@ -2,6 +2,7 @@
 a failed call becomes (a `GatewayError`); the only module that calls `requests`."""
 from __future__ import annotations
 
+import http.client
 import logging
 import socket
 import time
@@ -45,17 +46,25 @@ class Stream:
     def chunks(self) -> Iterator[bytes]:
         """Bytes as they arrive; `read1` returns whatever is buffered instead of filling a block."""
         raw = self._response.raw
+        # http.client's response under urllib3's: urllib3's read1 adds a context manager and
+        # four calls to every read, that is to every token (it decodes content encodings and
+        # translates errors, which we need neither of: `identity` was asked for, errors are
+        # translated below). At the end the connection goes back to the pool, as urllib3 would.
+        fp = getattr(raw, "_fp", None)
+        read1 = fp.read1 if hasattr(fp, "read1") else raw.read1
         watch = self._watch
         clock = time.monotonic
         try:
             while True:
                 if watch is not None:
                     watch.heard_at = clock()     # silence counts from the start of each wait
-                data = raw.read1(65536)
+                data = read1(65536)
                 if not data:
+                    raw.release_conn()
                     return
                 yield data
-        except (Urllib3Error, requests.RequestException, OSError) as exc:
+        except (Urllib3Error, requests.RequestException, http.client.HTTPException, OSError,
+                ValueError) as exc:
             raise _translate(exc, self.instance, self._watch) from exc
 
     def close(self) -> None:
