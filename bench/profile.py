@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                              "at different lengths separate per-event from per-turn CPU")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second (0: no sampling, the unobserved figures only)")
     parser.add_argument("--svg", help="also write a flame graph here")
+    parser.add_argument("--native", action="store_true",
+                        help="py-spy --native: C frames too (libev, greenlet, the interpreter)")
     parser.add_argument("--calls", metavar="N", type=int, default=0,
                         help="instead of sampling, run the worker under cProfile and print the "
                              "N functions called most per turn (exact counts)")
@@ -206,11 +208,11 @@ def main(argv: list[str] | None = None) -> None:
             return
         raw = args.raw or os.path.join(out_dir, "stacks.txt")
         spy = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
-               str(worker), "--rate", str(args.rate), "--nonblocking", "--format", "raw",
-               "--output", raw]
+               str(worker), "--rate", str(args.rate), "--format", "raw", "--output", raw,
+               *(["--native"] if args.native else ["--nonblocking"])]
         spy_proc = subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if args.svg:
-            svg_proc = subprocess.Popen(spy[:-4] + ["--output", args.svg], stdout=subprocess.DEVNULL,
+            svg_proc = subprocess.Popen([*spy[:spy.index("--format")], "--output", args.svg], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
         observed = run_load(system.label, running, engines, load, "observed", out_dir)
         spy_proc.send_signal(2)

