@@ -149,7 +149,7 @@ class Disagg:
             reuse = entry is not None and failure is None and (
                 admitted if admitted is not None
                 else self.exactness.admit(entry, request, identity, tokenize)[0])
-            body = prefill_body(request.body, entry if reuse else None)
+            body = prefill_body(request.wire, entry if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
         prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
@@ -170,7 +170,7 @@ class Disagg:
         known), they never reach a client that did not ask for them itself."""
         ask_ids = (identity.reusable and self.exactness.wants_ids(request)
                    and not request.body.get("return_token_ids"))
-        body = {**request.body, "return_token_ids": True} if ask_ids else request.body
+        body = {**request.wire, "return_token_ids": True} if ask_ids else request.wire
         return Turn(strip_ids=ask_ids), body
 
     def _decode(self, request: ClientRequest, identity: Identity, turn: Turn, headers: dict,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from . import jsonio
@@ -24,23 +25,18 @@ class ClientRequest:
     def is_chat(self) -> bool:
         return self.path == CHAT
 
+    @cached_property
+    def wire(self) -> dict:
+        """The body as the engines get it, its history written once (both P and D get it)."""
+        prompt = "messages" if "messages" in self.body else "prompt"
+        if not isinstance(self.body.get(prompt), list):
+            return self.body
+        return {**self.body, prompt: jsonio.fragment(self.body[prompt])}
+
 
 # No OpenAI request nests deeper (a tool's JSON Schema is the deepest, a dozen levels or so);
 # deeper bodies would reach the recursion limit in some later JSON or digest walk (a 500).
 MAX_DEPTH = 64
-
-
-def _too_deep(raw: bytes, body: Any) -> bool:
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:    # cheap: most bodies stop here
-        return False
-    todo = [(body, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if depth > MAX_DEPTH:
-            return True
-        children = value.values() if isinstance(value, dict) else value
-        todo += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
-    return False
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -97,12 +93,12 @@ def _is_prompt(prompt: Any) -> bool:
 def parse(path: str, raw: bytes) -> ClientRequest:
     """Validate `raw` for `path`; raises BadRequest naming the offending field."""
     try:
-        body = jsonio.loads(raw)
+        body = jsonio.loads(raw, MAX_DEPTH)
+    except jsonio.TooDeep as exc:
+        raise BadRequest(f"Request body {exc}") from exc
     except (ValueError, RecursionError) as exc:
         # UnicodeDecodeError, JSONDecodeError and orjson's are all ValueErrors.
         raise BadRequest(f"Request body is not valid JSON: {exc}"[:300]) from exc
-    if isinstance(body, (dict, list)) and _too_deep(raw, body):
-        raise BadRequest(f"Request body nests JSON deeper than {MAX_DEPTH} levels")
     _check(isinstance(body, dict), "body", "Request body must be a JSON object")
     if path == CHAT:
         _check("messages" in body, "messages", "'messages' is required")
