@@ -16,11 +16,12 @@ BLOCK_SIZE = 16
 def synthetic_entry(i: int, decode_url: str) -> tuple[str, Entry]:
     """A store key and an entry with D's params as the emulator sends them after one turn.
 
-    Strings and block ids are fresh objects per entry, as JSON parsing makes them in a real store.
+    Strings and block ids are fresh objects per entry, as JSON parsing makes them in a real store;
+    the params are what the gateway keeps of D's (`kv_params.clean_params`); the ids run, as the
+    emulator's and a vLLM free list's do (gateway.packing).
     """
     blocks = -(-HISTORY_TOKENS // BLOCK_SIZE)
-    params = {"do_remote_prefill": False, "do_remote_decode": True,
-              "remote_block_ids": [list(range(i * blocks + 1000, (i + 1) * blocks + 1000))],
+    params = {"remote_block_ids": [list(range(i * blocks + 1000, (i + 1) * blocks + 1000))],
               "remote_engine_id": str(uuid.uuid4()),
               "remote_request_id": f"chatcmpl-{uuid.uuid4().hex}-{secrets.token_hex(4)}",
               "remote_host": "127.0.0.3", "remote_port": 40000 + i % 20000, "tp_size": 1,

@@ -291,8 +291,8 @@ def test_only_allowlisted_params_are_stored(client, store):
                                                            "remote_host": "attacker"}),
                    content_type="text/event-stream")
     client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
-    (key,) = list(store._cache)
-    entry = store.take(key)
+    (key,) = list(store._cache)          # a digest, kept as its 16 bytes
+    entry = store.take(key.hex())
     assert "evil" not in entry.params and entry.params["remote_host"] == "10.9.0.2"
 
 

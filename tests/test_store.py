@@ -6,6 +6,8 @@ from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.store import Entry, LocalStore, RedisStore
 
@@ -170,3 +172,51 @@ def test_closing_a_gateway_stops_its_prober():
     assert thread is not None and thread.is_alive()
     gateway.close()
     assert not thread.is_alive()
+
+
+# --- what an entry becomes in the store (gateway.packing) -------------------------------------
+
+digests = st.one_of(st.none(), st.text(max_size=40),
+                    st.binary(min_size=16, max_size=16).map(bytes.hex))
+block_ids = st.one_of(
+    st.lists(st.integers(0, 2 ** 40), max_size=80),                    # anything at all
+    st.builds(lambda start, n, step: list(range(start, start + step * n, step)),  # one run
+              st.integers(100, 10 ** 6), st.integers(1, 300), st.sampled_from([1, -1])))
+params = st.fixed_dictionaries(
+    {"remote_block_ids": st.lists(block_ids, max_size=3),
+     "remote_engine_id": st.text(min_size=1, max_size=40),
+     "remote_request_id": st.text(min_size=1, max_size=80),
+     "remote_port": st.integers(1, 65535)},
+    optional={"remote_host": st.text(min_size=1), "tp_size": st.integers(1, 64),
+              "remote_num_tokens": st.integers(0, 10 ** 6),
+              "remote_blocks_expiry_time": st.one_of(st.none(), st.floats(0, 1e12)),
+              "transfer_mode": st.text(min_size=1), "some_future_field": st.integers()})
+
+
+@given(params=params, url=st.text(), history=digests.filter(lambda d: d is not None),
+       length=st.integers(0, 2 ** 32 - 1), plain=st.booleans(), tokens=digests,
+       expires=st.one_of(st.none(), st.floats(0, 1e10)))
+def test_an_entry_comes_back_from_the_store_as_it_went_in(params, url, history, length, plain,
+                                                          tokens, expires):
+    from gateway.store import decode, encode
+    original = Entry(params, url, history, length, plain, tokens, expires)
+    assert decode(encode(original)) == original
+
+
+def test_a_benchmark_entry_packs_into_a_fifth_of_its_json():
+    import orjson
+
+    from bench.fill import synthetic_entry
+    from gateway.store import encode
+    _, original = synthetic_entry(7, "http://127.0.0.3:8200")
+    as_json = orjson.dumps([original.params, original.decode_url, original.history_digest,
+                            original.history_len, original.plain, original.token_digest,
+                            original.expires_at])
+    assert len(encode(original)) * 3 < len(as_json)
+
+
+@pytest.mark.parametrize("foreign", [b"", b"{}", b"[1,2]", b"\x01\x00" + b"x" * 40, b"\x07" * 60])
+def test_a_foreign_value_is_not_an_entry(foreign):
+    from gateway.store import decode
+    with pytest.raises(ValueError):
+        decode(foreign)
