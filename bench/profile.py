@@ -18,6 +18,7 @@ import pstats
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from bench import procstat
 from bench.measure import Load, run_load
@@ -139,6 +140,84 @@ def worker_pid(master: int) -> int:
     return workers[0]
 
 
+@dataclass
+class Profile:
+    """One worker under one load: the unobserved figures, and py-spy's samples by room."""
+
+    row: dict                      # bench.metrics.summarize of the unobserved run
+    user_ms: float                 # the worker's user and system CPU per turn (same run)
+    system_ms: float
+    rooms: collections.Counter     # samples per room of the observed run
+    samples: int
+
+    def ms(self, room: str) -> float:
+        return self.row["cpu_ms_per_turn"] * self.rooms[room] / max(1, self.samples)
+
+
+def sample(worker: int, label: str, running: Running, engines: Engines, load: Load,
+           out_dir: str, rate: int, raw: str, svg: str | None = None,
+           native: bool = False) -> tuple[collections.Counter, int]:
+    """py-spy on the worker during one more run of `load`: samples per room."""
+    spy = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
+           str(worker), "--rate", str(rate), "--format", "raw", "--output", raw,
+           *(["--native"] if native else ["--nonblocking"])]
+    spies = [subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    if svg:
+        spies.append(subprocess.Popen([*spy[:spy.index("--format")], "--output", svg],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    run_load(label, running, engines, load, "observed", out_dir)
+    for spy_proc in spies:
+        spy_proc.send_signal(2)
+        spy_proc.wait(30)
+    return shares(raw)
+
+
+def measure(system: System, engines: Engines, load: Load, out_dir: str, rate: int,
+            raw: str | None = None, svg: str | None = None, native: bool = False) -> Profile:
+    """Start `system`, warm it up, run `load` unobserved, then (rate > 0) under py-spy."""
+    running = start(system, engines, out_dir)
+    try:
+        worker = worker_pid(running.pid)
+        run_load(system.label, running, engines,
+                 Load(load.concurrency, load.concurrency, 2, 10, load.ids), "warm", out_dir)
+        user0, system0 = procstat.cpu_split(worker)
+        plain = run_load(system.label, running, engines, load, "plain", out_dir)
+        user1, system1 = procstat.cpu_split(worker)
+        row = summarize(plain, ENGINE_TIMING["itl_ms"])
+        turns = max(1, row["turns"])
+        rooms, total = (sample(worker, system.label, running, engines, load, out_dir, rate,
+                               raw or os.path.join(out_dir, "stacks.txt"), svg, native)
+                        if rate else (collections.Counter(), 0))
+        return Profile(row, 1000 * (user1 - user0) / turns, 1000 * (system1 - system0) / turns,
+                       rooms, total)
+    finally:
+        running.stop()
+
+
+def gateway_system(worker_class: str, concurrency: int, ids: bool = True,
+                   options: dict | None = None) -> System:
+    settings = {"workers": 1, "worker_class": worker_class, **(options or {})}
+    if worker_class == "gthread":
+        settings.setdefault("threads", max(64, 2 * concurrency))
+    return System(f"gw {worker_class} x1", "gateway", ids, settings)
+
+
+def room_table(profiles: dict[str, Profile]) -> str:
+    """Markdown: per room, each profile's ms per turn and share; rooms in the first's order."""
+    first = next(iter(profiles.values()))
+    rooms = [room for room, _ in first.rooms.most_common()]
+    rooms += sorted({r for p in profiles.values() for r in p.rooms} - set(rooms))
+    head = "| room | " + " | ".join(f"{label} ms/turn | share" for label in profiles) + " |"
+    lines = [head, "|---|" + "---|---|" * len(profiles)]
+    for room in rooms:
+        cells = " | ".join(f"{p.ms(room):.2f} | {100 * p.rooms[room] / max(1, p.samples):.0f}%"
+                           for p in profiles.values())
+        lines.append(f"| {room} | {cells} |")
+    lines.append("| **all** (unobserved run, /proc) | " + " | ".join(
+        f"**{p.row['cpu_ms_per_turn']:.2f}** | 100%" for p in profiles.values()) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker-class", default="gevent", choices=("gevent", "gthread"))
@@ -151,7 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reply-words", type=int, default=0,
                         help="max_tokens of every turn (default: the benchmark's 32); two runs "
                              "at different lengths separate per-event from per-turn CPU")
-    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second (0: no sampling, the unobserved figures only)")
+    parser.add_argument("--rate", type=int, default=250,
+                        help="py-spy samples per second (0: no sampling, the unobserved figures "
+                             "only)")
     parser.add_argument("--svg", help="also write a flame graph here")
     parser.add_argument("--native", action="store_true",
                         help="py-spy --native: C frames too (libev, greenlet, the interpreter)")
@@ -166,71 +247,50 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.reply_words:
         os.environ["BENCH_REPLY_WORDS"] = str(args.reply_words)   # read by the load generator
-    options = {"workers": 1, "worker_class": args.worker_class}
-    if args.worker_class == "gthread":
-        options["threads"] = max(64, 2 * args.concurrency)
-    for item in args.option:
-        name, _, value = item.partition("=")
-        options[name] = value
-    system = System(f"gw {args.worker_class} x1", "gateway", not args.no_ids, options)
+    system = gateway_system(args.worker_class, args.concurrency, not args.no_ids,
+                            dict(item.partition("=")[::2] for item in args.option))
     out_dir = tempfile.mkdtemp(prefix="pd-profile-")
-    conversations = args.conversations or 2 * args.concurrency
-    load = Load(args.concurrency, conversations, args.turns, args.duration, not args.no_ids,
-                args.history_bytes)
+    load = Load(args.concurrency, args.conversations or 2 * args.concurrency, args.turns,
+                args.duration, not args.no_ids, args.history_bytes)
     engines = Engines.start(**ENGINE_TIMING)
-    running = None
     try:
-        stats_path = os.path.join(out_dir, "worker.prof")
-        running = (start(system, engines, out_dir) if not args.calls
-                   else start_profiled(options, engines, stats_path))
+        if args.calls or args.strace:
+            return exact_counts(args, system, engines, load, out_dir)
+        profile = measure(system, engines, load, out_dir, args.rate, args.raw, args.svg,
+                          args.native)
+        print(unobserved(profile))
+        if profile.samples:
+            print(f"observed: {profile.samples} samples\n")
+            print(room_table({system.label: profile}))
+    finally:
+        engines.stop()
+
+
+def unobserved(profile: Profile) -> str:
+    row = profile.row
+    return (f"unobserved: {row['turns']} turns, {row['errors']} errors, hits "
+            f"{100 * row['hit_rate']:.0f}%, CPU {row['cpu_ms_per_turn']:.2f} ms/turn, events/s/core "
+            f"{row['events_per_core_s']:.0f}, added TTFT p50 {row['added_ttft_p50_ms']:.1f} ms, "
+            f"TTFT p50 {row['ttft_p50_ms']:.1f} ms; the worker's user/system CPU "
+            f"{profile.user_ms:.2f}/{profile.system_ms:.2f} ms/turn")
+
+
+def exact_counts(args: argparse.Namespace, system: System, engines: Engines, load: Load,
+                 out_dir: str) -> None:
+    """--calls (cProfile in the worker) or --strace (system calls of the worker)."""
+    stats_path = os.path.join(out_dir, "worker.prof")
+    running = (start_profiled(system.options, engines, stats_path) if args.calls
+               else start(system, engines, out_dir))
+    try:
         worker = worker_pid(running.pid)
         run_load(system.label, running, engines,
-                 Load(args.concurrency, args.concurrency, 2, 10, not args.no_ids), "warm", out_dir)
-        user0, system0 = procstat.cpu_split(worker)
-        plain = run_load(system.label, running, engines, load, "plain", out_dir)
-        user1, system1 = procstat.cpu_split(worker)
-        row = summarize(plain, ENGINE_TIMING["itl_ms"])
-        ms_per_turn = row["cpu_ms_per_turn"]
-        print(f"unobserved: {row['turns']} turns, {row['errors']} errors, hits "
-              f"{100 * row['hit_rate']:.0f}%, CPU {ms_per_turn:.2f} ms/turn, events/s/core "
-              f"{row['events_per_core_s']:.0f}, added TTFT p50 {row['added_ttft_p50_ms']:.1f} ms, "
-              f"TTFT p50 {row['ttft_p50_ms']:.1f} ms; the worker's user/system CPU "
-              f"{1000 * (user1 - user0) / row['turns']:.2f}/{1000 * (system1 - system0) / row['turns']:.2f} "
-              f"ms/turn")
-        if args.calls:
-            running.stop()
-            running = None
-            turns_all = len(plain.load["turns"]) + args.concurrency * 2
-            return print_calls(stats_path, turns_all, args.calls)
+                 Load(load.concurrency, load.concurrency, 2, 10, load.ids), "warm", out_dir)
         if args.strace:
             return count_syscalls(worker, system, running, engines, load, out_dir)
-        if not args.rate:
-            return
-        raw = args.raw or os.path.join(out_dir, "stacks.txt")
-        spy = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
-               str(worker), "--rate", str(args.rate), "--format", "raw", "--output", raw,
-               *(["--native"] if args.native else ["--nonblocking"])]
-        spy_proc = subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if args.svg:
-            svg_proc = subprocess.Popen([*spy[:spy.index("--format")], "--output", args.svg], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
-        observed = run_load(system.label, running, engines, load, "observed", out_dir)
-        spy_proc.send_signal(2)
-        spy_proc.wait(30)
-        if args.svg:
-            svg_proc.send_signal(2)
-            svg_proc.wait(30)
-        rooms, total = shares(raw)
-        turns_o = max(1, len(observed.load["turns"]))
-        print(f"observed: {turns_o} turns, {total} samples ({total / turns_o:.1f} per turn)")
-        print("| room | share | ms/turn |\n|---|---|---|")
-        for room, n in rooms.most_common():
-            print(f"| {room} | {100 * n / total:.1f}% | {ms_per_turn * n / total:.2f} |")
-        print(f"| all | 100% | {ms_per_turn:.2f} |")
+        plain = run_load(system.label, running, engines, load, "plain", out_dir)
     finally:
-        if running is not None:
-            running.stop()
-        engines.stop()
+        running.stop()
+    print_calls(stats_path, len(plain.load["turns"]) + 2 * load.concurrency, args.calls)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 0.02 ms per computed prompt token (a 1,000-token miss costs 20 ms), 0.05 ms per pulled block.
 ENGINE_TIMING = {"itl_ms": 8, "prefill_ms_per_token": 0.02, "pull_ms_per_block": 0.05}
 GTHREADS = 256  # one thread per stream: enough for 256 conversations in one worker
+# Admission control (--max-turns) must admit the whole offered load: 256 turns in flight in one
+# worker, and with four workers each owner's share of them (rendezvous hashing is uneven), with
+# the spare threads gthread needs to answer refusals and probes.
+GTHREAD_X1 = {"threads": GTHREADS + GTHREADS // 4, "max_turns": GTHREADS}
+GTHREAD_X4 = {"threads": GTHREADS // 2, "max_turns": GTHREADS * 3 // 8}
 
 SYSTEMS = {
     "gw-gevent-1": System("gw gevent x1", "gateway", True, {"workers": 1}),
     "gw-gthread-1": System("gw gthread x1", "gateway", True,
-                           {"workers": 1, "worker_class": "gthread", "threads": GTHREADS}),
+                           {"workers": 1, "worker_class": "gthread", **GTHREAD_X1}),
     "gw-gevent-4": System("gw gevent x4", "gateway", True, {"workers": 4}),
     "gw-gthread-4": System("gw gthread x4", "gateway", True,
-                           {"workers": 4, "worker_class": "gthread", "threads": GTHREADS // 4}),
+                           {"workers": 4, "worker_class": "gthread", **GTHREAD_X4}),
     "gw-redis-4": System("gw gevent x4, Redis store", "gateway", True,
                          {"workers": 4, "store": "redis"}),
     "gw-noid-1": System("gw gevent x1, no ids", "gateway", False, {"workers": 1}),
@@ -215,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         "timing": ", ".join(f"`--{k.replace('_', '-')} {v}`"
                                                     for k, v in ENGINE_TIMING.items()),
         "reply_words": REPLY_WORDS, "turns": plan.turns, "duration": f"{plan.duration:g}",
-        "min_conversations": plan.min_conversations, "gthreads": GTHREADS,
+        "min_conversations": plan.min_conversations, "gthreads": GTHREAD_X1["threads"],
+        "gthreads4": GTHREAD_X4["threads"], "gthreadturns4": GTHREAD_X4["max_turns"],
         "table": report.table(rows, markdown=True),
         "ratios": report.table(ratio_rows, report.RATIO_COLUMNS, markdown=True),
         "history": report.table(history, report.HISTORY_COLUMNS, markdown=True),

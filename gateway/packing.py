@@ -16,8 +16,7 @@ import zlib
 from array import array
 from typing import Any
 
-import orjson
-
+from . import jsonio
 from .kv_params import OPTIONAL_PARAMS, REQUIRED_PARAMS
 
 BLOCKS = "remote_block_ids"
@@ -68,7 +67,7 @@ def pack(params: dict, decode_url: str, history_digest: str, history_len: int, p
     parts = [_HEAD.pack(_VERSION, flags, history_len, expires_at or 0.0),
              history_bytes or b"", tokens_bytes or b"",
              struct.pack("<H", len(groups)), *(_pack_group(g) for g in groups),
-             _deflate(orjson.dumps(values))]
+             _deflate(jsonio.dumps(values))]
     return b"".join(parts)     # one exact-size object (orjson's own output keeps spare room)
 
 
@@ -90,8 +89,8 @@ def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float 
         for _ in range(count):
             group, at = _unpack_group(packed, at)
             groups.append(group)
-        decode_url, history_text, tokens_text, *values = orjson.loads(_inflate(packed[at:]))
-    except (struct.error, IndexError, TypeError, zlib.error, orjson.JSONDecodeError) as exc:
+        decode_url, history_text, tokens_text, *values = jsonio.loads(_inflate(packed[at:]))
+    except (struct.error, IndexError, TypeError, zlib.error, ValueError) as exc:
         raise ValueError("not a conversation entry") from exc
     params: dict[str, Any] = {BLOCKS: groups} if flags & _HAS_BLOCKS else {}
     params.update((name, value) for name, value in zip(FIELDS, values) if value is not _ABSENT)
