@@ -51,21 +51,26 @@ def cpu_per_turn(raw: bytes, headers: dict, repeat: int) -> float:
     return (time.process_time() - started) / repeat * 1000
 
 
+def table(sizes: tuple[int, ...] = (1, 3, 10, 30, 100), repeat: int = 200) -> str:
+    """Markdown: the history-dependent CPU of one turn by history size, with and without ids."""
+    lines = ["| history KB | ids | gateway CPU ms/turn | more than at the smallest |",
+             "|---|---|---|---|"]
+    for ids in (True, False):
+        headers = {"X-Session-ID": "bench"} if ids else {}
+        base = None
+        for kb in sizes:
+            ms = cpu_per_turn(body_of(kb, ids), headers, repeat)
+            base = ms if base is None else base
+            lines.append(f"| {kb} | {'yes' if ids else 'no'} | {ms:.3f} | {ms - base:+.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,3,10,30,100", help="history sizes in KB")
     parser.add_argument("--repeat", type=int, default=200)
     args = parser.parse_args(argv)
-    print("| history KB | ids | gateway CPU ms/turn | more than at the smallest |")
-    print("|---|---|---|---|")
-    for ids in (True, False):
-        headers = {"X-Session-ID": "bench"} if ids else {}
-        base = None
-        for kb in (int(s) for s in args.sizes.split(",")):
-            raw = body_of(kb, ids)
-            ms = cpu_per_turn(raw, headers, args.repeat)
-            base = ms if base is None else base
-            print(f"| {kb} | {'yes' if ids else 'no'} | {ms:.3f} | {ms - base:+.3f} |")
+    print(table(tuple(int(s) for s in args.sizes.split(",")), args.repeat))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib.metadata import version
 
-from bench import growth, report, venvs
+from bench import growth, history_cost, report, venvs
 from bench.measure import Load, run_load
 from bench.metrics import summarize
 from bench.systems import Engines, System, nginx_binary, start
@@ -139,6 +140,23 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs ({model}), {mem_gib:.0f} GiB, Linux {platform.release()}"
 
 
+def cpu_rooms(plan: Plan, engines: Engines, out_dir: str, notes: list[str]) -> str:
+    """bench.profile's room table for one gevent and one gthread worker (full plan; the quick
+    one measures CPU per turn only)."""
+    from bench import profile   # it takes its engine timing from this module
+
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    rate = 500 if spy and plan.name == "full" else 0
+    if not rate:
+        notes.append("The room table was not sampled (" + ("quick plan" if spy else
+                     "py-spy is not installed") + "): CPU per turn only.")
+    load = Load(16, 32, plan.turns, plan.duration)
+    profiles = {f"gw {wc} x1": profile.measure(profile.gateway_system(wc, 16), engines, load,
+                                               out_dir, rate)
+                for wc in ("gevent", "gthread")}
+    return profile.room_table(profiles)
+
+
 def partial(plan: Plan, args: argparse.Namespace) -> None:
     """A few systems at a few concurrencies, for work in progress: tables printed, no doc."""
     keys = args.systems.split(",") if args.systems else list(plan.systems)
@@ -186,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                            any(x.kind == "seed" for x in systems)]
         history = growth.history_growth(plan.growth, history_systems, engines, args.out)
         cached = growth.cache_growth(plan.growth, engines, args.out)
+        rooms = cpu_rooms(plan, engines, args.out, notes)
     finally:
         engines.stop()
     notes += [f"`{r['system']}` at {r['conversations']} conversations: {r['errors']} errors; "
@@ -226,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         "ratios": report.table(ratio_rows, report.RATIO_COLUMNS, markdown=True),
         "history": report.table(history, report.HISTORY_COLUMNS, markdown=True),
         "cached": report.table(cached, report.CACHED_COLUMNS, markdown=True),
+        "rooms": rooms, "history_cost": history_cost.table(),
         "notes": "\n".join(f"- {n}" for n in notes) or "- Nothing was skipped.",
     })
     print(f"\nwrote {os.path.relpath(args.doc, ROOT)} and plots in {os.path.relpath(args.plots, ROOT)}/",
