@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from .errors import ServiceUnavailable
 
@@ -42,6 +42,8 @@ class Instance:
     index: int
     origin: str = "settings"
     host: str = field(init=False)
+    base_path: str = field(init=False)      # the URL's own path, before the API's (usually "")
+    credentials: tuple[str, str] | None = field(init=False)   # user:password in the URL
     salt: bytes = field(init=False)
     inflight: int = 0
     down: bool = False          # a connection failed: skipped until a /health probe answers
@@ -49,7 +51,11 @@ class Instance:
     open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
 
     def __post_init__(self) -> None:
-        self.host = urlsplit(self.url).hostname or ""
+        parts = urlsplit(self.url)
+        self.host = parts.hostname or ""
+        self.base_path = parts.path.rstrip("/")
+        self.credentials = ((unquote(parts.username), unquote(parts.password or ""))
+                            if parts.username is not None else None)
         self.salt = self.url.encode()
 
     @property

@@ -65,21 +65,43 @@ def _walk(value: dict | list, max_depth: int) -> bool:
     return huge
 
 
+class Written:
+    """JSON already written, to be put as it is into any number of documents by `dumps`."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 def dumps(value: Any) -> bytes:
-    """Compact UTF-8 JSON of `value`."""
+    """Compact UTF-8 JSON of `value` (which may hold `Written` parts)."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=_as_fragment)
     except TypeError:                # an integer beyond 64 bits (from `loads`' slow path)
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                          default=_as_value).encode()
 
 
 def fragment(value: Any) -> Any:
-    """`value` written once, to be put into any number of documents by `dumps` (or `value`
-    itself if orjson cannot write it, for `dumps`' slow path)."""
+    """`value` written once, for `dumps` to put into any number of documents (or `value`
+    itself if orjson cannot write it)."""
     try:
-        return orjson.Fragment(orjson.dumps(value))
+        return Written(orjson.dumps(value))
     except TypeError:
         return value
+
+
+def _as_fragment(value: Any) -> Any:
+    if isinstance(value, Written):
+        return orjson.Fragment(value.data)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _as_value(value: Any) -> Any:
+    if isinstance(value, Written):
+        return json.loads(value.data)
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _reject_constant(name: str) -> Any:

@@ -32,7 +32,7 @@ def _block_ids(value: Any) -> bool:
     # Every turn checks D's whole list (a 10k-token history holds 600+ ids): in C, not per id.
     return isinstance(value, list) and bool(value) and all(
         isinstance(group, list) and (not group or (set(map(type, group)) == {int}
-                                                   and min(group) >= 0))
+                                                   and min(group) >= 0 and max(group) < 2 ** 63))
         for group in value)
 
 

@@ -90,12 +90,13 @@ def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float 
             group, at = _unpack_group(packed, at)
             groups.append(group)
         decode_url, history_text, tokens_text, *values = jsonio.loads(_inflate(packed[at:]))
+        params: dict[str, Any] = {BLOCKS: groups} if flags & _HAS_BLOCKS else {}
+        params.update((name, value) for name, value in zip(FIELDS, values)
+                      if value is not _ABSENT)
+        if len(values) > len(FIELDS):
+            params.update(values[-1])
     except (struct.error, IndexError, TypeError, zlib.error, ValueError) as exc:
         raise ValueError("not a conversation entry") from exc
-    params: dict[str, Any] = {BLOCKS: groups} if flags & _HAS_BLOCKS else {}
-    params.update((name, value) for name, value in zip(FIELDS, values) if value is not _ABSENT)
-    if len(values) > len(FIELDS):
-        params.update(values[-1])
     history_digest = history_digest or history_text
     if not isinstance(decode_url, str) or not isinstance(history_digest, str):
         raise ValueError("not a conversation entry")
@@ -126,6 +127,8 @@ def _pack_group(ids: list[int]) -> bytes:
     if not ids:
         return b"\x00\x00\x00\x00\x00"
     runs = _runs(ids)
+    if max(ids) >= 1 << 63 or min(ids) < -(1 << 63):
+        raise ValueError("a block id beyond 64 bits")      # kv_params.clean_params bars them
     wide = max(ids) >= 1 << 32 or min(ids) < 0
     if not wide and len(runs) * _RUN.size < len(ids) * 4:
         return b"\x01" + struct.pack("<I", len(runs)) + b"".join(_RUN.pack(*r) for r in runs)

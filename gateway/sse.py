@@ -11,6 +11,7 @@ comments, several fields) takes the general path.
 """
 from __future__ import annotations
 
+import json
 import re
 
 import orjson
@@ -45,27 +46,26 @@ class EventRelay:
             scan_from, data = 0, chunk
         if b"\r" in data:
             return self._feed_general(data, scan_from)
-        end = data.rfind(b"\n\n", scan_from)
+        end = data.find(b"\n\n", scan_from)
         if end < 0:
             self._pending = data
             return b""
-        end += 2
-        if end == len(data):
-            complete, self._pending = data, b""
-        else:
-            complete, self._pending = data[:end], data[end:]
-        start = 0
         out = None
-        while start < end:
-            stop = complete.index(b"\n\n", start) + 2
-            event = complete[start:stop] if start or stop != end else complete
+        start = 0
+        while end >= 0:        # left to right, as the general path: a run of LFs is blank lines
+            end += 2
+            event = data if start == 0 and end == len(data) else data[start:end]
             kept = self._event(event)
             if kept is not event and out is None:
-                out = [complete[:start]]     # the events before this one, as they came
+                out = [data[:start]]         # the events before this one, as they came
             if out is not None:
                 out.append(kept)
-            start = stop
-        return complete if out is None else b"".join(out)
+            start = end
+            end = data.find(b"\n\n", start)
+        self._pending = data[start:]
+        if out is None:
+            return data if start == len(data) else data[:start]
+        return b"".join(out)
 
     def _feed_general(self, data: bytes, scan_from: int) -> bytes:
         bounds = [m.end() for m in _BOUNDARY.finditer(data, scan_from)]
@@ -91,15 +91,27 @@ class EventRelay:
             match = _DATA.search(event)
             if match is None:
                 return event                  # a comment or keep-alive: pass it on
-            payload = event[match.end():].strip()
+            payload = event[match.end():]
         if payload[:1] != b"{":
-            if payload.strip() == _DONE:
+            payload = payload.strip()
+            if payload == _DONE:
                 self.turn.done = True
-            return event
+                return event
+            if payload[:1] != b"{":
+                return event
         try:
             chunk = orjson.loads(payload)
+            encode = jsonio.dumps
         except orjson.JSONDecodeError:
-            return event
+            # What orjson refuses and Python's json reads (NaN, Infinity, a lone surrogate):
+            # read and, if it must change, written by json, as it came.
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                return event
+            if not isinstance(chunk, dict):
+                return event
+            encode = _python_json
         if "error" in chunk:
             # The engine's message may name hosts or engine ids; the client gets the gist.
             self.turn.error = True
@@ -113,4 +125,8 @@ class EventRelay:
             return event
         if carried_params and not chunk.get("choices") and chunk.get("usage") is None:
             return b""                       # a params-only event: nothing left for the client
-        return b"data: " + jsonio.dumps(chunk) + b"\n\n"
+        return b"data: " + encode(chunk) + b"\n\n"
+
+
+def _python_json(chunk: dict) -> bytes:
+    return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()

@@ -104,7 +104,11 @@ class LocalStore(_Takes):
         entry = stamped(entry, now, self._ttl)
         if entry.expires_at <= now:
             return
-        packed = encode(entry)
+        try:
+            packed = encode(entry)
+        except (ValueError, TypeError) as exc:   # params clean_params would not have let by
+            log.warning("entry not stored: %s", exc)
+            return
         with self._lock:
             self._cache[_key(key)] = packed
 

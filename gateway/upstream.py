@@ -3,6 +3,7 @@ a failed call becomes (a `GatewayError`); the only module that calls `requests`.
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import socket
 import time
@@ -11,6 +12,7 @@ from typing import Iterator
 import orjson
 import requests
 from requests.adapters import HTTPAdapter
+from requests.auth import HTTPBasicAuth
 from requests.models import PreparedRequest
 from requests.structures import CaseInsensitiveDict
 from urllib3 import Timeout
@@ -25,6 +27,7 @@ from .instances import Instance
 from .watch import TrackedHTTPPool, TrackedHTTPSPool, Watch, current_watch
 
 log = logging.getLogger(__name__)
+_NOT_WAITING = float("inf")    # Watch.heard_at while a stream is not waiting for bytes
 
 
 class Stream:
@@ -58,15 +61,29 @@ class Stream:
         try:
             while True:
                 if watch is not None:
-                    watch.heard_at = clock()     # silence counts from the start of each wait
+                    watch.heard_at = clock()     # silence counts while waiting for D's bytes,
                 data = read1(65536)
+                if watch is not None:
+                    watch.heard_at = _NOT_WAITING   # not while the client takes them
                 if not data:
-                    raw.release_conn()
+                    self._ended(fp, raw)
                     return
                 yield data
         except (Urllib3Error, requests.RequestException, http.client.HTTPException, OSError,
                 ValueError) as exc:
             raise _translate(exc, self.instance, self._watch) from exc
+
+    def _ended(self, response, raw) -> None:  # type: ignore[no-untyped-def]
+        """D's body has no more bytes: a cut (the watch's, or short of its Content-Length) is
+        an error; a whole body gives its connection back to the pool."""
+        cut = self._watch.error() if self._watch is not None else None
+        if cut is not None:
+            raise cut
+        if getattr(response, "length", None):     # http.client: bytes still owed
+            raise http.client.IncompleteRead(b"", response.length)
+        if response is not None and hasattr(response, "close"):
+            response.close()         # http.client's end of a response
+        raw.release_conn()
 
     def close(self) -> None:
         self._response.close()     # releases the connection, untracked first (watch.TrackedPool)
@@ -103,6 +120,15 @@ def _translate(exc: Exception, instance: Instance,
     if _caused_by(exc, ConnectionRefusedError):
         return ServiceUnavailable(f"{instance.name} refused the connection")
     return BadGateway(f"{instance.name} broke the connection")
+
+
+def _loads_reply(content: bytes):  # type: ignore[no-untyped-def]
+    """An engine's JSON reply: orjson, or Python's json for what it also reads (NaN, Infinity
+    in logprobs, say)."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return json.loads(content)
 
 
 def _error_message(response: requests.Response) -> str:
@@ -221,11 +247,14 @@ class Upstream:
         request = PreparedRequest()
         request.method = "POST"
         request.url = instance.url + path
-        request.pd_path = path      # type: ignore[attr-defined]  # EngineAdapter.request_url
+        # The path the engine is asked for (EngineAdapter.request_url), after its URL's own.
+        request.pd_path = instance.base_path + path   # type: ignore[attr-defined]
         request.headers = CaseInsensitiveDict(headers)
         request.headers["Content-Length"] = str(len(body))
         request.body = body
         request.hooks = {"response": []}
+        if instance.credentials:      # user:password in the URL, as requests sends them
+            HTTPBasicAuth(*instance.credentials)(request)
         try:
             response = self._adapter.send(request, stream=stream, timeout=self._timeout)
             if not stream:
@@ -252,8 +281,8 @@ class Upstream:
         """POST and parse a JSON object reply, or raise a GatewayError."""
         response = self._post(instance, path, body, headers, stream=False)
         try:
-            reply = orjson.loads(response.content)
-        except orjson.JSONDecodeError as exc:
+            reply = _loads_reply(response.content)
+        except ValueError as exc:
             raise BadGateway(f"{instance.name} sent a reply that is not JSON") from exc
         if not isinstance(reply, dict):
             raise BadGateway(f"{instance.name} sent a reply that is not a JSON object")

@@ -109,12 +109,9 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                 # The server's close of the response is the reply's close: the whole chain,
                 # run once, even if one step of it fails (werkzeug would skip its on-close
                 # callbacks after a failing iterable close).
-                # direct_passthrough: the server iterates our chunks itself, without werkzeug's
-                # two layers of generators around every event.
                 response = _StreamResponse(_Chunks(reply.stream, once(reply.close,
                                                                       _forget_request_id)),
-                                           status=reply.status, content_type=reply.content_type,
-                                           direct_passthrough=True)
+                                           status=reply.status, content_type=reply.content_type)
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:

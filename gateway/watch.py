@@ -38,7 +38,8 @@ class Watch:
         self.gone = False
         self.expired = False
         # The read timeout of a stream this watch keeps (`keep_quiet_limit`): the stream sets
-        # `heard_at` as bytes come; silent for `quiet_limit` seconds, its connection is cut.
+        # `heard_at` when it starts to wait for bytes (infinity while it is not waiting: its
+        # client is taking the last ones); waiting for `quiet_limit` seconds, it is cut.
         self.quiet_limit: float | None = None
         self.quiet_source = ""
         self.heard_at = 0.0

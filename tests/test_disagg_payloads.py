@@ -382,3 +382,25 @@ def test_prefill_retry_never_replays_decode_params(store, two_instance_app, fail
     assert sent[0]["remote_engine_id"] == "d-engine-1"      # first attempt: D's blocks
     assert sent[1] == MISS                                  # the retry: the plain stub
     assert reply.headers["X-Gateway-Cache"] == "miss"
+
+
+@responses.activate
+def test_engine_urls_keep_their_own_path_and_credentials(store):
+    """An engine behind a path prefix (a balancer's route) gets the API under it, and user:password
+    in its URL becomes Basic auth, as requests sends them."""
+    from gateway.app import create_app
+    from gateway.config import Settings
+    p_url, d_url = "http://lb.test:8000/prefill-0", "http://bob:s%3Acret@10.9.0.3:8200/d"
+    auth = "Basic Ym9iOnM6Y3JldA=="        # bob:s:cret
+    responses.post("http://lb.test:8000/prefill-0" + CHAT, json=p_reply(p_params()))
+    responses.post(d_url + CHAT, body=chat_events([" a"], d_params()),
+                   content_type="text/event-stream",
+                   match=[matchers.header_matcher({"Authorization": auth})])
+    app = create_app(Settings(prefill=[p_url], decode=[d_url], worker_class="gthread", threads=8,
+                              verify_reuse="off", resolve_interval=0), store=store)
+    try:
+        reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "stream": True})
+        assert reply.status_code == 200 and b"[DONE]" in reply.data
+        assert [c.request.path_url for c in responses.calls] == ["/prefill-0" + CHAT, "/d" + CHAT]
+    finally:
+        app.extensions["pd_gateway"].close()

@@ -220,3 +220,19 @@ def test_a_foreign_value_is_not_an_entry(foreign):
     from gateway.store import decode
     with pytest.raises(ValueError):
         decode(foreign)
+
+
+@given(flips=st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(0, 255)), min_size=1,
+                      max_size=4), cut=st.integers(0, 10 ** 6))
+def test_a_damaged_entry_is_a_value_error_or_an_entry(flips, cut):
+    """What Redis hands back may be anything: decoding it fails with ValueError (a miss), never
+    with another exception (a 500)."""
+    from bench.fill import synthetic_entry
+    from gateway.store import decode, encode
+    packed = bytearray(encode(synthetic_entry(3, "http://127.0.0.3:8200")[1]))
+    for at, value in flips:
+        packed[at % len(packed)] = value
+    try:
+        assert isinstance(decode(bytes(packed[:max(1, cut % (len(packed) + 1))])), Entry)
+    except ValueError:
+        pass

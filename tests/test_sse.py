@@ -1,0 +1,84 @@
+"""The relay of D's events (gateway.sse): however D's bytes are split into reads, the client gets
+the same bytes, params and unasked ids taken out, every other event byte for byte; the turn
+learns the same reply. The fast path (LF events, `bytes.find`) is checked against the general
+one (a regex over every SSE line ending)."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.sse import EventRelay
+from gateway.turn import Turn
+
+content = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
+chunks = st.one_of(
+    st.builds(lambda text, finish: {"choices": [{"index": 0, "delta": {"content": text},
+                                                 "finish_reason": finish}]},
+              content, st.sampled_from([None, "stop", "length"])),
+    st.just({"choices": [], "kv_transfer_params": {"remote_block_ids": [[1, 2]]}}),
+    st.builds(lambda text: {"choices": [{"index": 0, "delta": {"content": text}}],
+                            "kv_transfer_params": {"remote_engine_id": "e"}}, content),
+    st.builds(lambda ids: {"choices": [{"index": 0, "delta": {"content": "x"},
+                                        "token_ids": ids}]},
+              st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+
+
+def event(kind, chunk) -> bytes:
+    text = json.dumps(chunk, separators=(",", ":"))
+    return {"data": b"data: " + text.encode() + b"\n\n",
+            "spaced": b"data:  " + text.encode() + b"\n\n",
+            "comment": b": keep-alive\n\n",
+            "blank": b"\n",
+            "done": b"data: [DONE]\n\n"}[kind]
+
+
+events = st.lists(st.tuples(st.sampled_from(["data", "data", "data", "spaced", "comment",
+                                             "blank", "done"]), chunks), max_size=10)
+
+
+def relay(wire: bytes, cuts: list[int], general: bool, strip: bool) -> tuple[bytes, Turn]:
+    turn = Turn(strip_ids=strip)
+    relayed = EventRelay(turn)
+    if general:
+        relayed.feed = lambda data, r=relayed: r._feed_general(r._pending + data,  # noqa: E731
+                                                               max(0, len(r._pending) - 3))
+    out, start = b"", 0
+    for cut in sorted(set(c for c in cuts if 0 < c < len(wire))) + [len(wire)]:
+        out += relayed.feed(wire[start:cut])
+        start = cut
+    return out, turn
+
+
+@given(events=events, cuts=st.lists(st.integers(0, 2000), max_size=8), strip=st.booleans())
+def test_any_split_of_d_bytes_relays_as_the_general_path_does(events, cuts, strip):
+    wire = b"".join(event(kind, chunk) for kind, chunk in events)
+    fast, fast_turn = relay(wire, cuts, general=False, strip=strip)
+    slow, slow_turn = relay(wire, [], general=True, strip=strip)
+    assert fast == slow
+    assert (fast_turn.text, fast_turn.params, fast_turn.done, fast_turn.finish_reasons) == \
+           (slow_turn.text, slow_turn.params, slow_turn.done, slow_turn.finish_reasons)
+    assert b"kv_transfer_params" not in fast
+    if strip:
+        assert b'"token_ids":[' not in fast
+
+
+@given(events=events)
+def test_events_that_change_nothing_pass_byte_for_byte(events):
+    plain = [(kind, chunk) for kind, chunk in events
+             if kind in ("data", "comment") and "kv_transfer_params" not in chunk]
+    wire = b"".join(event(kind, chunk) for kind, chunk in plain)
+    assert relay(wire, [], general=False, strip=False)[0] == wire
+
+
+def test_blank_lines_beyond_an_event_are_kept_for_the_next_read():
+    out, _ = relay(b'data: {"a":1}\n\n\n', [], general=False, strip=False)
+    assert out == b'data: {"a":1}\n\n'
+
+
+def test_an_event_python_json_reads_and_orjson_does_not_is_still_cleaned():
+    wire = (b'data: {"choices":[{"index":0,"delta":{"content":"a"},"logprobs":NaN}],'
+            b'"kv_transfer_params":{"x":1}}\n\n')
+    out, turn = relay(wire, [], general=False, strip=False)
+    assert b"kv_transfer_params" not in out and b"NaN" in out and turn.params == {"x": 1}
