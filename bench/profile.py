@@ -161,6 +161,8 @@ def sample(worker: int, label: str, running: Running, engines: Engines, load: Lo
     spy = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
            str(worker), "--rate", str(rate), "--format", "raw", "--output", raw,
            *(["--native"] if native else ["--nonblocking"])]
+    if raw.endswith(".perf"):
+        spy = ["perf", "record", "-e", "cpu-clock", "-g", "-p", str(worker), "-o", raw]
     spies = [subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     if svg:
         spies.append(subprocess.Popen([*spy[:spy.index("--format")], "--output", svg],
@@ -169,7 +171,7 @@ def sample(worker: int, label: str, running: Running, engines: Engines, load: Lo
     for spy_proc in spies:
         spy_proc.send_signal(2)
         spy_proc.wait(30)
-    return shares(raw)
+    return shares(raw) if not raw.endswith(".perf") else (collections.Counter(), 0)
 
 
 def measure(system: System, engines: Engines, load: Load, out_dir: str, rate: int,
@@ -239,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", metavar="N", type=int, default=0,
                         help="instead of sampling, run the worker under cProfile and print the "
                              "N functions called most per turn (exact counts)")
+    parser.add_argument("--perf", metavar="PATH",
+                        help="instead of py-spy, `perf record -e cpu-clock` the worker into PATH "
+                             "(C and kernel time too: the interpreter, gevent's loop, the GC)")
     parser.add_argument("--strace", action="store_true",
                         help="count the worker's system calls per turn instead of sampling")
     parser.add_argument("--raw", help="keep py-spy's collapsed stacks here")
@@ -256,9 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.calls or args.strace:
             return exact_counts(args, system, engines, load, out_dir)
-        profile = measure(system, engines, load, out_dir, args.rate, args.raw, args.svg,
-                          args.native)
+        profile = measure(system, engines, load, out_dir, args.rate or bool(args.perf),
+                          args.perf or args.raw, args.svg, args.native)
         print(unobserved(profile))
+        if args.perf:
+            return print(f"perf data in {args.perf}: perf report -i {args.perf} --no-children")
         if profile.samples:
             print(f"observed: {profile.samples} samples\n")
             print(room_table({system.label: profile}))
