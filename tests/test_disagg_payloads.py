@@ -404,3 +404,33 @@ def test_engine_urls_keep_their_own_path_and_credentials(store):
         assert [c.request.path_url for c in responses.calls] == ["/prefill-0" + CHAT, "/d" + CHAT]
     finally:
         app.extensions["pd_gateway"].close()
+
+
+@responses.activate
+def test_a_host_apps_call_on_close_runs_after_a_stream(store):
+    """The relay's bytes reach the server without werkzeug's wrappers, and still a host app's
+    `call_on_close` runs when the server closes the stream, after the reply is released."""
+    from flask import Flask
+
+    from gateway.extension import PDGateway
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events([" a", " b"], d_params()),
+                   content_type="text/event-stream")
+    host = Flask("host")
+    closed = []
+
+    @host.after_request
+    def remember_close(response):
+        response.call_on_close(lambda: closed.append(len(store)))
+        return response
+
+    PDGateway(host, url_prefix="/llm", conversation_store=store, prefill=[P_URL],
+              decode=[D_URL], worker_class="gthread", threads=8, verify_reuse="off")
+    try:
+        reply = host.test_client().post("/llm" + CHAT, json={"messages": MESSAGES, "stream": True,
+                                                             "conversation_id": "c"})
+        assert b"[DONE]" in reply.data
+        reply.close()
+        assert closed == [1]          # it ran, once, with the turn's entry already stored
+    finally:
+        host.extensions["pd_gateway"].close()
