@@ -156,12 +156,13 @@ class Profile:
 
 def sample(worker: int, label: str, running: Running, engines: Engines, load: Load,
            out_dir: str, rate: int, raw: str, svg: str | None = None,
-           native: bool = False) -> tuple[collections.Counter, int]:
-    """py-spy on the worker during one more run of `load`: samples per room."""
+           native: bool = False, perf: bool = False) -> tuple[collections.Counter, int]:
+    """py-spy on the worker during one more run of `load`: samples per room (with `perf`,
+    perf record into `raw` instead, and no rooms)."""
     spy = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
            str(worker), "--rate", str(rate), "--format", "raw", "--output", raw,
            *(["--native"] if native else ["--nonblocking"])]
-    if raw.endswith(".perf"):
+    if perf:
         spy = ["perf", "record", "-e", "cpu-clock", "-g", "-p", str(worker), "-o", raw]
     spies = [subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     if svg:
@@ -171,11 +172,12 @@ def sample(worker: int, label: str, running: Running, engines: Engines, load: Lo
     for spy_proc in spies:
         spy_proc.send_signal(2)
         spy_proc.wait(30)
-    return shares(raw) if not raw.endswith(".perf") else (collections.Counter(), 0)
+    return (collections.Counter(), 0) if perf else shares(raw)
 
 
 def measure(system: System, engines: Engines, load: Load, out_dir: str, rate: int,
-            raw: str | None = None, svg: str | None = None, native: bool = False) -> Profile:
+            raw: str | None = None, svg: str | None = None, native: bool = False,
+            perf: bool = False) -> Profile:
     """Start `system`, warm it up, run `load` unobserved, then (rate > 0) under py-spy."""
     running = start(system, engines, out_dir)
     try:
@@ -188,7 +190,7 @@ def measure(system: System, engines: Engines, load: Load, out_dir: str, rate: in
         row = summarize(plain, ENGINE_TIMING["itl_ms"])
         turns = max(1, row["turns"])
         rooms, total = (sample(worker, system.label, running, engines, load, out_dir, rate,
-                               raw or os.path.join(out_dir, "stacks.txt"), svg, native)
+                               raw or os.path.join(out_dir, "stacks.txt"), svg, native, perf)
                         if rate else (collections.Counter(), 0))
         return Profile(row, 1000 * (user1 - user0) / turns, 1000 * (system1 - system0) / turns,
                        rooms, total)
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.calls or args.strace:
             return exact_counts(args, system, engines, load, out_dir)
         profile = measure(system, engines, load, out_dir, args.rate or bool(args.perf),
-                          args.perf or args.raw, args.svg, args.native)
+                          args.perf or args.raw, args.svg, args.native, bool(args.perf))
         print(unobserved(profile))
         if args.perf:
             return print(f"perf data in {args.perf}: perf report -i {args.perf} --no-children")

@@ -127,9 +127,10 @@ def _pack_group(ids: list[int]) -> bytes:
     if not ids:
         return b"\x00\x00\x00\x00\x00"
     runs = _runs(ids)
-    if max(ids) >= 1 << 63 or min(ids) < -(1 << 63):
+    low, high = min(ids), max(ids)
+    if high >= 1 << 63 or low < -(1 << 63):
         raise ValueError("a block id beyond 64 bits")      # kv_params.clean_params bars them
-    wide = max(ids) >= 1 << 32 or min(ids) < 0
+    wide = high >= 1 << 32 or low < 0
     if not wide and len(runs) * _RUN.size < len(ids) * 4:
         return b"\x01" + struct.pack("<I", len(runs)) + b"".join(_RUN.pack(*r) for r in runs)
     if wide:
