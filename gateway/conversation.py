@@ -190,8 +190,8 @@ def _chain(scope: bytes, messages: Iterable[Mapping[str, Any]]) -> Iterator[byte
     sha256 = hashlib.sha256
     for message in messages:
         part = canonical_message(message)
-        chain = sha256(b"\x10\x00\x00\x00" + chain + len(part).to_bytes(4, "little")
-                       + part).digest()[:16]
+        chain = sha256(len(chain).to_bytes(4, "little") + chain
+                       + len(part).to_bytes(4, "little") + part).digest()[:16]
         yield chain
 
 

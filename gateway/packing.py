@@ -44,7 +44,7 @@ def _inflate(data: bytes) -> bytes:
     return unpacker.decompress(data) + unpacker.flush()
 
 
-def _digest(value: str | None) -> bytes | None:
+def digest_bytes(value: str | None) -> bytes | None:
     """The 16 bytes of a digest in hex (what the gateway makes), else None (kept as text)."""
     if value and len(value) == 32 and _HEX.issuperset(value):
         return bytes.fromhex(value)
@@ -53,7 +53,7 @@ def _digest(value: str | None) -> bytes | None:
 
 def pack(params: dict, decode_url: str, history_digest: str, history_len: int, plain: bool,
          token_digest: str | None, expires_at: float | None) -> bytes:
-    history_bytes, tokens_bytes = _digest(history_digest), _digest(token_digest)
+    history_bytes, tokens_bytes = digest_bytes(history_digest), digest_bytes(token_digest)
     flags = ((_PLAIN if plain else 0) | (_EXPIRES if expires_at is not None else 0)
              | (_HISTORY_BYTES if history_bytes else 0) | (_TOKENS_BYTES if tokens_bytes else 0)
              | (_HAS_BLOCKS if BLOCKS in params else 0))

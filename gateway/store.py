@@ -10,7 +10,7 @@ from typing import Callable, Protocol, Sequence
 from cachetools import TTLCache
 
 from . import metrics
-from .packing import pack, unpack
+from .packing import digest_bytes, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,7 @@ def decode(packed: bytes) -> Entry:
 def _key(key: str) -> bytes:
     """A store key in 16 bytes (49 as an object) where it is a digest in hex (every key the
     gateway makes), instead of 32 characters (81)."""
-    try:
-        return bytes.fromhex(key) if len(key) == 32 else key.encode()
-    except ValueError:
-        return key.encode()
+    return digest_bytes(key) or key.encode()
 
 
 def stamped(entry: Entry, now: float, ttl: float) -> Entry:

@@ -24,10 +24,9 @@ from . import jsonio
 from .errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout, ServiceUnavailable,
                      UpstreamRejected)
 from .instances import Instance
-from .watch import TrackedHTTPPool, TrackedHTTPSPool, Watch, current_watch
+from .watch import NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPool, Watch, current_watch
 
 log = logging.getLogger(__name__)
-_NOT_WAITING = float("inf")    # Watch.heard_at while a stream is not waiting for bytes
 
 
 class Stream:
@@ -64,7 +63,7 @@ class Stream:
                     watch.heard_at = clock()     # silence counts while waiting for D's bytes,
                 data = read1(65536)
                 if watch is not None:
-                    watch.heard_at = _NOT_WAITING   # not while the client takes them
+                    watch.heard_at = NOT_WAITING   # not while the client takes them
                 if not data:
                     self._ended(fp, raw)
                     return
@@ -252,7 +251,6 @@ class Upstream:
         request.headers = CaseInsensitiveDict(headers)
         request.headers["Content-Length"] = str(len(body))
         request.body = body
-        request.hooks = {"response": []}
         if instance.credentials:      # user:password in the URL, as requests sends them
             HTTPBasicAuth(*instance.credentials)(request)
         try:

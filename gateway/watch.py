@@ -17,6 +17,7 @@ from .errors import ClientGone, GatewayError, GatewayTimeout
 
 _WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("pd_gateway_watch",
                                                                      default=None)
+NOT_WAITING = float("inf")    # Watch.heard_at while its stream is not waiting for bytes
 
 
 class Watch:
