@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
+    if bool(args.prefill) != bool(args.decode):
+        parser.error("give both --prefill and --decode (real engines), or neither (emulated)")
     with contextlib.ExitStack() as stack:
         stats = None
         if args.prefill and args.decode:
