@@ -6,15 +6,12 @@ rebuild events from decoded lines, and `requests.iter_lines` miscounts a split C
 
 This runs once per token of every stream, so it is written for the common case, an event that
 is one `data: {...}` line ended by a blank line (what vLLM sends): found with `bytes.find`,
-parsed with orjson, passed on as it came unless it changed. Anything else (CR line ends,
+parsed with orjson (jsonio.loads_engine), passed on as it came unless it changed. Anything else (CR line ends,
 comments, several fields) takes the general path.
 """
 from __future__ import annotations
 
-import json
 import re
-
-import orjson
 
 from . import jsonio
 from .errors import GatewayError, error_event
@@ -100,18 +97,13 @@ class EventRelay:
             if payload[:1] != b"{":
                 return event
         try:
-            chunk = orjson.loads(payload)
-            encode = jsonio.dumps
-        except orjson.JSONDecodeError:
-            # What orjson refuses and Python's json reads (NaN, Infinity, a lone surrogate):
-            # read and, if it must change, written by json, as it came.
-            try:
-                chunk = json.loads(payload)
-            except ValueError:
-                return event
-            if not isinstance(chunk, dict):
-                return event
-            encode = _python_json
+            # Exact only where the event may be written again: one that carries params or ids.
+            chunk = jsonio.loads_engine(payload, exact=b"kv_transfer_params" in payload
+                                        or b"token_ids" in payload)
+        except ValueError:
+            return event
+        if type(chunk) is not dict:
+            return event
         if "error" in chunk:
             # The engine's message may name hosts or engine ids; the client gets the gist.
             self.turn.error = True
@@ -125,8 +117,4 @@ class EventRelay:
             return event
         if carried_params and not chunk.get("choices") and chunk.get("usage") is None:
             return b""                       # a params-only event: nothing left for the client
-        return b"data: " + encode(chunk) + b"\n\n"
-
-
-def _python_json(chunk: dict) -> bytes:
-    return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+        return b"data: " + jsonio.dumps(chunk) + b"\n\n"

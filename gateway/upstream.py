@@ -3,13 +3,11 @@ a failed call becomes (a `GatewayError`); the only module that calls `requests`.
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import socket
 import time
 from typing import Iterator
 
-import orjson
 import requests
 from requests.adapters import HTTPAdapter
 from requests.auth import HTTPBasicAuth
@@ -119,15 +117,6 @@ def _translate(exc: Exception, instance: Instance,
     if _caused_by(exc, ConnectionRefusedError):
         return ServiceUnavailable(f"{instance.name} refused the connection")
     return BadGateway(f"{instance.name} broke the connection")
-
-
-def _loads_reply(content: bytes):  # type: ignore[no-untyped-def]
-    """An engine's JSON reply: orjson, or Python's json for what it also reads (NaN, Infinity
-    in logprobs, say)."""
-    try:
-        return orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return json.loads(content)
 
 
 def _error_message(response: requests.Response) -> str:
@@ -279,7 +268,7 @@ class Upstream:
         """POST and parse a JSON object reply, or raise a GatewayError."""
         response = self._post(instance, path, body, headers, stream=False)
         try:
-            reply = _loads_reply(response.content)
+            reply = jsonio.loads_engine(response.content)
         except ValueError as exc:
             raise BadGateway(f"{instance.name} sent a reply that is not JSON") from exc
         if not isinstance(reply, dict):

@@ -434,3 +434,20 @@ def test_a_host_apps_call_on_close_runs_after_a_stream(store):
         assert closed == [1]          # it ran, once, with the turn's entry already stored
     finally:
         host.extensions["pd_gateway"].close()
+
+
+@responses.activate
+@pytest.mark.parametrize("value", [b"-Infinity", b"NaN", b'"a\\ud800b"',
+                                   b"123456789012345678901234567890"])
+def test_a_non_streamed_reply_keeps_what_python_json_reads_and_orjson_would_change(client, value):
+    """-Infinity (a logprob), NaN, a lone surrogate, an integer beyond 64 bits in D's reply
+    reach the client as D wrote them (orjson alone wrote null, raised a 500, or a float)."""
+    d_body = (b'{"id":"chatcmpl-d","object":"chat.completion","choices":[{"index":0,'
+              b'"message":{"role":"assistant","content":"yes"},"finish_reason":"stop",'
+              b'"odd":' + value + b'}],"kv_transfer_params":' + json.dumps(d_params()).encode()
+              + b'}')
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=d_body, content_type="application/json")
+    reply = client.post(CHAT, json={"messages": MESSAGES})
+    assert reply.status_code == 200
+    assert b'"odd":' + value + b"}" in reply.data and b"kv_transfer_params" not in reply.data

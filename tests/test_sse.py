@@ -82,3 +82,11 @@ def test_an_event_python_json_reads_and_orjson_does_not_is_still_cleaned():
             b'"kv_transfer_params":{"x":1}}\n\n')
     out, turn = relay(wire, [], general=False, strip=False)
     assert b"kv_transfer_params" not in out and b"NaN" in out and turn.params == {"x": 1}
+
+
+def test_an_integer_beyond_64_bits_stays_exact_in_an_event_that_is_rewritten():
+    wire = (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],'
+            b'"seed_used":123456789012345678901234567890,"kv_transfer_params":{"x":1}}\n\n')
+    out, turn = relay(wire, [], general=False, strip=False)
+    assert b'"seed_used":123456789012345678901234567890' in out
+    assert b"kv_transfer_params" not in out and turn.params == {"x": 1}
