@@ -245,7 +245,8 @@ class Exactness:
                 if isinstance(body.get("prompt"), str) else None
         if any(body.get(name) is not None for name in NOT_TOKENIZABLE):
             return None
-        out = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
+        wire = request.wire     # the history as already written for P and D
+        out = {k: wire[k] for k in TOKENIZE_CHAT_FIELDS if k in wire}
         if out.get("continue_final_message"):
             out["add_generation_prompt"] = False   # vLLM rejects both set
         return out

@@ -55,7 +55,7 @@ class Instance:
         self.host = parts.hostname or ""
         self.base_path = parts.path.rstrip("/")
         self.credentials = ((unquote(parts.username), unquote(parts.password or ""))
-                            if parts.username is not None else None)
+                            if parts.username or parts.password else None)
         self.salt = self.url.encode()
 
     @property

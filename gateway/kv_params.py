@@ -3,12 +3,10 @@ a local decode, the allowlist kept for the next turn, and the P and D bodies tha
 (vLLM's wire format: docs/architecture.md, "The P/D protocol".)"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .instances import Instance
-
-if TYPE_CHECKING:     # the store packs entries with this module's allowlist
-    from .store import Entry
+from .store import Entry
 
 # What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

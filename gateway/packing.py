@@ -17,11 +17,13 @@ from array import array
 from typing import Any
 
 from . import jsonio
-from .kv_params import OPTIONAL_PARAMS, REQUIRED_PARAMS
 
 BLOCKS = "remote_block_ids"
-# The order values are written in; a name not here (none today) goes in a trailing object.
-FIELDS = tuple(n for n in (*REQUIRED_PARAMS, *OPTIONAL_PARAMS) if n != BLOCKS)
+# The order values are written in, stored entries (Redis) read by position: append only, any
+# other change needs a new _VERSION. A name not here goes in a trailing object.
+FIELDS = ("remote_engine_id", "remote_request_id", "remote_port", "remote_host", "tp_size",
+          "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time",
+          "transfer_mode", "remote_control_host", "remote_control_port")
 _ABSENT = False          # no allowlisted value is a boolean: `false` means "not in the params"
 _VERSION = 1
 _HEAD = struct.Struct("<BBId")        # version, flags, history length, expiry

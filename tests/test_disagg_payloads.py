@@ -406,6 +406,14 @@ def test_engine_urls_keep_their_own_path_and_credentials(store):
         app.extensions["pd_gateway"].close()
 
 
+def test_an_empty_user_in_an_engine_url_sends_no_authorization():
+    """As requests: `http://@host` and `http://:@host` carry no credentials."""
+    from gateway.instances import Instance
+    assert [Instance(url, "decode", 0).credentials for url in
+            ("http://@d:1", "http://:@d:1", "http://d:1", "http://u@d:1", "http://:p@d:1")] == \
+        [None, None, None, ("u", ""), ("", "p")]
+
+
 @responses.activate
 def test_a_host_apps_call_on_close_runs_after_a_stream(store):
     """The relay's bytes reach the server without werkzeug's wrappers, and still a host app's

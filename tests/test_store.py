@@ -203,6 +203,15 @@ def test_an_entry_comes_back_from_the_store_as_it_went_in(params, url, history, 
     assert decode(encode(original)) == original
 
 
+def test_every_positional_field_of_an_entry_is_an_allowlisted_param():
+    """Entries are read by position: FIELDS is written out (append only), and each is a param
+    clean_params keeps (a param added to the allowlist later goes in the trailing object)."""
+    from gateway.kv_params import OPTIONAL_PARAMS, REQUIRED_PARAMS
+    from gateway.packing import BLOCKS, FIELDS
+    assert len(set(FIELDS)) == len(FIELDS)
+    assert set(FIELDS) <= set(REQUIRED_PARAMS) | set(OPTIONAL_PARAMS) and BLOCKS not in FIELDS
+
+
 def test_a_benchmark_entry_packs_into_a_fifth_of_its_json():
     import orjson
 
