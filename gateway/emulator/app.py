@@ -131,6 +131,14 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
                 stats.fault_responses += 1
                 cut()
                 return  # no finish chunk, no [DONE], no chunked terminator
+            if turn.fault.mode == "error_after" and i >= turn.fault.tokens:
+                # vLLM's stream generator catches a failure during generation and sends it as
+                # an event of the same chunked stream, then [DONE] (serving_chat.py).
+                outcome = "errored"
+                stats.fault_responses += 1
+                yield framer.error(InternalError("emulated fault: error_after").envelope())
+                yield DONE
+                return
             if i == last:
                 break
             delta = _shown(req, gen.deltas[i])
@@ -170,6 +178,11 @@ def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cu
           headers: dict) -> Response:
     itl = engine.config.itl_ms / 1000.0
     fault = turn.fault
+    if fault.mode == "error_after" and fault.tokens < turn.completion_tokens:
+        engine.sleep(itl * fault.tokens)
+        engine.stats.fault_responses += 1
+        engine.record(turn, "errored")
+        raise InternalError("emulated fault: error_after")
     if fault.mode == "die_after" and fault.tokens < turn.completion_tokens:
         engine.sleep(itl * fault.tokens)
         engine.stats.fault_responses += 1
@@ -281,8 +294,10 @@ def create_app(engine: Engine) -> Flask:
         except KVLoadError as exc:
             if not req.stream:
                 raise
-            # vLLM has sent 200 and its headers before a stream fails, so the error is an SSE event.
-            return Response([framer.error(exc.envelope()), DONE], headers=headers, content_type=SSE)
+            # vLLM has sent 200 and its headers before a stream fails, so the error is an SSE event
+            # of its chunked stream (an iterator: a list would get a Content-Length instead).
+            return Response(iter([framer.error(exc.envelope()), DONE]), headers=headers,
+                            content_type=SSE)
         ready = engine.clock() - arrival
         stats.first_token_seconds += ready
         headers["X-Engine-Prefill-Ms"] = f"{ready * 1000:.3f}"

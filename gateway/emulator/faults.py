@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-MODES = ("none", "down", "error500", "slow", "hang", "die_after", "no_params")
+MODES = ("none", "down", "error500", "slow", "hang", "die_after", "error_after", "no_params")
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,7 @@ class Fault:
 
     mode: str = "none"
     delay_s: float = 0.0  # slow: extra wait before the first byte
-    tokens: int = 0  # die_after: content tokens sent before the connection is cut
+    tokens: int = 0  # die_after, error_after: content tokens sent before the failure
     max_s: float = 3600.0  # hang: bound, so a forgotten fault cannot pin a greenlet forever
     count: int | None = None  # apply to the next `count` completion requests, then revert to none
 

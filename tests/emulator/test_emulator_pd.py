@@ -141,6 +141,29 @@ def test_die_after_cuts_the_stream(pd):
     assert pd.d.stats()["fault_responses"] == 2
 
 
+def test_error_after_sends_the_error_inside_the_chunked_stream(pd):
+    """As vLLM: content, then `{"error": ...}` and [DONE] in the same chunked stream."""
+    history = fresh_history()
+    pd.d.set_fault("error_after", tokens=3)
+    response = pd.decode(history, None, max_tokens=20, stream=True)
+    assert response.headers.get("Transfer-Encoding") == "chunked"
+    assert "Content-Length" not in response.headers
+    events = list(sse_client.iter_events(response))
+    assert len(events) == 1 + 3 + 2 and events[-1] == sse_client.DONE
+    assert events[-2]["error"]["code"] == 500 and "choices" in events[-3]
+    assert pd.decode(history, None, stream=False).status_code == 500
+    pd.d.set_fault("none")
+    assert pd.d.stats()["fault_responses"] == 2
+
+
+def test_a_failed_pull_is_an_error_event_of_a_chunked_stream(pd):
+    history = fresh_history()
+    p_params = pd.prefill(history).json()["kv_transfer_params"]     # remote_host: localhost
+    streamed = pd.decode(history, p_params)
+    assert streamed.headers.get("Transfer-Encoding") == "chunked"
+    assert "error" in next(sse_client.iter_events(streamed))
+
+
 def test_hang_holds_the_request_without_blocking_others(pd):
     history = fresh_history()
     pd.d.set_fault("hang")
