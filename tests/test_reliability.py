@@ -107,47 +107,32 @@ def sse_events(response) -> tuple[list, float]:
     return [event for _, event in timed], (end - timed[0][0] if timed else 0.0)
 
 
-def test_decode_dying_mid_stream_ends_with_an_error_event(fresh_engines, gateway_factory):
+@pytest.mark.parametrize("fault, code", [("die_after", 502), ("error_after", 500)])
+def test_decode_failing_mid_stream_ends_with_an_error_event(fresh_engines, gateway_factory,
+                                                            fault, code):
+    """D dies mid-stream (its connection cut: 502) or fails during generation as vLLM does
+    (content, then `{"error": ...}` and [DONE] in the same chunked stream: 500). The client gets
+    the content, the gateway's error event (no engine detail) and [DONE] at once; nothing is
+    stored for the next turn."""
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url])
-    messages = [{"role": "user", "content": "die please"}]
-    d.set_fault("die_after", tokens=3, count=1)
+    messages = [{"role": "user", "content": f"{fault} please"}]
+    d.set_fault(fault, tokens=3, count=1)
     response = requests.post(gateway.url + "/v1/chat/completions", stream=True, timeout=10,
                              json={"model": MODEL, "messages": messages, "stream": True,
-                                   "max_tokens": 10, "conversation_id": "dies"})
+                                   "max_tokens": 10, "conversation_id": fault})
     events, tail = sse_events(response)
     assert events[-1] == "[DONE]" and "error" in events[-2]
-    assert events[-2]["error"]["code"] == 502
+    assert events[-2]["error"]["code"] == code
+    assert "emulated" not in json.dumps(events[-2])          # the engine's words stay inside
+    contents = [e["choices"][0]["delta"].get("content") for e in events[:-2] if e.get("choices")]
+    assert len([c for c in contents if c]) == 3
     assert tail < 1.0
     follow = messages + [{"role": "assistant", "content": sse.reply(events)},
                          {"role": "user", "content": "x"}]
     again = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
-                          json={"model": MODEL, "messages": follow, "conversation_id": "dies"})
+                          json={"model": MODEL, "messages": follow, "conversation_id": fault})
     assert again.headers["X-Gateway-Cache"] == "miss"        # nothing was stored
-
-
-def test_an_error_event_from_decode_mid_stream_reaches_the_client_redacted(fresh_engines,
-                                                                           gateway_factory):
-    """D fails during generation as vLLM does: content, then `{"error": ...}` and [DONE] in the
-    same chunked stream. The client gets the content, the gateway's error event (no engine
-    detail) and [DONE]; nothing is stored for the next turn."""
-    p, d = fresh_engines
-    gateway = gateway_factory([p.url], [d.url])
-    messages = [{"role": "user", "content": "fail while generating"}]
-    d.set_fault("error_after", tokens=2, count=1)
-    response = requests.post(gateway.url + "/v1/chat/completions", stream=True, timeout=10,
-                             json={"model": MODEL, "messages": messages, "stream": True,
-                                   "max_tokens": 10, "conversation_id": "errs"})
-    events, _ = sse_events(response)
-    contents = [e["choices"][0]["delta"].get("content") for e in events[:-2] if e.get("choices")]
-    assert len([c for c in contents if c]) == 2
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
-    assert "emulated" not in json.dumps(events[-2])          # the engine's words stay inside
-    follow = messages + [{"role": "assistant", "content": sse.reply(events)},
-                         {"role": "user", "content": "x"}]
-    again = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
-                          json={"model": MODEL, "messages": follow, "conversation_id": "errs"})
-    assert again.status_code == 200 and again.headers["X-Gateway-Cache"] == "miss"
 
 
 def open_and_abandon(gateway, body: dict, after) -> None:
