@@ -177,9 +177,11 @@ def completions_conversation(url: str, client: Client, turns: int, seed: int) ->
 def mode_engines(mode: Mode, first_host: int):
     """A P and a D engine with the mode's template behaviour, on 127.0.0.N and N+1."""
     from gateway.emulator.process import EmulatorProcess
-    flags = {"itl_ms": 1, "output_tokens": 6, **mode.engine}
-    with EmulatorProcess("prefill", host=f"127.0.0.{first_host}", **flags) as p, \
-            EmulatorProcess("decode", host=f"127.0.0.{first_host + 1}", **flags) as d:
+    # kv_recompute_threshold 0 (vLLM's is 64): P reads whatever the gateway lets it, so what
+    # is measured is the gateway's decision, not the threshold hiding it behind short replies.
+    flags = {"itl_ms": 1, "output_tokens": 6, "recompute_threshold": 0, **mode.engine}
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host=f"127.0.0.{first_host}", **flags) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host=f"127.0.0.{first_host + 1}", **flags) as d:
         yield p, d
 
 

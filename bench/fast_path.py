@@ -63,7 +63,7 @@ def pct(values: list[float], q: int) -> float:
 
 
 def measure(follow_up: int, threshold: int, conversations: int, turns: int) -> dict:
-    with EmulatorProcess("prefill", **ENGINE) as p, EmulatorProcess("decode", **ENGINE) as d, \
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, **ENGINE) as p, EmulatorProcess("decode", bidirectional_kv_xfer=True, **ENGINE) as d, \
             GatewayProcess([p.url], [d.url], workers=1, fast_path_tokens=threshold) as gateway:
         with ThreadPoolExecutor(conversations) as pool:
             runs = list(pool.map(lambda i: conversation(gateway.url, follow_up, turns, i),

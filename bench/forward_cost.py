@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=100,
                         help="tokens per reply: every one is one more event to relay")
     args = parser.parse_args(argv)
-    with EmulatorProcess("prefill", host="127.0.0.2", itl_ms=1) as p, \
-            EmulatorProcess("decode", host="127.0.0.3", itl_ms=1) as d, \
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2", itl_ms=1) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3", itl_ms=1) as d, \
             GatewayProcess([p.url], [d.url], workers=2) as gateway:
         ports = [gateway.port + 1, gateway.port + 2]
         for port in ports:

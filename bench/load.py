@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         # Distinct loopback addresses: D reaches P only through the gateway's remote_host rewrite.
-        p = stack.enter_context(EmulatorProcess("prefill", host="127.0.0.2", itl_ms=args.itl_ms))
-        d = stack.enter_context(EmulatorProcess("decode", host="127.0.0.3", itl_ms=args.itl_ms))
+        p = stack.enter_context(EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2", itl_ms=args.itl_ms))
+        d = stack.enter_context(EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3", itl_ms=args.itl_ms))
         gateway = stack.enter_context(GatewayProcess(
             [p.url], [d.url], workers=args.workers, worker_class=args.worker_class,
             log_level="warning"))

@@ -72,12 +72,15 @@ def run_turn(conn: http.client.HTTPConnection, conv: Conversation) -> dict:
 
 
 def conversation(url: str, conv: Conversation, turns: int, deadline: float, results: list,
-                 errors: list) -> None:
-    """Run one conversation's turns in order on one keep-alive connection, until the deadline."""
+                 errors: list, think: float = 0.0) -> None:
+    """Run one conversation's turns in order on one keep-alive connection, until the deadline,
+    `think` seconds between a reply and the next question."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
     try:
-        for _ in range(turns):
+        for turn in range(turns):
+            if turn and think:
+                gevent.sleep(think)
             if time.monotonic() >= deadline:
                 return
             try:
@@ -91,12 +94,12 @@ def conversation(url: str, conv: Conversation, turns: int, deadline: float, resu
 
 
 def client(url: str, convs: Iterator[Conversation], turns: int, deadline: float, results: list,
-           errors: list) -> None:
+           errors: list, think: float = 0.0) -> None:
     """Run conversations one after another; the iterator is shared, so each is run once."""
     for conv in convs:
         if time.monotonic() >= deadline:
             return
-        conversation(url, conv, turns, deadline, results, errors)
+        conversation(url, conv, turns, deadline, results, errors, think)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ids", action="store_true", help="send conversation_id and X-Session-ID")
     parser.add_argument("--history-bytes", type=int, default=0,
                         help="start each conversation from this much earlier history (growth runs)")
+    parser.add_argument("--think", type=float, default=0.0,
+                        help="seconds a conversation waits between a reply and its next turn")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     results: list[dict] = []
@@ -118,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
                   for i in range(args.conversations)])
     started = time.monotonic()
     deadline = started + args.duration
-    gevent.joinall([gevent.spawn(client, args.url, convs, args.turns, deadline, results, errors)
+    gevent.joinall([gevent.spawn(client, args.url, convs, args.turns, deadline, results, errors,
+                                 args.think)
                     for _ in range(args.concurrency)])
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(args.out, "w") as out:

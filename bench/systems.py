@@ -58,9 +58,9 @@ class Engines:
     def start(cls, **timing: object) -> Engines:
         # Each advertises its own address as remote_host: vllm-router passes kv_transfer_params
         # through as the engines write them (the gateway and the seed overwrite the field).
-        return cls(EmulatorProcess("prefill", host=PREFILL_HOST, advertise_host=PREFILL_HOST,
+        return cls(EmulatorProcess("prefill", bidirectional_kv_xfer=True, host=PREFILL_HOST, advertise_host=PREFILL_HOST,
                                    **timing),
-                   EmulatorProcess("decode", host=DECODE_HOST, advertise_host=DECODE_HOST,
+                   EmulatorProcess("decode", bidirectional_kv_xfer=True, host=DECODE_HOST, advertise_host=DECODE_HOST,
                                    **timing))
 
     def __iter__(self):

@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| history tokens | verify_reuse | hits | TTFT p50 ms | TTFT p99 ms | gateway CPU ms/turn "
           "| /tokenize calls | emulator /tokenize ms |")
     print("|---|---|---|---|---|---|---|---|")
-    with EmulatorProcess("prefill", host="127.0.0.2", **ENGINE) as p, \
-            EmulatorProcess("decode", host="127.0.0.3", **ENGINE) as d:
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2", **ENGINE) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3", **ENGINE) as d:
         for size in args.sizes:
             own = tokenize_ms(p, size)
             for mode in ("off", "auto", "always"):

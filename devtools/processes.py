@@ -75,6 +75,15 @@ class GatewayProcess:
         return requests.get(url, timeout=5,
                             headers={"Authorization": f"Bearer {self.admin_token}"}).json()
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` (e.g. pd_gateway_releases_total) whose labels
+        include `labels`, as /metrics reports them now (every worker)."""
+        from prometheus_client.parser import text_string_to_metric_families
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        text = requests.get(self.url + "/metrics", timeout=10, headers=headers).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
     def stop(self, timeout: float = 30) -> int | None:
         """SIGTERM (graceful), then SIGKILL if it outlives `timeout`; returns the exit code."""
         if self.process.poll() is None:

@@ -56,6 +56,7 @@ class Conversation:
     retries: int = 0               # turn() sends again only when no response came at all
     messages: list[dict] = field(default_factory=list)
     caches: list = field(default_factory=list)     # X-Gateway-Cache of each turn
+    paths: list = field(default_factory=list)      # X-Gateway-Path of each turn
     errors: list = field(default_factory=list)
     _rng: random.Random = field(init=False, repr=False)
     _covered: int = field(default=0, init=False)   # prompt tokens the previous turn left in KV
@@ -119,6 +120,7 @@ class Conversation:
             self.errors.append(f"{self.cid} turn {len(self.caches)}: {exc!r}")
             return False
         self.add_reply(text, response.headers.get("X-Gateway-Cache"))
+        self.paths.append(response.headers.get("X-Gateway-Path"))
         return True
 
 

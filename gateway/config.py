@@ -102,6 +102,14 @@ class Settings:
     store_size: int = option(100_000, positive(int), "Conversation entries kept per worker "
                              "before the least recently used are evicted (local store; bound a "
                              "Redis store with its maxmemory).")
+    pinned_blocks: int = option(8192, bounded(int, 0), "Blocks each D may keep pinned for "
+                                "conversations waiting for their next turn (local stores; every "
+                                "worker keeps its share): beyond, the least recently active are "
+                                "released (docs/d-memory.md); 0: no budget.")
+    release_rate: float = option(50.0, bounded(float, 0.0), "Releases per second per worker: an "
+                                 "entry dropped unread (refused, used by a decode-only turn, "
+                                 "evicted, replaced, expired, over budget) has a P tell its D to "
+                                 "free the blocks; 0: they stay pinned until D's TTL.")
     affinity: bool = option(True, boolean, "Forward each conversation to the worker that holds "
                             "its cache (on/off); off by itself with one worker.")
     private_host: str = option("127.0.0.1", str,

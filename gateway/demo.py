@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             # Distinct loopback addresses: D reaches P only because the gateway rewrites
             # remote_host ("localhost" as vLLM reports it) to P's real address.
-            p = stack.enter_context(EmulatorProcess("prefill", host="127.0.0.2"))
-            d = stack.enter_context(EmulatorProcess("decode", host="127.0.0.3"))
+            p = stack.enter_context(EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2"))
+            d = stack.enter_context(EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3"))
             prefill, decode, stats = [p.url], [d.url], p.stats
             print(f"emulated prefill engine on {p.url}, decode engine on {d.url}")
         gateway = stack.enter_context(GatewayProcess(prefill, decode, port=args.port,

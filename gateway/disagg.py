@@ -11,10 +11,11 @@ from .errors import GatewayError, ServiceUnavailable
 from .exactness import Exactness, held_digest, plain_reply
 from .fast_path import FastPath
 from .instances import Instance, Pool
-from .kv_params import LOCAL_DECODE_PARAMS, clean_params, decode_body, prefill_body
+from .kv_params import clean_params, decode_body, prefill_body
 from .parse import ClientRequest
 from .store import ConversationStore, Entry
 from .turn import Turn
+from .release import Releaser
 from .reply import Reply, StreamRelay, once
 from .upstream import Upstream
 
@@ -22,6 +23,43 @@ log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
 access = logging.getLogger("gateway.access")
 T = TypeVar("T")
+
+
+def count_prefill(reply: dict, sent: dict | None) -> None:
+    """What P reports of its prompt: its tokens, those it did not compute (P's params carry
+    `remote_prefill_cached_tokens` when vLLM logs stats, its default; or usage's
+    `prompt_tokens_details.cached_tokens` with --enable-prompt-tokens-details), and, for a turn
+    that sent it D's params (`sent`), whether it read what D held.
+
+    P reads D's tokens up to min(remote_num_tokens, prompt) or none of them (under
+    kv_recompute_threshold, or its own cache had them: vLLM 0.33 nixl/pull_scheduler.py
+    ~L85-103), and reports its own hit plus what it read (v1/core/sched/scheduler.py ~L2476).
+    """
+    usage = reply.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = usage.get("prompt_tokens")
+    params = reply.get("kv_transfer_params")
+    cached = params.get("remote_prefill_cached_tokens") if isinstance(params, dict) else None
+    if not _count(cached):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if _count(prompt):
+        metrics.PREFILL_TOKENS.labels("prompt").inc(prompt)
+    if _count(cached):
+        metrics.PREFILL_TOKENS.labels("cached").inc(cached)
+    if sent is None:
+        return
+    held = sent.get("remote_num_tokens")
+    if not (_count(cached) and _count(prompt) and _count(held)):
+        result = "unreported"
+    else:
+        reach = min(held, prompt)
+        result = "read" if cached == reach else "recomputed" if cached < reach else "own_cache"
+    metrics.KV_READS.labels(result).inc()
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def replayable(failure: GatewayError | None) -> bool:
@@ -38,13 +76,15 @@ class Disagg:
     """Runs requests through P and D and keeps the conversation store up to date."""
 
     def __init__(self, store: ConversationStore, upstream: Upstream,
-                 prefill: Pool, decode: Pool, attempts: int = 2,
-                 exactness: Exactness | None = None, fast_path: FastPath = FastPath(),
-                 access_log: bool = False) -> None:
+                 prefill: Pool, decode: Pool, releaser: Releaser | None = None,
+                 attempts: int = 2, exactness: Exactness | None = None,
+                 fast_path: FastPath = FastPath(), access_log: bool = False) -> None:
         self.store = store
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
+        # Entries dropped unread: their D is told to free the blocks (off: rate 0).
+        self.releaser = releaser or Releaser(upstream, prefill, rate=0)
         self.attempts = attempts
         self.exactness = exactness or Exactness("auto")
         self.fast_path = fast_path
@@ -69,6 +109,8 @@ class Disagg:
         if identity.explicit:
             # Someone else's history under this id: leave the entry to its conversation.
             self.store.put(key, entry)
+        else:
+            self.releaser.drop(entry, "mismatch")
         return None
 
     def _attempt(self, pool: Pool, key: str, prefer: str | None,
@@ -123,25 +165,37 @@ class Disagg:
                 entry, request, identity, self.decode, self.exactness,
                 lambda d, body: self.upstream.tokenize(d, body, headers))
             if target is not None:
+                # A plain request: D computes the few new tokens, its prefix cache serving the
+                # history, and keeps nothing for later (next turn: a two-stage miss, both
+                # engines' own caches serving most of it). The entry's blocks, now unread, go.
                 turn, d_body = self._decode_body(request, identity)
-                local_body = {**d_body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
                 try:
-                    return self._decode(request, identity, turn, headers,
-                                        lambda failure: local_body, None, started, "hit",
-                                        ("decode-only", reason, "-"), only=target)
+                    reply = self._decode(request, identity, turn, headers, lambda failure: d_body,
+                                         None, started, "hit", ("decode-only", reason, "-"),
+                                         only=target)
                 except GatewayError as exc:
                     if not exc.instance_fault:
+                        self.releaser.drop(entry, "decode_only")
                         raise
                     # Its D failed before a byte: the two-stage path, as a miss (the blocks
                     # that D held are not to be trusted now).
                     log.info("decode-only turn failed on %s (%s); two-stage", target.name,
                              exc.message)
+                    self.releaser.drop(entry, "decode_failed")
                     entry, admitted, reason = None, None, "decode_failed"
+                else:
+                    self.releaser.drop(entry, "decode_only")
+                    return reply
+        carried: list[bool] = []      # the entry's params went to a P
 
         def prefill_call(instance: Instance, failure: GatewayError | None) -> tuple[bool, dict]:
             def tokenize(body: dict) -> list:
                 return self.upstream.tokenize(instance, body, headers)
 
+            if carried and replayable(failure):
+                # The P they went to refused the connection: it never read them.
+                self.releaser.drop(entry, "prefill_failed")
+                carried.clear()
             if identity.reusable and admitted is None:
                 self.exactness.prepare(request, tokenize)
             # A retry never replays D's params: the failed P may already have read the blocks.
@@ -149,17 +203,21 @@ class Disagg:
             reuse = entry is not None and failure is None and (
                 admitted if admitted is not None
                 else self.exactness.admit(entry, request, identity, tokenize)[0])
+            if reuse:
+                carried.append(True)
+            elif entry is not None and failure is None:
+                self.releaser.drop(entry, "unproven")     # refused: P gets the miss stub
             body = prefill_body(request.wire, entry if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
         prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
                                                       prefill_call)
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
+        count_prefill(prefill_reply, entry.params if hit and entry else None)
         turn, d_body = self._decode_body(request, identity)
         with_blocks = decode_body(d_body, prefill_reply, prefill)
-        local_body = {**d_body, "kv_transfer_params": dict(LOCAL_DECODE_PARAMS)}
         return self._decode(request, identity, turn, headers,
-                            lambda failure: with_blocks if replayable(failure) else local_body,
+                            lambda failure: with_blocks if replayable(failure) else d_body,
                             entry.decode_url if entry else None, started,
                             "hit" if hit else "miss", ("two-stage", reason, prefill.name))
 

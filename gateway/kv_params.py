@@ -1,5 +1,5 @@
-"""D's kv_transfer_params as the gateway speaks them: the stub P gets on a miss, the params of
-a local decode, the allowlist kept for the next turn, and the P and D bodies that carry them.
+"""D's kv_transfer_params as the gateway speaks them: the stub P gets on a miss, the allowlist
+kept for the next turn, and the P and D bodies that carry them.
 (vLLM's wire format: docs/architecture.md, "The P/D protocol".)"""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from .store import Entry
 # What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
-# What D gets when P's blocks may be gone (a D that failed may have read them): no pull, so D
-# computes the prompt itself, helped by its prefix cache; and, being params, they make D keep
-# its blocks and return its own params for the next turn, as after any turn. (vLLM's
-# NixlConnector: neither flag set means a D-side request with nothing to receive.)
-LOCAL_DECODE_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
+# A D that must compute the prompt itself (a decode-only turn, or P's blocks perhaps read by a
+# D that failed) gets no kv_transfer_params at all. Params with neither flag set would make
+# vLLM 0.33 keep the request's blocks and never free them: its connector never tracked the
+# request, so no TTL reaps it and no reader's notification is accepted
+# (nixl/pull_scheduler.py ~L119-125, nixl/pull_worker.py ~L97-121, ~L670-681).
 # Fields P must not see: it generates exactly one token, never streams.
 PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens",
                    "stream_options")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter,
-                               Histogram, generate_latest, multiprocess)
+                               Gauge, Histogram, generate_latest, multiprocess)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -48,6 +48,24 @@ RESOLUTIONS = Counter("pd_gateway_resolutions", "Lookups of instance DNS names (
 INSTANCE_CHANGES = Counter("pd_gateway_instance_changes", "Instances added to or removed from a "
                            "pool at run time, by source (dns, admin); each worker counts its own",
                            ["role", "change", "source"])
+RELEASES = Counter("pd_gateway_releases", "Entries dropped unread whose D blocks the gateway "
+                   "asked a P to free, by why they were dropped (unproven, mismatch, decode_only, "
+                   "decode_failed, replaced, evicted, expired, budget) and result (released, "
+                   "failed: D frees them at its TTL; skipped: too many waiting)",
+                   ["reason", "result"])
+PINNED_BLOCKS = Gauge("pd_gateway_pinned_blocks", "Blocks each D keeps for the conversations this "
+                      "gateway's local stores hold (their entries' remote_block_ids), summed over "
+                      "live workers", ["decode"], multiprocess_mode="livesum")
+KV_READS = Counter("pd_gateway_kv_reads", "Turns whose P was sent D's params, by what P reports "
+                   "(kv_transfer_params.remote_prefill_cached_tokens, or usage.prompt_tokens_"
+                   "details.cached_tokens): read (P had every token D held for it, from D or, when "
+                   "that count is a whole number of blocks, possibly its own cache), recomputed "
+                   "(P had fewer: under kv_recompute_threshold, or its own cache served), "
+                   "unreported (P said nothing)", ["result"])
+PREFILL_TOKENS = Counter("pd_gateway_prefill_tokens", "P's prompt tokens as P reports them: "
+                         "prompt (usage.prompt_tokens) and cached (what P did not compute: its "
+                         "own prefix cache plus what it read from D; only where P reports it)",
+                         ["kind"])
 DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
 PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill call to P",
                             buckets=_LATENCY)

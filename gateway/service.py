@@ -21,6 +21,7 @@ from .fast_path import FastPath
 from .instances import Instance, Policy, Pool, Prober
 from .membership import Membership
 from .parse import ClientRequest, parse
+from .release import Releaser
 from .reply import Reply, once
 from .store import ConversationStore, create_store
 from .upstream import Upstream
@@ -57,8 +58,14 @@ class Gateway:
         self.admission = Admission(settings.turn_limit, settings.admission_queue,
                                    settings.admission_wait, settings.retry_after)
         self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file)
+        # Entries the store drops unread (replaced, evicted, expired, over budget) and those a
+        # turn drops: their D is told to free the blocks, in the background (gateway.release).
+        self.releaser = Releaser(self.upstream, self.prefill, settings.release_rate,
+                                 sweep=getattr(self.store, "sweep", lambda: None))
+        self.store.on_drop = self.releaser.drop
+        self.releaser.start()
         self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
-                             attempts=settings.attempts,
+                             releaser=self.releaser, attempts=settings.attempts,
                              exactness=Exactness(settings.verify_reuse),
                              fast_path=FastPath(settings.fast_path_tokens),
                              access_log=settings.access_log)
@@ -155,6 +162,7 @@ class Gateway:
         tests; a gunicorn worker just exits)."""
         self.prober.stop()
         self.membership.stop()
+        self.releaser.stop()
         self.upstream.session.close()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
@@ -43,6 +44,13 @@ class ConversationStore(Protocol):
     def report(self) -> dict:
         """What /health shows of the store."""
 
+    # Called with (entry, reason) for each entry that leaves the store unread: replaced by a
+    # newer one for its key, evicted for room, expired, or over its D's pinned budget.
+    on_drop: Callable[[Entry, str], None]
+
+    def sweep(self) -> None:
+        """Expire what is due now (each expired entry goes to `on_drop`)."""
+
 
 class _Takes:
     def take(self, key: str) -> Entry | None:
@@ -67,33 +75,117 @@ def _key(key: str) -> bytes:
     return digest_bytes(key) or key.encode()
 
 
+def pinned_blocks(entry: Entry) -> int:
+    """The blocks D keeps for the entry (its exported remote_block_ids, every group)."""
+    return sum(len(group) for group in entry.params.get("remote_block_ids") or ())
+
+
+def _ignore(entry: Entry, reason: str) -> None:
+    pass
+
+
 def stamped(entry: Entry, now: float, ttl: float) -> Entry:
     """The entry with its expiry: now + ttl on the first put, unchanged after."""
     return entry if entry.expires_at is not None else replace(entry, expires_at=now + ttl)
 
 
+class _LeavingCache(TTLCache):
+    """A TTLCache that tells `on_leave(key, value, why)` what leaves it unasked: evicted for room
+    or expired (it expires on every write, where the expired items would leave unseen)."""
+
+    def __init__(self, maxsize: int, ttl: float, timer: Callable[[], float],
+                 on_leave: Callable[[bytes, bytes, str], None]) -> None:
+        super().__init__(maxsize=maxsize, ttl=ttl, timer=timer)
+        self._on_leave = on_leave
+
+    def popitem(self):  # type: ignore[no-untyped-def]
+        key, value = super().popitem()
+        self._on_leave(key, value, "evicted")
+        return key, value
+
+    def expire(self, time=None):  # type: ignore[no-untyped-def]
+        gone = super().expire(time)
+        for key, value in gone:
+            self._on_leave(key, value, "expired")
+        return gone
+
+
+class Pinned:
+    """The blocks each D keeps for one store's entries, oldest entry first; past `budget` blocks
+    on one D (0: no budget) the oldest of its entries are to be dropped. Not thread-safe: the
+    store's lock covers it."""
+
+    def __init__(self, budget: int = 0) -> None:
+        self.budget = budget
+        self._totals: dict[str, int] = {}
+        self._order: dict[str, OrderedDict[bytes, int]] = {}   # only with a budget
+
+    def add(self, decode: str, key: bytes, blocks: int) -> list[bytes]:
+        """Count the entry's blocks; the keys of the oldest entries of `decode` beyond the budget."""
+        self._totals[decode] = self._totals.get(decode, 0) + blocks
+        if not self.budget:
+            return []
+        order = self._order.setdefault(decode, OrderedDict())
+        order[key] = blocks
+        over: list[bytes] = []
+        total = self._totals[decode]
+        for old_key, old_blocks in order.items():
+            if total <= self.budget:
+                break
+            over.append(old_key)
+            total -= old_blocks
+        return over
+
+    def remove(self, decode: str, key: bytes, blocks: int) -> None:
+        left = self._totals.get(decode, 0) - blocks
+        if left > 0:
+            self._totals[decode] = left
+        else:
+            self._totals.pop(decode, None)
+        order = self._order.get(decode)
+        if order is not None:
+            order.pop(key, None)
+            if not order:
+                del self._order[decode]
+
+    def total(self, decode: str) -> int:
+        return self._totals.get(decode, 0)
+
+    def totals(self) -> dict[str, int]:
+        return dict(self._totals)
+
+
 class LocalStore(_Takes):
     """A per-process store: a TTL-bounded LRU cache behind one lock, entries kept encoded
-    (the store holds up to `store_size` of them in every worker)."""
+    (the store holds up to `store_size` of them in every worker), and the blocks each D keeps
+    for them, within `pinned_budget` blocks per D when one is set."""
 
     def __init__(self, maxsize: int, ttl: float,
-                 timer: Callable[[], float] = time.monotonic) -> None:
+                 timer: Callable[[], float] = time.monotonic, pinned_budget: int = 0) -> None:
         # TTLCache is not thread-safe (even a read reorders its LRU links), so every
         # operation holds the lock; none does I/O while holding it.
-        self._cache: TTLCache[bytes, bytes] = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer)
+        self._cache: TTLCache[bytes, bytes] = _LeavingCache(maxsize, ttl, timer, self._left)
         self._lock = threading.Lock()
         self._timer = timer
         self._ttl = ttl
+        self._pinned = Pinned(pinned_budget)
+        self._dropped: list[tuple[Entry, str]] = []   # under the lock; handed out after it
+        self.on_drop: Callable[[Entry, str], None] = _ignore
 
     def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
         now = self._timer()
         for key in keys:
+            k = _key(key)
             with self._lock:
-                packed = self._cache.pop(_key(key), None)
-            if packed is not None:
-                entry = decode(packed)
-                if entry.expires_at > now:     # a put-back entry past its own expiry: gone
-                    return key, entry
+                packed = self._cache.pop(k, None)
+            if packed is None:
+                continue
+            entry = decode(packed)
+            with self._lock:
+                self._pinned.remove(entry.decode_url, k, pinned_blocks(entry))
+            self._publish(entry.decode_url)
+            if entry.expires_at > now:     # a put-back entry past its own expiry: gone
+                return key, entry
         return None
 
     def put(self, key: str, entry: Entry) -> None:
@@ -106,15 +198,55 @@ class LocalStore(_Takes):
         except (ValueError, TypeError) as exc:   # params clean_params would not have let by
             log.warning("entry not stored: %s", exc)
             return
+        k = _key(key)
         with self._lock:
-            self._cache[_key(key)] = packed
+            old = self._cache.pop(k, None)
+            if old is not None:
+                self._left(k, old, "replaced")
+            self._cache[k] = packed
+            for over in self._pinned.add(entry.decode_url, k, pinned_blocks(entry)):
+                value = self._cache.pop(over, None)
+                if value is not None:
+                    self._left(over, value, "budget")
+        self._publish(entry.decode_url)
+
+    def sweep(self) -> None:
+        with self._lock:
+            self._cache.expire()
+        self._publish()
+
+    def _left(self, key: bytes, packed: bytes, why: str) -> None:
+        """An entry left unread (under the lock): uncount its blocks, drop it after the lock."""
+        try:
+            entry = decode(packed)
+        except ValueError:
+            return
+        self._pinned.remove(entry.decode_url, key, pinned_blocks(entry))
+        self._dropped.append((entry, why))
+
+    def _publish(self, decode_url: str | None = None) -> None:
+        """Hand dropped entries to `on_drop`, and the pinned counts of the Ds that changed to
+        /metrics, outside the lock."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+            changed = {decode_url} | {entry.decode_url for entry, _ in dropped}
+            changed.discard(None)
+            counts = {url: self._pinned.total(url) for url in changed}
+        for entry, why in dropped:
+            self.on_drop(entry, why)
+        for url, count in counts.items():
+            metrics.PINNED_BLOCKS.labels(url).set(count)
+
+    def pinned(self) -> dict[str, int]:
+        with self._lock:
+            return self._pinned.totals()
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._cache)
 
     def report(self) -> dict:
-        return {"store": "local", "conversations": len(self)}
+        return {"store": "local", "conversations": len(self), "pinned_blocks": self.pinned()}
 
 
 _TAKE_FIRST = """
@@ -146,6 +278,7 @@ class RedisStore(_Takes):
         # One round trip however many history prefixes a request tries (a long conversation
         # whose entry expired tries them all). Its keys must live on one node: no Cluster.
         self._take_first = self._redis.register_script(_TAKE_FIRST)
+        self.on_drop: Callable[[Entry, str], None] = _ignore
 
     def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
         if not keys:
@@ -164,9 +297,17 @@ class RedisStore(_Takes):
         if expires_ms <= time.time() * 1000:
             return
         try:
-            self._redis.set(self.PREFIX + key, encode(entry), pxat=expires_ms)
+            # GET: the entry this one replaces (a regenerated turn), whose blocks no P will read.
+            old = self._redis.set(self.PREFIX + key, encode(entry), pxat=expires_ms, get=True)
+            replaced = None if old is None else decode(old)
         except self._errors as exc:
             self._failed("put", exc)
+            return
+        if replaced is not None:
+            self.on_drop(replaced, "replaced")
+
+    def sweep(self) -> None:
+        """Redis expires and evicts entries itself, unseen: their blocks wait for D's TTL."""
 
     def report(self) -> dict:
         try:
@@ -182,5 +323,8 @@ class RedisStore(_Takes):
 
 def create_store(settings) -> ConversationStore:
     if settings.store == "local":
-        return LocalStore(settings.store_size, settings.store_ttl)
+        # Each worker holds its own share of the conversations, so its share of the budget.
+        share = settings.pinned_blocks // max(1, settings.workers)
+        return LocalStore(settings.store_size, settings.store_ttl,
+                          pinned_budget=max(1, share) if settings.pinned_blocks else 0)
     return RedisStore(settings.store, settings.store_ttl, settings.store_timeout)

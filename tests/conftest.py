@@ -39,8 +39,10 @@ def store(clock: FakeClock) -> LocalStore:
 def app(store: LocalStore):
     # Unroutable example hosts: only `responses` mocks answer them. Reuse on digests alone
     # (no /tokenize calls, no token ids) unless a test asks for verification.
+    # Background releases off: they would interleave with the payloads these tests pin
+    # (tests/test_release.py has them).
     settings = Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
-                        max_body_bytes=4096, verify_reuse="off")
+                        max_body_bytes=4096, verify_reuse="off", release_rate=0)
     app = create_app(settings, store=store)
     yield app
     # Its prober would go on probing an instance marked down, into later tests' mocks.
@@ -62,7 +64,7 @@ def two_of_each(first_host: int):
     """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
     from gateway.emulator.process import EmulatorProcess
     with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(EmulatorProcess(role, host=f"127.0.0.{first_host + i}",
+        engines = [stack.enter_context(EmulatorProcess(role, bidirectional_kv_xfer=True, host=f"127.0.0.{first_host + i}",
                                                        itl_ms=1))
                    for i, role in enumerate(["prefill", "prefill", "decode", "decode"])]
         yield engines[:2], engines[2:]
@@ -71,8 +73,13 @@ def two_of_each(first_host: int):
 @pytest.fixture(scope="session")
 def engines():
     from gateway.emulator.process import EmulatorProcess
-    with EmulatorProcess("prefill", host=P_HOST, itl_ms=1) as p, \
-            EmulatorProcess("decode", host=D_HOST, itl_ms=1) as d:
+    # Not vLLM's defaults: bidirectional transfer on (what the gateway is for), and
+    # kv_recompute_threshold 0, so that P reads whatever D holds beyond its own cache and every
+    # reuse shows in P's counters (with 64, short replies are recomputed: tests/test_kv_truth.py).
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host=P_HOST, itl_ms=1,
+                         recompute_threshold=0) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host=D_HOST, itl_ms=1,
+                            recompute_threshold=0) as d:
         yield p, d
 
 

@@ -348,9 +348,9 @@ def test_decode_retry_replays_prefill_params_only_if_the_failed_d_never_got_them
                   if c.request.url == second + CHAT]
     if failure == "refused":        # that D never saw P's blocks: the next one pulls them
         assert retried["kv_transfer_params"]["remote_engine_id"] == "p-engine-1"
-    else:                           # it may have read them: the next one prefills itself
-        assert retried["kv_transfer_params"] == {"do_remote_prefill": False,
-                                                 "do_remote_decode": False}
+    else:                           # it may have read them: the next one prefills itself,
+        # with no params at all (neither flag set would leak its blocks on vLLM 0.33)
+        assert "kv_transfer_params" not in retried
 
 
 @pytest.mark.parametrize("failure", ["error500", "refused"])

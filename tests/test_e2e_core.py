@@ -74,7 +74,9 @@ def test_id_headers_link_turns(gateway, fresh_engines, header):
 def test_completions_turns_with_an_id_hit(gateway, fresh_engines, stream):
     p, d = fresh_engines
     client = sdk(gateway)
-    prompt = "once upon a time in a land of disaggregated engines"
+    # Unique: the engines' prefix caches outlive a test, and P would find the whole history
+    # of an earlier run's identical turns in its own cache (reading nothing from D).
+    prompt = f"once upon a time {uuid.uuid4().hex} in a land of disaggregated engines"
     cid = uuid.uuid4().hex
     for turn in range(TURNS):
         result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,

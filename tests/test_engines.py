@@ -54,7 +54,7 @@ def conversations(gateway, count: int) -> list[workload.Conversation]:
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_engines_added_and_removed_while_conversations_run(worker_class):
     with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(EmulatorProcess(role, host=f"127.0.0.{40 + i}",
+        engines = [stack.enter_context(EmulatorProcess(role, bidirectional_kv_xfer=True, host=f"127.0.0.{40 + i}",
                                                        itl_ms=ITL_MS))
                    for i, role in enumerate(["prefill", "prefill", "decode", "decode", "decode"])]
         p1, p2, d1, d2, d3 = engines
@@ -126,8 +126,8 @@ def test_a_dns_name_is_re_resolved_into_one_instance_per_address():
     port = _shared_port(hosts)
     with contextlib.ExitStack() as stack:
         dns = stack.enter_context(LoopbackDNS())
-        p = stack.enter_context(EmulatorProcess("prefill", host="127.0.0.50", itl_ms=1))
-        d1, d2 = (stack.enter_context(EmulatorProcess("decode", host=h, port=port,
+        p = stack.enter_context(EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.50", itl_ms=1))
+        d1, d2 = (stack.enter_context(EmulatorProcess("decode", bidirectional_kv_xfer=True, host=h, port=port,
                                                       kv_port=port + 1, itl_ms=1))
                   for h in hosts)
         dns.set("decode.pods.test", [hosts[0]])

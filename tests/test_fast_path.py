@@ -15,6 +15,7 @@ import responses
 from openai import OpenAI
 from responses import matchers
 
+from gateway.emulator.process import wait_until
 from tests.conftest import D_URL, MODEL, P_URL
 from tests.test_disagg_payloads import MISS, chat_events, d_params, p_params, p_reply
 
@@ -32,12 +33,17 @@ def test_short_follow_ups_skip_prefill_and_long_ones_do_not(fresh_engines, gatew
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url], fast_path_tokens=64, access_log=True)
     client = OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
-    messages = [{"role": "system", "content": "you are terse"},
+    # Unique: P's prefix cache outlives a test and would hold an earlier run's identical turns.
+    messages = [{"role": "system", "content": f"you are terse {uuid.uuid4().hex}"},
                 {"role": "user", "content": "first question about kv blocks"}]
     follow_ups = ["and in Python?", "why?", LONG, "thanks, and then?"]
     seen = []
+
+    def prefills() -> int:    # P's chat requests (releases are completions, in the background)
+        return sum(r["kind"] == "chat" for r in p.recent_requests())
+
     for turn in range(len(follow_ups) + 1):
-        p_before = p.stats()["requests"]
+        p_before = prefills()
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, stream=stream, max_tokens=6)
         if stream:
@@ -45,34 +51,40 @@ def test_short_follow_ups_skip_prefill_and_long_ones_do_not(fresh_engines, gatew
         else:
             text = raw.parse().choices[0].message.content
         seen.append((path_of(raw.headers), raw.headers["X-Gateway-Cache"],
-                     p.stats()["requests"] - p_before))
+                     prefills() - p_before))
         if turn < len(follow_ups):
             messages += [{"role": "assistant", "content": text},
                          {"role": "user", "content": follow_ups[turn]}]
     assert seen == [("two-stage; reason=no_entry", "miss", 1),
                     ("decode-only; reason=short", "hit", 0),
-                    ("decode-only; reason=short", "hit", 0),
-                    # P reads what D kept after a decode-only turn: those params hold.
+                    # A decode-only turn keeps nothing on D: the next is a two-stage miss, both
+                    # engines' prefix caches serving most of its prompt.
+                    ("two-stage; reason=no_entry", "miss", 1),
                     ("two-stage; reason=long", "hit", 1),
                     ("decode-only; reason=short", "hit", 0)]
     p_stats, d_stats = p.stats(), d.stats()
     assert p_stats["wrong_reuse"] == 0 and d_stats["wrong_reuse"] == 0
     assert p_stats["hits"] == 1
-    assert (d_stats["decode_only_requests"], d_stats["remote_prefill_requests"]) == (3, 2)
+    assert (d_stats["plain_requests"], d_stats["remote_prefill_requests"]) == (2, 3)
+    assert d_stats["decode_only_requests"] == d_stats["leaked_leases"] == 0
     # A decode-only turn computed only its new tokens and the partial block before them (the
     # prefix cache holds whole blocks of 16); the rest came from D's prefix cache.
     local = [r for r in d.recent_requests() if r["pulled_tokens"] == 0]
-    assert len(local) == 3
+    assert len(local) == 2
     assert all(0 < r["local_prefix_tokens"] and r["computed_prompt_tokens"] < 16 + 16
                for r in local), local
     assert local[-1]["prompt_tokens"] > 300 and local[-1]["computed_prompt_tokens"] < 16
     metrics = requests.get(gateway.url + "/metrics", timeout=10).text
     assert 'pd_gateway_turn_paths_total{path="decode-only",reason="short"}' in metrics
-    # The access log says the same, one line per turn, with the instances and the outcome.
-    lines = [line for line in gateway.log().splitlines() if " turn " in line]
-    assert sum("path=decode-only reason=short prefill=- decode=decode[0]" in line
-               and "outcome=completed" in line for line in lines) >= 3, lines[-5:]
-    assert any("path=two-stage reason=long prefill=prefill[0]" in line for line in lines)
+    # The access log says the same, one line per turn, with the instances and the outcome
+    # (written when the turn's stream closes, which may come just after the client's [DONE]).
+    def lines() -> list[str]:
+        return [line for line in gateway.log().splitlines() if " turn " in line]
+
+    wait_until(lambda: sum("path=decode-only reason=short prefill=- decode=decode[0]" in line
+                           and "outcome=completed" in line for line in lines()) >= 2, 10,
+               "the access log lines of the decode-only turns")
+    assert any("path=two-stage reason=long prefill=prefill[0]" in line for line in lines())
 
 
 def test_off_by_default(fresh_engines, gateway_factory):
@@ -95,12 +107,19 @@ TURN2 = MESSAGES + [{"role": "assistant", "content": "hello world"},
                     {"role": "user", "content": "more"}]
 
 
-@pytest.fixture
-def fast_client(store):
+def fast_app(store, release_rate: float = 0):
+    """An app with two Ds and the fast path on; background releases off unless asked for
+    (they would interleave with the calls these tests pin)."""
     from gateway.app import create_app
     from gateway.config import Settings
-    app = create_app(Settings(prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
-                              verify_reuse="off", fast_path_tokens=64), store=store)
+    return create_app(Settings(prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
+                               verify_reuse="off", fast_path_tokens=64,
+                               release_rate=release_rate), store=store)
+
+
+@pytest.fixture
+def fast_client(store):
+    app = fast_app(store)
     yield app.test_client(), app.extensions["pd_gateway"].gateway
     app.extensions["pd_gateway"].close()
 
@@ -127,20 +146,34 @@ def _root():
 
 
 @responses.activate
-def test_a_short_turn_goes_to_its_d_alone_with_local_decode_params(fast_client):
-    client, gateway = fast_client
-    holder = gateway.decode.choose(_root())       # where a new conversation's turn 1 lands
-    no_entry(client, holder.url)
-    # No P call, no P-bound params: D prefills locally and keeps its blocks for the next turn.
-    responses.post(holder.url + CHAT, body=chat_events([" ok"], d_params(2)),
-                   content_type="text/event-stream", match=[matchers.json_params_matcher(
-                       {"model": "m", "messages": TURN2, "stream": True,
-                        "kv_transfer_params": {"do_remote_prefill": False,
-                                               "do_remote_decode": False}})])
-    reply = second_turn(client)
-    assert reply.status_code == 200, reply.data
-    assert reply.headers["X-Gateway-Path"] == "decode-only; reason=short"
-    assert [c.request.url for c in responses.calls] == [holder.url + CHAT]
+def test_a_short_turn_goes_to_its_d_alone_and_its_entry_is_released(store):
+    from gateway.release import PROMPT
+    app = fast_app(store, release_rate=1000)
+    client, gateway = app.test_client(), app.extensions["pd_gateway"].gateway
+    try:
+        holder = gateway.decode.choose(_root())       # where a new conversation's turn 1 lands
+        no_entry(client, holder.url)
+        # No P call and no params at all: D prefills locally from its prefix cache and keeps
+        # nothing (params with neither flag would pin its blocks for good on vLLM 0.33).
+        responses.post(holder.url + CHAT, body=chat_events([" ok"], None),
+                       content_type="text/event-stream", match=[matchers.json_params_matcher(
+                           {"model": "m", "messages": TURN2, "stream": True})])
+        # The blocks D kept after turn 1 will not be read: a P that reads none of them (0
+        # tokens) makes D free them.
+        released = {**d_params(1), "remote_host": holder.host, "do_remote_decode": True,
+                    "do_remote_prefill": False, "remote_num_tokens": 0}
+        responses.post(P_URL + "/v1/completions", json=p_reply(p_params(9)), match=[
+            matchers.json_params_matcher({"prompt": PROMPT, "max_tokens": 1, "stream": False,
+                                          "kv_transfer_params": released})])
+        reply = second_turn(client)
+        assert reply.status_code == 200, reply.data
+        assert reply.headers["X-Gateway-Path"] == "decode-only; reason=short"
+        wait_until(lambda: len(responses.calls) == 2, 10, "the release")
+        assert [c.request.url for c in responses.calls] == [holder.url + CHAT,
+                                                            P_URL + "/v1/completions"]
+        assert responses.calls[1].response.status_code == 200
+    finally:
+        app.extensions["pd_gateway"].close()
 
 
 @pytest.mark.parametrize("trouble,reason", [("down", "decode_down"),

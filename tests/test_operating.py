@@ -35,8 +35,8 @@ def _events(response: requests.Response) -> list:
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_a_worker_at_its_limit_refuses_with_429_and_never_cuts_its_streams(worker_class):
-    with EmulatorProcess("prefill", host="127.0.0.41", itl_ms=1) as p, \
-            EmulatorProcess("decode", host="127.0.0.42", itl_ms=150) as d, \
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.41", itl_ms=1) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.42", itl_ms=150) as d, \
             gateway_process([p.url], [d.url], worker_class=worker_class, max_turns=2,
                             admission_queue=1, admission_wait=0.02, retry_after=3) as gateway:
         with ThreadPoolExecutor(2) as pool:
@@ -93,8 +93,8 @@ def test_a_waiting_turn_takes_a_place_that_frees_up(clock):
 def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
     """The owner worker admits or refuses a conversation's turns; a worker that forwards one
     passes the owner's 429 on, Retry-After included."""
-    with EmulatorProcess("prefill", host="127.0.0.43", itl_ms=1) as p, \
-            EmulatorProcess("decode", host="127.0.0.44", itl_ms=100) as d, \
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.43", itl_ms=1) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.44", itl_ms=100) as d, \
             gateway_process([p.url], [d.url], workers=2, max_turns=1, admission_queue=0) as gw:
         with ThreadPoolExecutor(1) as pool:
             # The owner's one place, held for 40 x 100 ms.
@@ -300,8 +300,8 @@ def test_api_keys_end_to_end_with_a_keys_file(tmp_path):
     the conversation cache survives (later turns still hit)."""
     path = tmp_path / "keys"
     path.write_text("first-key\n")
-    with EmulatorProcess("prefill", host="127.0.0.45", itl_ms=1) as p, \
-            EmulatorProcess("decode", host="127.0.0.46", itl_ms=1) as d, \
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.45", itl_ms=1) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.46", itl_ms=1) as d, \
             gateway_process([p.url], [d.url], api_keys_file=str(path)) as gateway:
         def turn(key, history):
             client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)

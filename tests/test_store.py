@@ -245,3 +245,64 @@ def test_a_damaged_entry_is_a_value_error_or_an_entry(flips, cut):
         assert isinstance(decode(bytes(packed[:max(1, cut % (len(packed) + 1))])), Entry)
     except ValueError:
         pass
+
+
+# --- what leaves unread, and the blocks each D keeps ---------------------------------------------
+
+def on(d, n=0, blocks=4):
+    """An entry on D `d` whose params name `blocks` blocks."""
+    return replace(entry(n), decode_url=d,
+                   params={**entry(n).params, "remote_block_ids": [list(range(blocks))]})
+
+
+def dropping(store):
+    dropped = []
+    store.on_drop = lambda e, why: dropped.append((e.params["remote_request_id"], e.decode_url, why))
+    return dropped
+
+
+def test_entries_that_leave_unread_are_dropped_with_why(clock):
+    store = LocalStore(maxsize=2, ttl=450, timer=clock)
+    dropped = dropping(store)
+    store.put("a", on("http://d", 1))
+    store.put("a", on("http://d", 2))                  # a regenerated turn: the first is unread
+    store.put("b", on("http://d", 3))
+    store.put("c", on("http://d", 4))                  # full: the least recently used goes
+    assert dropped == [("r1", "http://d", "replaced"), ("r2", "http://d", "evicted")]
+    assert store.take("b") is not None                 # taken: not a drop
+    clock.advance(451)
+    store.sweep()
+    assert dropped[-1] == ("r4", "http://d", "expired") and len(dropped) == 3
+    assert store.pinned() == {}
+
+
+def test_a_ds_pinned_budget_drops_its_least_recently_put_entries(clock):
+    store = LocalStore(maxsize=100, ttl=450, timer=clock, pinned_budget=10)
+    dropped = dropping(store)
+    for n in range(3):
+        store.put(f"k{n}", on("http://d1", n, blocks=4))      # 12 > 10: k0 goes
+    store.put("other", on("http://d2", 9, blocks=8))          # another D: its own budget
+    assert dropped == [("r0", "http://d1", "budget")]
+    assert store.pinned() == {"http://d1": 8, "http://d2": 8}
+    assert store.take("k0") is None and store.take("k2") is not None
+    assert store.pinned() == {"http://d1": 4, "http://d2": 8}
+    store.put("big", on("http://d2", 10, blocks=11))          # over the budget alone
+    assert dropped[-2:] == [("r9", "http://d2", "budget"), ("r10", "http://d2", "budget")]
+    assert store.pinned() == {"http://d1": 4}
+
+
+def test_without_a_budget_blocks_are_counted_and_nothing_dropped(clock):
+    store = LocalStore(maxsize=100, ttl=450, timer=clock)
+    dropped = dropping(store)
+    for n in range(50):
+        store.put(f"k{n}", on("http://d", n, blocks=100))
+    assert dropped == [] and store.pinned() == {"http://d": 5000}
+
+
+def test_a_redis_put_that_replaces_an_entry_drops_it(redis_server):
+    store = RedisStore(redis_server.url, ttl=30, timeout=1)
+    dropped = dropping(store)
+    store.put("regenerated", on("http://d", 1))
+    store.put("regenerated", on("http://d", 2))
+    assert dropped == [("r1", "http://d", "replaced")]
+    assert store.take("regenerated").params["remote_request_id"] == "r2"

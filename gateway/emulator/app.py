@@ -16,11 +16,14 @@ from typing import Callable, Iterator
 
 import gevent.select
 from flask import Flask, Response, request
+from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
 from .engine import Engine, Turn
-from .errors import BadRequest, EngineError, InternalError, KVLoadError, MethodNotAllowed, NotFound, Unavailable
+from .errors import (BadRequest, ClientGone, EngineError, InternalError, KVLoadError, MethodNotAllowed,
+                     NotFound, Unavailable)
 from .faults import Fault
+from .metrics import exposition
 from .protocol import DONE, CompletionRequest, Framer, dumps, parse_request, parse_tokenize
 from .tokens import EOS, token_id, token_ids
 
@@ -102,6 +105,11 @@ def _shown(req: CompletionRequest, delta: dict | None) -> dict | None:
     return delta
 
 
+def _cached(engine: Engine, turn: Turn) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens, only with --enable-prompt-tokens-details."""
+    return engine.reported_cached_tokens(turn) if engine.config.enable_prompt_tokens_details else None
+
+
 def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
             cut: Callable[[], None], environ: dict) -> Iterator[bytes]:
     """SSE in vLLM's order: role chunk, content chunks, finish chunk, [usage], [params], [DONE]."""
@@ -159,7 +167,7 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
         extra = {**(prompt_ids or {}), **({"params": params} if placement == "final" and params is not None else {})}
         yield framer.chunk(final, [token_id(steps[last])] if ids else None, gen.finish_reason, extra)
         if req.include_usage:
-            yield framer.usage(len(turn.tokens), turn.completion_tokens)
+            yield framer.usage(len(turn.tokens), turn.completion_tokens, _cached(engine, turn))
         if params is not None and placement == "separate":
             yield framer.params_only(params)
         yield DONE
@@ -197,7 +205,8 @@ def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cu
     ids = _token_ids(req)
     body = framer.body(gen, len(turn.tokens), params,
                        turn.prompt_ids if ids else None,
-                       token_ids(turn.sequence[len(turn.tokens):]) if ids else None)
+                       token_ids(turn.sequence[len(turn.tokens):]) if ids else None,
+                       _cached(engine, turn))
     engine.stats.completed += 1
     engine.record(turn, "completed")
     return Response(body, headers=headers, content_type="application/json")
@@ -244,6 +253,10 @@ def create_app(engine: Engine) -> Flask:
             {"id": cfg.model, "object": "model", "created": created, "owned_by": "vllm", "root": cfg.model,
              "parent": None, "max_model_len": cfg.max_model_len, "permission": [permission]}]})
 
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(exposition(engine.snapshot, cfg.model), content_type=CONTENT_TYPE_LATEST)
+
     @app.get("/stats")
     def get_stats() -> Response:
         return _json(engine.snapshot())
@@ -289,8 +302,12 @@ def create_app(engine: Engine) -> Flask:
         internal_id = f"{response_id}-{secrets.token_hex(4)}"
         framer = Framer(kind, response_id, cfg.model, int(time.time()), cfg.reasoning_field)
         headers = {"X-Request-Id": xid}
+        environ = request.environ
         try:
-            turn = engine.start(req, internal_id, fault, arrival)
+            turn = engine.start(req, internal_id, fault, arrival,
+                                gone=lambda: _client_gone(environ, engine, 0))
+        except ClientGone:
+            return Response(b"", status=499)     # nobody reads this; the client is gone
         except KVLoadError as exc:
             if not req.stream:
                 raise

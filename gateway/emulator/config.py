@@ -18,14 +18,6 @@ STREAM_PARAMS = ("final", "separate", "absent")
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
 STREAM_TOKEN_IDS = ("complete", "lossy")
 FAILURE_POLICIES = ("fail", "recompute")
-# vLLM: kv_lease_duration (P, 30 s) and decoder_kv_blocks_ttl (D, 480 s).
-DEFAULT_KV_TTL = {"prefill": 30.0, "decode": 480.0}
-# P runs without a local prefix cache so its counters show only what the gateway made it reuse.
-DEFAULT_PREFIX_CACHE_BLOCKS = {"prefill": 0, "decode": 200_000}
-
-
-def _per_role(defaults: dict[str, float]) -> str:
-    return ", ".join(f"{role} {value:g}" for role, value in defaults.items())
 
 
 def _quirks(value: Any) -> tuple:
@@ -72,17 +64,32 @@ class EngineConfig:
                                 "always obeyed exactly (finish_reason length)")
     block_size: int = option(16, bounded(int, 1),
                              "tokens per KV block; all engines of a deployment must agree")
-    kv_ttl: float | None = option(None, positive(float), "seconds finished blocks wait for one "
-                                  "pull", show=_per_role(DEFAULT_KV_TTL))
-    recompute_threshold: int = option(0, bounded(int, 0), "P recomputes instead of pulling "
-                                      "fewer tokens than this (vLLM: 64)")
+    # vLLM's kv_connector_extra_config, with its defaults (nixl/base_scheduler.py ~L82-86,
+    # ~L168-185): which one a finished request's blocks get depends on the request, not the role.
+    kv_lease_duration: float = option(30.0, positive(float), "seconds a P-side request's blocks "
+                                      "(do_remote_decode) wait for D's read")
+    decoder_kv_blocks_ttl: float = option(480.0, positive(float), "seconds a D-side request's "
+                                          "blocks wait for the next turn's P to read them")
+    bidirectional_kv_xfer: bool = option(False, boolean, "vLLM's bidirectional_kv_xfer (off by "
+                                         "default, PR #32553): a D request that loaded from P "
+                                         "keeps its blocks for the next turn's P and returns its "
+                                         "params; off, D keeps nothing and P never reads D")
+    recompute_threshold: int = option(64, bounded(int, 0), "kv_recompute_threshold: P recomputes "
+                                      "instead of pulling fewer than this many tokens from D; "
+                                      "0 always pulls")
+    kv_capacity_blocks: int = option(20_000, bounded(int, 1), "KV cache size in blocks, shared by "
+                                     "running requests, blocks kept for a read and the prefix "
+                                     "cache (vLLM sizes it from GPU memory; 20,000 blocks of 16 "
+                                     "is an 8B model's cache on one 80 GB GPU)")
+    enable_prefix_caching: bool = option(True, boolean, "vLLM's --enable-prefix-caching (on by "
+                                         "default): finished blocks stay findable until evicted")
+    enable_prompt_tokens_details: bool = option(False, boolean, "usage.prompt_tokens_details."
+                                                "cached_tokens in replies, as vLLM's flag",
+                                                action="store_true")
     stream_params: str = option("final", str, "where a stream carries kv_transfer_params",
                                 choices=STREAM_PARAMS)
     kv_load_failure_policy: str = option("fail", str, "on a failed/stale pull: error (vLLM "
                                          "default) or recompute", choices=FAILURE_POLICIES)
-    prefix_cache_blocks: int | None = option(None, bounded(int, 0),
-                                             "local prefix cache capacity in blocks",
-                                             show=_per_role(DEFAULT_PREFIX_CACHE_BLOCKS))
     max_model_len: int = option(32768, bounded(int, 1),
                                 "context length; longer prompt+max_tokens gets 400")
     template_quirks: tuple = option((), _quirks, "chat template behaviours that break the prefix "
@@ -110,14 +117,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check(self)  # every field converted and validated; errors name the flag
-        derived = {"kv_port": self.port + 1000, "kv_ttl": DEFAULT_KV_TTL[self.role],
-                   "prefix_cache_blocks": DEFAULT_PREFIX_CACHE_BLOCKS[self.role]}
-        for name, value in derived.items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        if self.kv_port is None:
+            self.kv_port = self.port + 1000
         check(self, ("kv_port",))  # --port 65000 leaves no room for the default KV port
         if self.kv_port == self.port:
             raise SettingsError("--kv-port must differ from --port")
+        # vLLM refuses to start when one request of max_model_len tokens cannot fit its cache.
+        if self.kv_capacity_blocks * self.block_size < self.max_model_len:
+            raise SettingsError(f"--kv-capacity-blocks: {self.kv_capacity_blocks} blocks of "
+                                f"{self.block_size} hold less than --max-model-len "
+                                f"{self.max_model_len} tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import gevent
 import requests
+from gevent.event import Event
 
 from .config import EngineConfig
-from .errors import KVLoadError
+from .errors import ClientGone, KVLoadError
 from .faults import Fault, FaultState
 from .kvport import PullError, flat_block_ids, make_session, pull, release
-from .kvstore import LeaseStore, PrefixCache
+from .kvstore import Blocks, BlockPool, Lease, LeaseStore
 from .protocol import CompletionRequest
 from .stats import Stats
 from .tokens import EOS, Generation, Template, generate_chat, generate_completion, token_ids
@@ -23,8 +25,12 @@ from .tokens import EOS, Generation, Template, generate_chat, generate_completio
 log = logging.getLogger(__name__)
 
 REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-# P declines D's blocks this close to their expiry (vLLM PR #47021 compares with a safety margin).
-EXPIRY_MARGIN_S = 1.0
+# P declines D's blocks this close to their expiry (nixl/pull_worker.py ~L31-33, ~L127-136).
+EXPIRY_MARGIN_S = 5.0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclass
@@ -43,6 +49,8 @@ class Turn:
     pulled: int = 0  # prompt tokens read from a remote engine and used
     computed: int = 0  # prompt tokens computed here
     prefill_s: float = 0.0
+    waited_s: float = 0.0  # waiting for KV memory before the prefill could start
+    blocks: Blocks | None = None  # held from admission until the end, or handed to a lease
     _prompt_ids: list | None = None
 
     @property
@@ -64,23 +72,33 @@ class Turn:
         """Prompt and generated tokens, EOS included when the model sampled it."""
         return (*self.tokens, *self.gen.tokens, *((EOS,) if self.gen.stopped else ()))
 
+    @property
+    def cached_tokens(self) -> int:
+        """vLLM's num_cached_tokens: local prefix hits plus tokens loaded from another engine."""
+        return self.local + self.pulled
 
-def _readable(params: dict, p_node: bool) -> bool:
-    """Whether params name blocks to read: vLLM needs remote_block_ids and the four remote fields."""
-    if not params.get("remote_block_ids") or any(params.get(k) is None for k in REMOTE_FIELDS):
-        return False
+
+def _flag(params: dict, name: str) -> bool:
+    return bool(params.get(name))
+
+
+def _remote_group(params: dict) -> list | None:
+    """The one KV-cache group of remote block ids to read from, or None if the params name no
+    readable blocks (vLLM needs remote_block_ids and the four remote fields:
+    nixl/pull_scheduler.py ~L67-80, ~L135-144)."""
+    ids = params.get("remote_block_ids")
+    if not ids or any(params.get(k) is None for k in REMOTE_FIELDS):
+        return None
     try:
-        flat_block_ids(params["remote_block_ids"])
+        flat = list(flat_block_ids(ids))
         int(params["remote_port"])
     except (TypeError, ValueError):
-        return False
-    # P needs remote_num_tokens to know how much of D's sequence its prompt can use.
-    return not p_node or (isinstance(params.get("remote_num_tokens"), int)
-                          and not isinstance(params["remote_num_tokens"], bool))
+        return None
+    return flat
 
 
 class Engine:
-    """One engine's state: config, leases, prefix cache, counters and faults; clock and sleep injected."""
+    """One engine's state: config, KV memory, leases, counters and faults; clock and sleep injected."""
 
     def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = gevent.sleep,
@@ -90,8 +108,9 @@ class Engine:
         self.clock = clock
         self.sleep = sleep
         self.template = Template(frozenset(config.template_quirks))
-        self.leases = LeaseStore(config.block_size, config.kv_ttl, clock=clock)
-        self.prefix = PrefixCache(config.block_size, config.prefix_cache_blocks)
+        self.pool = BlockPool(config.block_size, config.kv_capacity_blocks,
+                              caching=config.enable_prefix_caching)
+        self.leases = LeaseStore(config.block_size, clock=clock, on_free=self._lease_freed)
         self.stats = Stats()
         self.faults = FaultState(config.fault)
         self.session = session or make_session()
@@ -101,12 +120,18 @@ class Engine:
         # this engine emits a token (vLLM's chunked prefill interleaves; a full stall is the
         # upper bound of what a local prefill costs the others).
         self.busy_until = 0.0
+        # Requests waiting for KV memory, first come first served: vLLM's scheduler stops at
+        # the first waiting request it cannot allocate (v1/core/sched/scheduler.py ~L1454-1461).
+        self._waiting: deque[Event] = deque()
+        self.running = 0
 
-    def start(self, req: CompletionRequest, internal_id: str, fault: Fault, arrival: float) -> Turn:
-        """Prefill the prompt (pulling what it can) and decide the reply; raises KVLoadError."""
+    def start(self, req: CompletionRequest, internal_id: str, fault: Fault, arrival: float,
+              gone: Callable[[], bool] = lambda: False) -> Turn:
+        """Admit the request into KV memory, prefill it (pulling what it can) and decide the
+        reply; raises KVLoadError, or ClientGone if the client left while it waited for memory
+        (nothing held then)."""
         turn = Turn(req.kind, internal_id, req.tokens, req.kv_transfer_params, fault, arrival,
                     salt=req.cache_salt)
-        self._prefill(turn)
         count, finish = self._reply_length(req)
         cfg = self.config
         if req.kind == "chat":
@@ -115,6 +140,11 @@ class Engine:
                                      tool_names=req.tool_names, tool_call_share=cfg.tool_call_share)
         else:
             turn.gen = generate_completion(req.tokens, count, finish == "stop")
+        try:
+            self._prefill(turn, gone)
+        except BaseException:
+            self._release(turn)
+            raise
         return turn
 
     def _reply_length(self, req: CompletionRequest) -> tuple[int, str]:
@@ -128,49 +158,112 @@ class Engine:
             return room, "length"  # vLLM's default max_tokens is what is left of the context
         return natural, "stop"
 
-    def _prefill(self, turn: Turn) -> None:
+    # --- KV memory ---------------------------------------------------------------------------
+
+    def _admit(self, turn: Turn, hashes: list[int], gone: Callable[[], bool]) -> int:
+        """Take the blocks the whole request needs (prompt and reply; vLLM allocates the reply's
+        as it goes and may preempt, the emulator reserves them at once and never preempts),
+        waiting in line while the pool cannot hold them. Returns the local prefix hit in blocks."""
+        n, bs = len(turn.tokens), self.config.block_size
+        need = cdiv(n + turn.completion_tokens, bs)
+        limit = (n - 1) // bs    # the last prompt token is always computed (kv_cache_manager.py ~L296-302)
+        waiter: Event | None = None
+        started = self.clock()
+        waited = False
+        try:
+            while True:
+                self.leases.expire()
+                if not self._waiting or self._waiting[0] is waiter:
+                    hit = self.pool.match(hashes, limit)
+                    turn.blocks = self.pool.allocate(hashes[:hit], need - hit)
+                    if turn.blocks is not None:
+                        break
+                if waiter is None:
+                    waiter = Event()
+                    self._waiting.append(waiter)
+                waited = True
+                waiter.clear()
+                waiter.wait(self._until_next_expiry())
+                if gone():      # vLLM aborts a request whose client left, waiting or not
+                    self.stats.aborted_streams += 1
+                    raise ClientGone(f"{turn.internal_id}: the client left while it waited")
+        finally:
+            if waiter is not None:
+                self._waiting.remove(waiter)
+                self._wake()
+        turn.waited_s = self.clock() - started if waited else 0.0
+        self.stats.kv_wait_seconds += turn.waited_s
+        self.running += 1
+        return hit
+
+    def _until_next_expiry(self) -> float:
+        expiry = self.leases.next_expiry()
+        return 1.0 if expiry is None else min(1.0, max(0.01, expiry - self.clock()))
+
+    def _wake(self) -> None:
+        if self._waiting:
+            self._waiting[0].set()
+
+    def _lease_freed(self, lease: Lease) -> None:
+        self.pool.free(lease.blocks)
+        self._wake()
+
+    def _release(self, turn: Turn) -> None:
+        """The request ended without leaving its blocks to a lease: free them."""
+        if turn.blocks is not None:
+            self.pool.free(turn.blocks)
+            turn.blocks = None
+            self.running -= 1
+            self._wake()
+
+    # --- prefill -----------------------------------------------------------------------------
+
+    def _prefill(self, turn: Turn, gone: Callable[[], bool]) -> None:
         started = self.clock()
         params, tokens, cfg = turn.params_in or {}, turn.tokens, self.config
         n, bs = len(tokens), cfg.block_size
-        # Like vLLM's prefix cache: whole blocks only, and the last prompt token is always computed.
-        local = self.prefix.match(tokens, n - 1, turn.salt)
-        p_node = bool(params.get("do_remote_decode"))
-        want = 0  # prompt tokens to read from the remote engine
-        if (p_node or params.get("do_remote_prefill")) and not _readable(params, p_node):
+        hashes = self.pool.hashes(tokens, turn.salt)
+        local = self._admit(turn, hashes, gone) * bs
+        self.stats.prefix_cache_queries += n
+        self.stats.prefix_cache_hits += local
+        p_node = _flag(params, "do_remote_decode")
+        group = _remote_group(params)
+        count = 0   # prompt tokens to load from the remote engine
+        if (p_node or _flag(params, "do_remote_prefill")) and group is None:
             if any(params.get(k) is not None for k in ("remote_block_ids", *REMOTE_FIELDS)):
                 log.warning("Got invalid KVTransferParams for %s: %s", turn.internal_id, params)
-        elif p_node or params.get("do_remote_prefill"):
-            # D needs the whole prompt; P can use D's sequence up to its own prompt (minus the last token).
-            want = min(params["remote_num_tokens"], n - 1) if p_node else n
-            if want <= local or (p_node and self._declines(params, want - local)):
-                release(self.session, params)  # vLLM still notifies the owner so it frees them
-                want = 0
-        emulated_ms = 0.0
+        elif p_node and not cfg.bidirectional_kv_xfer:
+            # update_state_after_alloc queues a read of D's blocks only with bidirectional
+            # transfer on (nixl/pull_scheduler.py ~L130-134): nothing is read, nothing notified.
+            log.warning("%s: D's params on an engine without bidirectional_kv_xfer; ignored",
+                        turn.internal_id)
+        elif p_node:
+            # Turn 2+ on P (nixl/pull_scheduler.py ~L85-103): what D holds beyond P's own hit,
+            # unless that is under kv_recompute_threshold. Either way P's connector queues a
+            # receive, and a receive with nothing to read only notifies D, which frees the
+            # request's blocks (~L145-177; nixl/pull_worker.py ~L452-476).
+            count = min(params.get("remote_num_tokens") or 0, n) - local
+            if 0 < count < cfg.recompute_threshold:
+                self.stats.declined_pulls += 1
+                count = 0
+            if count <= 0:
+                release(self.session, params)
+        elif _flag(params, "do_remote_prefill"):
+            count = n - local     # D loads the whole prompt it lacks, no threshold (~L59-65)
         ready = local
-        if want > local:
-            first_block = local // bs
-            try:
-                got, got_salt = pull(self.session, params, first_block, want)
-            except PullError as exc:
-                self._pull_failed(turn, exc)
-            else:
-                blocks = -(-want // bs) - first_block
-                self.stats.pulled_blocks += blocks
-                self.stats.pulled_tokens += len(got)
-                emulated_ms += blocks * cfg.pull_ms_per_block
-                if got == tokens[local:want] and got_salt == turn.salt:
-                    ready = want
-                    turn.pulled = want - local
-                    if p_node:
-                        self.stats.hits += 1
-                        self.stats.reused_prompt_tokens += turn.pulled
-                else:
-                    # A real engine would attend over someone else's KV and emit garbage (or,
-                    # across cache salts, leak one tenant's cache to another).
-                    self.stats.wrong_reuse += 1
-                    log.warning("wrong reuse in %s: pulled tokens are not a prefix of the prompt%s; "
-                                "recomputing", turn.internal_id,
-                                "" if got_salt == turn.salt else " (another cache_salt)")
+        emulated_ms = 0.0
+        if count > 0:
+            self.stats.external_prefix_cache_queries += n - local
+            read_blocks, ok = self._read(turn, params, group, local, count)
+            emulated_ms += read_blocks * cfg.pull_ms_per_block
+            if ok:
+                # A whole prompt loaded still computes its last token (scheduler.py ~L3515).
+                ready = min(local + count, n - 1)
+                turn.pulled = ready - local
+                self.stats.external_prefix_cache_hits += count
+                if p_node:
+                    self.stats.hits += 1
+                    self.stats.reused_prompt_tokens += turn.pulled
         turn.local, turn.computed = local, n - ready
         compute_s = turn.computed * cfg.prefill_ms_per_token / 1000.0
         now = self.clock()
@@ -179,11 +272,49 @@ class Engine:
             self.stats.decode_stall_seconds += compute_s
         self.sleep(emulated_ms / 1000.0 + self.busy_until - now)
         self._count_path(params, p_node)
-        self.prefix.insert(tokens, turn.salt)
+        self.pool.commit(turn.blocks, hashes)
         turn.prefill_s = self.clock() - started
         self.stats.local_prefix_tokens += local
         self.stats.computed_prompt_tokens += turn.computed
         self.stats.prefill_seconds += turn.prefill_s
+
+    def _read(self, turn: Turn, params: dict, group: list, local: int,
+              count: int) -> tuple[int, bool]:
+        """Read the blocks for prompt tokens [local, local + count) as vLLM's worker maps them:
+        this request's new blocks take the *last* entries of the remote group (the suffix trim,
+        nixl/base_worker.py ~L3784-3793), which is right only when the remote sequence ends
+        where this read does. Returns the blocks read and whether they hold this prompt's tokens."""
+        bs = self.config.block_size
+        new_blocks = cdiv(local + count, bs) - local // bs
+        if len(group) < new_blocks:
+            # base_worker.py ~L3791: `assert num_decode_blocks <= len(prefill_group)`.
+            self.stats.kv_load_errors += 1
+            raise KVLoadError(f"KV transfer failed for request {turn.internal_id}: "
+                              f"AssertionError: {new_blocks} blocks to read, the remote group "
+                              f"has {len(group)}")
+        expiry = params.get("remote_blocks_expiry_time")
+        # Same host, so D's time.monotonic and ours are one clock (vLLM converts with an offset).
+        if isinstance(expiry, (int, float)) and self.clock() + EXPIRY_MARGIN_S >= expiry:
+            log.info("Declining expired remote read of %s", params["remote_request_id"])
+            self.stats.declined_pulls += 1
+            self._pull_failed(turn, PullError("remote blocks expired", stale=True))
+            return 0, False
+        try:
+            got, got_salt = pull(self.session, params, group[len(group) - new_blocks:])
+        except PullError as exc:
+            self._pull_failed(turn, exc)
+            return 0, False
+        self.stats.pulled_blocks += new_blocks
+        self.stats.pulled_tokens += count
+        if got[:count] == turn.tokens[local:local + count] and got_salt == turn.salt:
+            return new_blocks, True
+        # A real engine would attend over someone else's KV and emit garbage (or, across cache
+        # salts, leak one tenant's cache to another).
+        self.stats.wrong_reuse += 1
+        log.warning("wrong reuse in %s: the blocks read do not hold this prompt's tokens%s; "
+                    "recomputing", turn.internal_id,
+                    "" if got_salt == turn.salt else " (another cache_salt)")
+        return new_blocks, False
 
     def _count_path(self, params: dict, p_node: bool) -> None:
         if self.config.role != "decode" or p_node:
@@ -200,18 +331,6 @@ class Engine:
         engine is busy prefilling another request."""
         return max(itl, self.busy_until - self.clock())
 
-    def _declines(self, params: dict, count: int) -> bool:
-        expiry = params.get("remote_blocks_expiry_time")
-        # Same host, so D's time.monotonic and ours are the same clock (vLLM converts with an offset).
-        if isinstance(expiry, (int, float)) and self.clock() + EXPIRY_MARGIN_S >= expiry:
-            log.info("Declining expired remote read of %s, recomputing locally", params["remote_request_id"])
-            self.stats.declined_pulls += 1
-            return True
-        if 0 < count < self.config.recompute_threshold:
-            self.stats.declined_pulls += 1
-            return True
-        return False
-
     def _pull_failed(self, turn: Turn, exc: PullError) -> None:
         if exc.stale:
             self.stats.stale_pulls += 1
@@ -222,37 +341,78 @@ class Engine:
             self.stats.kv_load_errors += 1
             raise KVLoadError(f"KV transfer failed for request {turn.internal_id}: {exc}") from exc
 
+    # --- the end of a request ------------------------------------------------------------------
+
     def finish(self, turn: Turn) -> dict | None:
-        """The request finished (stop or length): keep its blocks for one pull and describe them."""
+        """The request finished (stop or length): keep its blocks for one read and describe
+        them, as the connector's request_finished does (nixl/pull_scheduler.py ~L191-293)."""
         kv_tokens = turn.sequence[:-1]  # the last sampled token has no KV yet: prompt + generated - 1
-        self.prefix.insert(kv_tokens, turn.salt)
+        self.pool.commit(turn.blocks, self.pool.hashes(kv_tokens, turn.salt))
         self.stats.generated_tokens += turn.completion_tokens
-        if turn.params_in is None or turn.fault.mode == "no_params":
-            return None  # vLLM returns params only to requests that came with kv_transfer_params
-        lease = self.leases.put(turn.internal_id, kv_tokens, turn.salt)
-        p_node = bool(turn.params_in.get("do_remote_decode"))
-        return {
+        params = turn.params_in
+        if not params or turn.fault.mode == "no_params":
+            return None  # no params, nothing kept: the blocks are freed (and stay cached)
+        p_node = _flag(params, "do_remote_decode")
+        if not p_node and not self.config.bidirectional_kv_xfer:
+            return None   # a D keeps nothing without bidirectional transfer (~L232-233)
+        if p_node:
+            ttl = self.config.kv_lease_duration
+        elif _flag(params, "do_remote_prefill"):
+            ttl = self.config.decoder_kv_blocks_ttl
+        else:
+            # D-side params that set neither flag: request_finished still delays the free and
+            # exports params (the dict is not empty), but update_state_after_alloc never put the
+            # request in reqs_in_batch (~L119-125), so the worker sets no expiry and ignores a
+            # reader's notification (pull_worker.py ~L97-121, ~L670-681): held for good.
+            ttl = None
+            log.warning("%s: kv_transfer_params without do_remote_prefill or do_remote_decode; "
+                        "its %d blocks will never be freed", turn.internal_id, len(turn.blocks))
+        lease = self.leases.put(turn.internal_id, kv_tokens, ttl, turn.salt, turn.blocks)
+        turn.blocks = None
+        self.running -= 1
+        out = {
             "do_remote_prefill": p_node, "do_remote_decode": not p_node,
             "remote_block_ids": [list(lease.block_ids)], "remote_engine_id": self.engine_id,
             "remote_request_id": turn.internal_id, "remote_host": self.config.advertise_host,
             "remote_port": self.config.kv_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
             "remote_num_tokens": len(kv_tokens),
-            "remote_blocks_expiry_time": None if p_node else lease.expires_at,
+            # The scheduler stamps the deadline whether or not the worker will ever keep it.
+            "remote_blocks_expiry_time": None if p_node else (
+                self.clock() + self.config.decoder_kv_blocks_ttl),
             "transfer_mode": "pull"}
+        if p_node:
+            # P's cache hits, for D to report as its own (v1/core/sched/scheduler.py ~L2476-2487).
+            out["remote_prefill_cached_tokens"] = turn.cached_tokens
+        return out
+
+    def reported_cached_tokens(self, turn: Turn) -> int:
+        """What usage.prompt_tokens_details.cached_tokens says: on D after a remote prefill, P's
+        hits as P reported them (v1/engine/output_processor.py ~L285-296, ~L798-799)."""
+        params = turn.params_in or {}
+        cached = params.get("remote_prefill_cached_tokens")
+        if params.get("do_remote_prefill") and isinstance(cached, int):
+            return cached
+        return turn.cached_tokens
 
     def record(self, turn: Turn, outcome: str) -> None:
-        """Keep one line per request for benchmarks (GET /stats/requests)."""
+        """The request is over: free what no lease took, and keep one line for benchmarks
+        (GET /stats/requests)."""
+        self._release(turn)
         self.stats.recent.append({
             "request_id": turn.internal_id, "kind": turn.kind, "outcome": outcome,
             "arrival": turn.arrival, "prefill_ms": round(turn.prefill_s * 1000, 3),
+            "kv_wait_ms": round(turn.waited_s * 1000, 3),
             "total_ms": round((self.clock() - turn.arrival) * 1000, 3),
             "prompt_tokens": len(turn.tokens), "local_prefix_tokens": turn.local,
             "pulled_tokens": turn.pulled, "computed_prompt_tokens": turn.computed,
             "completion_tokens": turn.completion_tokens, "finish_reason": turn.finish_reason})
 
     def snapshot(self) -> dict:
-        leases, blocks, self.stats.leases_expired_unread = self.leases.held()
+        held = self.leases.held()
+        self.stats.leases_expired_unread = held.pop("leases_expired_unread")
         return {"role": self.config.role, "engine_id": self.engine_id, **self.stats.snapshot(),
-                "kv_leases": leases, "kv_lease_blocks": blocks,
-                "prefix_cache_blocks": len(self.prefix),
+                **held, "kv_blocks_used": self.pool.used, "kv_capacity_blocks": self.pool.capacity,
+                "kv_cache_usage": round(self.pool.usage(), 6),
+                "prefix_cache_blocks": self.pool.cached,
+                "requests_running": self.running, "requests_waiting": len(self._waiting),
                 "fault": self.faults.current.mode}

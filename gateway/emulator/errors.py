@@ -45,3 +45,10 @@ class InternalError(EngineError):
 
 class KVLoadError(InternalError):
     """A pull failed and --kv-load-failure-policy is fail (vLLM's default)."""
+
+
+class ClientGone(EngineError):
+    """The client left before the request was scheduled; nobody reads the answer."""
+
+    code = 499
+    type = "ClientClosedRequest"

@@ -1,10 +1,13 @@
 """The KV port: a tiny HTTP protocol standing in for NIXL reads, both the serving side and the reader.
 
-``POST /kv/pull``    {"remote_engine_id", "remote_request_id", "remote_block_ids", "first_block", "num_tokens"}
-                     -> 200 {"engine_id", "request_id", "tokens": [...], "num_blocks"}; the lease is freed.
-``POST /kv/release`` {"remote_engine_id", "remote_request_id"} -> 200; frees without reading (a declined read).
-404: unknown, already handed over, or expired (a stale pull). 409: wrong engine or wrong block ids
-(nothing is freed). 400: malformed body.
+``POST /kv/pull``    {"remote_engine_id", "remote_request_id", "block_ids": [ids to read, in order]}
+                     -> 200 {"engine_id", "request_id", "tokens": [...], "cache_salt", "num_blocks"};
+                     then the reader's notification frees the lease (a NIXL READ carries it).
+``POST /kv/release`` {"remote_engine_id", "remote_request_id"} -> 200; the notification alone, as
+                     vLLM's notify-only receive sends it (nothing to read, or a declined read).
+404: unknown, already read and notified, or expired (a stale pull). 409: wrong engine or a block
+id the lease does not hold (nothing is freed). 400: malformed body. A lease the owner does not
+track (vLLM's leak, kvstore.py) is read but never freed.
 """
 
 from __future__ import annotations
@@ -54,11 +57,9 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
             body = json.loads(environ["wsgi.input"].read(length) or b"null")
             request_id = body["remote_request_id"]
             wanted_engine = body["remote_engine_id"]
-            block_ids = flat_block_ids(body["remote_block_ids"]) if "remote_block_ids" in body else None
-            first_block = int(body.get("first_block", 0))
-            num_tokens = None if body.get("num_tokens") is None else int(body["num_tokens"])
-            if first_block < 0 or not isinstance(request_id, str):
-                raise ValueError("bad first_block or remote_request_id")
+            block_ids = flat_block_ids(body["block_ids"]) if path == "/kv/pull" else ()
+            if not isinstance(request_id, str):
+                raise ValueError("bad remote_request_id")
         except (ValueError, KeyError, TypeError) as exc:
             return _reply(start_response, "400 Bad Request", {"error": f"malformed KV request: {exc}"})
         if wanted_engine != engine_id:
@@ -67,19 +68,19 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
             return _reply(start_response, "409 Conflict",
                           {"error": f"engine {engine_id} is not {wanted_engine}"})
         try:
-            lease = leases.take(request_id, block_ids)
+            lease = leases.get(request_id)
+            tokens = lease.read(list(block_ids), bs)
         except LeaseGone:
             return _reply(start_response, "404 Not Found",
                           {"error": f"blocks of {request_id} were already read, released or expired"})
         except LeaseMismatch as exc:
             return _reply(start_response, "409 Conflict", {"error": str(exc)})
+        freed = leases.notify(request_id)
         if path == "/kv/release":
-            return _reply(start_response, "200 OK", {"released": len(lease.block_ids)})
-        end = len(lease.tokens) if num_tokens is None else max(0, min(num_tokens, len(lease.tokens)))
-        tokens = list(lease.tokens[first_block * bs:end])
+            return _reply(start_response, "200 OK", {"released": 0 if freed is None else len(freed.blocks)})
         return _reply(start_response, "200 OK", {
             "engine_id": engine_id, "request_id": request_id, "tokens": tokens,
-            "cache_salt": lease.salt, "num_blocks": max(0, -(-end // bs) - first_block)})
+            "cache_salt": lease.salt, "num_blocks": len(block_ids)})
 
     return app
 
@@ -107,14 +108,12 @@ def _url(params: dict, path: str) -> str:
     return f"http://{host}:{int(params['remote_port'])}{path}"
 
 
-def pull(session: requests.Session, params: dict, first_block: int,
-         num_tokens: int) -> tuple[list[str], str | None]:
-    """Read tokens [first_block * block_size, num_tokens) of the lease named by kv_transfer_params,
-    and the cache_salt they were computed under."""
+def pull(session: requests.Session, params: dict,
+         block_ids: list[int]) -> tuple[list[str], str | None]:
+    """Read the given blocks of the lease named by kv_transfer_params (then the owner frees it):
+    the tokens they hold, in order, and the cache_salt they were computed under."""
     body = {"remote_engine_id": params["remote_engine_id"],
-            "remote_request_id": params["remote_request_id"],
-            "remote_block_ids": params["remote_block_ids"],
-            "first_block": first_block, "num_tokens": num_tokens}
+            "remote_request_id": params["remote_request_id"], "block_ids": block_ids}
     url = _url(params, "/kv/pull")
     try:
         response = session.post(url, json=body, timeout=PULL_TIMEOUT)

@@ -1,123 +1,260 @@
-"""KV block bookkeeping: single-use leases with a TTL (served on the KV port) and the local prefix cache."""
+"""KV memory as vLLM 0.33.0 keeps it: a bounded pool of blocks shared by running requests, leases
+(a finished request's blocks kept for one read) and the prefix cache, with LRU eviction.
+
+vLLM's rules followed here (paths under vllm/, `nixl/` is
+distributed/kv_transfer/kv_connector/v1/nixl/; docs/emulator.md lists them all):
+- a block is referenced (by a running request or a delayed free) or free; a free block that
+  holds a full block's hash stays findable by the prefix cache until it is handed out again,
+  the least recently freed first, a sequence's tail before its head (v1/core/block_pool.py
+  `get_new_blocks`, `free_blocks`, `touch`);
+- usage is the referenced share of the pool; cached free blocks count as free
+  (block_pool.py `get_usage`);
+- a finished request's blocks stay referenced until its one reader notifies (or its TTL passes)
+  only if the connector tracks it (`nixl/pull_scheduler.py` ~L119-125, `nixl/pull_worker.py`
+  ~L97-121 and ~L670-681); an untracked lease is never freed.
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from cachetools import TTLCache
+from cachetools import TLRUCache
+
+
+@dataclass
+class Blocks:
+    """One request's blocks: the full ones known to the prefix cache by hash, and the rest."""
+
+    hashed: list[int] = field(default_factory=list)
+    private: int = 0
+
+    def __len__(self) -> int:
+        return len(self.hashed) + self.private
+
+
+class BlockPool:
+    """`capacity` blocks of `block_size` tokens. Not thread-safe: the engine runs on one gevent hub."""
+
+    def __init__(self, block_size: int, capacity: int, caching: bool = True) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self.caching = caching
+        self._refs: dict[int, int] = {}                 # hashed blocks in use: hash -> references
+        self._free: OrderedDict[int, None] = OrderedDict()  # hashed free blocks, first evicted first
+        self._private = 0                               # unhashed blocks in use
+
+    def hashes(self, tokens, salt: str | None = None) -> list[int]:
+        """Chained hashes of the full blocks of `tokens`; vLLM mixes cache_salt into the first."""
+        previous = hash(salt) if salt else 0
+        out = []
+        bs = self.block_size
+        for start in range(0, len(tokens) - bs + 1, bs):
+            previous = hash((previous, tuple(tokens[start:start + bs])))
+            out.append(previous)
+        return out
+
+    def match(self, hashes: list[int], limit: int) -> int:
+        """How many of the leading `hashes` (at most `limit`) the prefix cache holds."""
+        if not self.caching:
+            return 0
+        found = 0
+        for block_hash in hashes[:limit]:
+            if block_hash not in self._refs and block_hash not in self._free:
+                break
+            found += 1
+        return found
+
+    @property
+    def used(self) -> int:
+        return len(self._refs) + self._private
+
+    @property
+    def cached(self) -> int:
+        return len(self._refs) + len(self._free)
+
+    def usage(self) -> float:
+        return self.used / self.capacity
+
+    def allocate(self, hit: list[int], new: int) -> Blocks | None:
+        """Reference the cached blocks `hit` and take `new` fresh ones, evicting free cached
+        blocks as needed; None (nothing changed) if the pool cannot hold them."""
+        reused = sum(1 for h in hit if h not in self._refs)
+        if self.used + reused + new > self.capacity:
+            return None
+        for block_hash in hit:
+            self._touch(block_hash)
+        empty = self.capacity - self.used - len(self._free)
+        for _ in range(max(0, new - empty)):
+            self._free.popitem(last=False)             # evicted: no longer found by the cache
+        self._private += new
+        return Blocks(list(hit), new)
+
+    def commit(self, blocks: Blocks, hashes: list[int]) -> None:
+        """The request's first len(hashes) blocks are now full and computed: cache them. A hash
+        another block already holds leaves this copy unhashed, as vLLM keeps duplicates."""
+        if not self.caching:
+            return
+        for block_hash in hashes[len(blocks.hashed):len(blocks)]:
+            if blocks.private == 0 or block_hash in self._refs or block_hash in self._free:
+                break
+            blocks.private -= 1
+            self._private -= 1
+            self._refs[block_hash] = 1
+            blocks.hashed.append(block_hash)
+
+    def free(self, blocks: Blocks) -> None:
+        """Drop the request's references: its hashed blocks become evictable, tail first."""
+        for block_hash in reversed(blocks.hashed):
+            left = self._refs[block_hash] - 1
+            if left:
+                self._refs[block_hash] = left
+            else:
+                del self._refs[block_hash]
+                self._free[block_hash] = None
+        self._private -= blocks.private
+        blocks.hashed, blocks.private = [], 0
+
+    def _touch(self, block_hash: int) -> None:
+        if block_hash in self._refs:
+            self._refs[block_hash] += 1
+        else:
+            del self._free[block_hash]
+            self._refs[block_hash] = 1
 
 
 @dataclass(frozen=True)
 class Lease:
-    """Blocks a finished request keeps for one pull: the tokens they hold and their ids."""
+    """A finished request's blocks kept for one read: the tokens they hold and their ids."""
 
     request_id: str
     tokens: tuple[str, ...]
     block_ids: tuple[int, ...]
-    expires_at: float
-    salt: str | None = None   # the request's cache_salt
+    expires_at: float | None          # None: untracked, never freed (see `LeaseStore.put`)
+    salt: str | None = None           # the request's cache_salt
+    blocks: Blocks = field(default_factory=Blocks, compare=False, repr=False)
+
+    def read(self, block_ids: list[int], block_size: int) -> list[str]:
+        """The tokens the given blocks of this lease hold, in the order asked."""
+        index = {block_id: i for i, block_id in enumerate(self.block_ids)}
+        tokens: list[str] = []
+        for block_id in block_ids:
+            if block_id not in index:
+                raise LeaseMismatch(f"{self.request_id} holds no block {block_id}")
+            i = index[block_id]
+            tokens.extend(self.tokens[i * block_size:(i + 1) * block_size])
+        return tokens
+
+
+def _distinct(leases: list[Lease]) -> int:
+    """Blocks the leases hold, each once: a conversation's next turn on the same D references
+    the blocks its previous turn keeps (a prefix cache hit), so two leases may share blocks."""
+    hashed: set[int] = set()
+    for lease in leases:
+        hashed.update(lease.blocks.hashed)
+    return len(hashed) + sum(lease.blocks.private for lease in leases)
 
 
 class LeaseGone(LookupError):
-    """Unknown, already pulled, or expired: the reader counts a stale pull."""
+    """Unknown, already read and notified, or expired: the reader counts a stale pull."""
 
 
 class LeaseMismatch(ValueError):
     """The reader named block ids this lease does not hold; the lease stays for its real owner."""
 
 
-class _ExpiryCountingCache(TTLCache):
-    """A TTLCache that counts what it expires (it expires on every insert, not only on ask)."""
+class _FreeingCache(TLRUCache):
+    """Leases until their own expiry; what expires goes to `on_expire` (the cache also expires
+    on every insert, where the expired items would otherwise be dropped unseen)."""
 
-    expired = 0
+    def __init__(self, timer: Callable[[], float], on_expire: Callable[[Lease], None]) -> None:
+        super().__init__(math.inf, lambda _key, lease, _now: lease.expires_at, timer=timer)
+        self._on_expire = on_expire
 
     def expire(self, time=None):  # type: ignore[no-untyped-def]
         gone = super().expire(time)
-        self.expired += len(gone)
+        for _, lease in gone:
+            self._on_expire(lease)
         return gone
 
 
 class LeaseStore:
-    """Leases by internal request id; `take` hands one over once, expiry after `ttl` seconds of `clock`."""
+    """Leases by internal request id. A tracked lease is freed by its reader's notification or
+    when its TTL passes on `clock`; an untracked one stays until the engine stops (vLLM's leak)."""
 
-    def __init__(self, block_size: int, ttl: float, maxsize: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, block_size: int, clock: Callable[[], float] = time.monotonic,
+                 on_free: Callable[[Lease], None] = lambda lease: None) -> None:
         self.block_size = block_size
-        self.ttl = ttl
         self._clock = clock
-        self._leases = _ExpiryCountingCache(maxsize, ttl, timer=clock)
+        self._on_free = on_free
+        self.expired = 0                       # freed at their TTL, unread (since start)
+        self._leases = _FreeingCache(clock, self._expired)
+        self._untracked: dict[str, Lease] = {}
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # cachetools is not thread-safe; cheap under gevent
+        self._lock = threading.Lock()          # the KV port and the API share it (one gevent hub)
 
-    def put(self, request_id: str, tokens: tuple[str, ...], salt: str | None = None) -> Lease:
-        blocks = -(-len(tokens) // self.block_size)
+    def _expired(self, lease: Lease) -> None:
+        self.expired += 1
+        self._on_free(lease)
+
+    def put(self, request_id: str, tokens: tuple[str, ...], ttl: float | None,
+            salt: str | None = None, blocks: Blocks | None = None) -> Lease:
+        """Keep `blocks` for one read of `tokens`: for `ttl` seconds, or for good when None."""
+        count = -(-len(tokens) // self.block_size)
         with self._lock:
-            lease = Lease(request_id, tokens, tuple(next(self._ids) for _ in range(blocks)),
-                          self._clock() + self.ttl, salt)
+            ids = tuple(next(self._ids) for _ in range(count))
+            if ttl is None:
+                lease = Lease(request_id, tokens, ids, None, salt, blocks or Blocks())
+                self._untracked[request_id] = lease
+                return lease
+            lease = Lease(request_id, tokens, ids, self._clock() + ttl, salt, blocks or Blocks())
             self._leases[request_id] = lease
         return lease
 
-    def take(self, request_id: str, block_ids: tuple[int, ...] | None = None) -> Lease:
-        """Remove and return the lease; with `block_ids`, only if they are the lease's blocks."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                raise LeaseGone(request_id)
-            if block_ids is not None and tuple(block_ids) != lease.block_ids:
-                raise LeaseMismatch(f"{request_id} holds blocks {list(lease.block_ids)[:8]}...")
-            del self._leases[request_id]
-            return lease
-
-    def held(self) -> tuple[int, int, int]:
-        """(leases held, blocks held, leases that expired unread so far)."""
+    def get(self, request_id: str) -> Lease:
+        """The lease, to read from (a read frees nothing: the reader's notification does)."""
         with self._lock:
             self._leases.expire()
-            return (len(self._leases), sum(len(v.block_ids) for v in self._leases.values()),
-                    self._leases.expired)
+            lease = self._leases.get(request_id) or self._untracked.get(request_id)
+        if lease is None:
+            raise LeaseGone(request_id)
+        return lease
+
+    def notify(self, request_id: str) -> Lease | None:
+        """A reader is done (read, or declined): free a tracked lease. An untracked one is
+        ignored, as vLLM's worker ignores notifications for requests it never saw in a batch
+        ("Potentially invalid KV blocks for unrecognized request")."""
+        with self._lock:
+            self._leases.expire()
+            lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            self._on_free(lease)
+        return lease
+
+    def expire(self) -> None:
+        with self._lock:
+            self._leases.expire()
+
+    def next_expiry(self) -> float | None:
+        with self._lock:
+            return min((lease.expires_at for lease in self._leases.values()), default=None)
+
+    def held(self) -> dict:
+        """What leases hold now: tracked and untracked (leaked), in leases and blocks."""
+        with self._lock:
+            self._leases.expire()
+            tracked = list(self._leases.values())
+            leaked = list(self._untracked.values())
+        return {"kv_leases": len(tracked), "kv_lease_blocks": _distinct(tracked),
+                "leaked_leases": len(leaked), "leaked_blocks": _distinct(leaked),
+                "leases_expired_unread": self.expired}
 
     def __len__(self) -> int:
-        return self.held()[0]
-
-
-class PrefixCache:
-    """Full blocks this engine has computed, keyed by chained block hashes like vLLM's prefix cache (LRU)."""
-
-    def __init__(self, block_size: int, capacity_blocks: int) -> None:
-        self.block_size = block_size
-        self.capacity = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
-
-    def _hashes(self, tokens: list[str] | tuple[str, ...], salt: str | None = None):
-        # vLLM mixes cache_salt into the first block's hash: salted prompts share nothing.
-        previous = hash(salt) if salt else 0
-        bs = self.block_size
-        for start in range(0, len(tokens) - bs + 1, bs):
-            previous = hash((previous, tuple(tokens[start:start + bs])))
-            yield previous
-
-    def match(self, tokens: list[str], limit: int, salt: str | None = None) -> int:
-        """Number of leading tokens held locally: whole blocks only, at most `limit`."""
-        found = 0
-        for block_hash in self._hashes(tokens[:limit], salt):
-            if block_hash not in self._blocks:
-                break
-            self._blocks.move_to_end(block_hash)
-            found += self.block_size
-        return found
-
-    def insert(self, tokens: list[str] | tuple[str, ...], salt: str | None = None) -> None:
-        if not self.capacity:
-            return
-        for block_hash in self._hashes(tokens, salt):
-            self._blocks[block_hash] = None
-            self._blocks.move_to_end(block_hash)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._blocks)
+        with self._lock:
+            self._leases.expire()
+            return len(self._leases) + len(self._untracked)

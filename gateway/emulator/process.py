@@ -17,6 +17,9 @@ import time
 
 import requests
 
+from ..options import options
+from .config import EngineConfig
+
 # Every port free_port has handed out in this process. A picked port is free only until someone
 # binds it, and its caller binds it later (a child process, after its own startup): without this
 # record, two picks made before the first child is up (tests start several engines at once)
@@ -78,6 +81,23 @@ def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | Non
     raise RuntimeError(f"{failure}:\n{tail}")
 
 
+def _argv(flags: dict) -> list[str]:
+    """Keyword flags as the CLI takes them: a store_true flag bare, other booleans on/off."""
+    declared = {o.name: o for o in options(EngineConfig)}
+    argv: list[str] = []
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if name in declared and declared[name].action == "store_true":
+            argv += [flag] if value else []
+        elif isinstance(value, bool):
+            argv += [flag, "on" if value else "off"]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 class EmulatorProcess:
     """One engine: ``EmulatorProcess("decode", host="127.0.0.3", itl_ms=1)``; started on creation.
 
@@ -103,12 +123,7 @@ class EmulatorProcess:
         self.log_path = log_path
         self.argv = [sys.executable, "-m", "gateway.emulator.cli", "--role", role, "--host", host,
                      "--port", str(port), "--kv-port", str(kv_port)]
-        for name, value in flags.items():
-            option = "--" + name.replace("_", "-")
-            if value is True:
-                self.argv.append(option)
-            elif value is not None and value is not False:
-                self.argv += [option, str(value)]
+        self.argv += _argv(flags)
         self._starts_down = str(flags.get("fault") or "").split(",")[0] == "down"
         self._http = requests.Session()
         self._proc: subprocess.Popen | None = None

@@ -273,8 +273,12 @@ class Framer:
                                          "logprobs": None, "finish_reason": None}],
                             "prompt_token_ids": prompt_token_ids})
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return self._event({"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> bytes:
+        """The trailing usage chunk (serialised without nulls); `cached` with
+        --enable-prompt-tokens-details."""
+        details = {} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}}
+        return self._event({"choices": [], "usage": {**usage(prompt_tokens, completion_tokens),
+                                                     **details}})
 
     @staticmethod
     def params_only(params: dict) -> bytes:
@@ -286,7 +290,8 @@ class Framer:
         return b"data: " + dumps(envelope) + b"\n\n"
 
     def body(self, gen, prompt_tokens: int, params: dict | None,
-             prompt_token_ids: list[int] | None = None, output_token_ids: list[int] | None = None) -> bytes:
+             prompt_token_ids: list[int] | None = None, output_token_ids: list[int] | None = None,
+             cached: int | None = None) -> bytes:
         """The non-streaming response: one line, null fields included, top-level kv_transfer_params."""
         if self.chat:
             message = {"role": "assistant", "content": gen.content, "refusal": None, "annotations": None,
@@ -306,6 +311,7 @@ class Framer:
             top_prompt_ids = None
         body = {**self.head, "object": obj, "choices": [choice], "service_tier": None,
                 "system_fingerprint": None,
-                "usage": {**usage(prompt_tokens, gen.completion_tokens), "prompt_tokens_details": None},
+                "usage": {**usage(prompt_tokens, gen.completion_tokens), "prompt_tokens_details":
+                          None if cached is None else {"cached_tokens": cached}},
                 "prompt_logprobs": None, "prompt_token_ids": top_prompt_ids, "kv_transfer_params": params}
         return dumps(body)

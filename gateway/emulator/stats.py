@@ -36,6 +36,14 @@ class Stats:
     decode_only_requests: int = 0
     plain_requests: int = 0
     decode_stall_seconds: float = 0.0  # D: time its streams emitted nothing while it prefilled
+    kv_wait_seconds: float = 0.0  # time requests waited for KV memory before their prefill
+    # vLLM's prefix cache counters, in tokens: queries are prompt tokens looked up, hits the
+    # local cache's share; external ones what a request tried and managed to load from another
+    # engine (v1/metrics/loggers.py ~L662-704).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     leases_expired_unread: int = 0  # kept for a pull that never came, freed at their TTL (since start)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0  # emulated compute + pull time before the first token

@@ -100,8 +100,11 @@ class PD:
         # stream=True on the client side too, so a test can read (or abandon) the body incrementally.
         return requests.post(self.d.url + "/v1/chat/completions", json=body, timeout=10, stream=True)
 
-    def turn(self, messages: list, d_params: dict | None = None) -> tuple[str, dict]:
-        """One full turn as the gateway runs it; returns D's reply text and D's params."""
+    def turn(self, messages: list, d_params: dict | None = None,
+             **decode_extra: object) -> tuple[str, dict]:
+        """One full turn as the gateway runs it; returns D's reply text and D's params.
+        `decode_extra` goes into D's body (max_tokens=100: a reply long enough that the next
+        turn's P reads it rather than recompute it, past kv_recompute_threshold)."""
         if d_params is None:
             p_in = STUB
         else:  # the previous turn's D params, flags flipped, host rewritten to D's address
@@ -110,7 +113,7 @@ class PD:
         p_response = self.prefill(messages, p_in)
         assert p_response.status_code == 200, p_response.text
         p_params = {**p_response.json()["kv_transfer_params"], "remote_host": self.p.host}
-        d_response = self.decode(messages, p_params)
+        d_response = self.decode(messages, p_params, **decode_extra)
         assert d_response.status_code == 200, d_response.text
         events = parse_sse(d_response.content)
         reply = sse_client.reply(events)
@@ -122,10 +125,11 @@ class PD:
 @pytest.fixture(scope="session")
 def pd_processes():
     # Distinct loopback addresses: remote_host "localhost" (127.0.0.1) reaches neither engine.
+    # Not vLLM's default: bidirectional transfer on, as a P/D gateway's engines run.
     with EmulatorProcess("prefill", host="127.0.0.2", prefill_ms_per_token=0.01, itl_ms=1,
-                         output_tokens=6) as p, \
+                         output_tokens=6, bidirectional_kv_xfer=True) as p, \
             EmulatorProcess("decode", host="127.0.0.3", prefill_ms_per_token=0.01, itl_ms=1,
-                            output_tokens=6) as d:
+                            output_tokens=6, bidirectional_kv_xfer=True) as d:
         yield p, d
 
 

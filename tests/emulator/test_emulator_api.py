@@ -9,6 +9,8 @@ import pytest
 from gateway.emulator.tokens import render_chat
 
 MESSAGES = [{"role": "user", "content": "tell me about kv caches please"}]
+# D-side params that set neither flag (what a gateway sends for a local decode).
+LOCAL = {"do_remote_prefill": False, "do_remote_decode": False}
 N_PROMPT = len(render_chat(MESSAGES))
 
 
@@ -94,7 +96,8 @@ def test_prefill_stub_returns_prefill_params(make_api, stub):
         "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": params["remote_block_ids"],
         "remote_engine_id": api.engine.engine_id, "remote_request_id": params["remote_request_id"],
         "remote_host": "localhost", "remote_port": 19100, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-        "remote_num_tokens": N_PROMPT, "remote_blocks_expiry_time": None, "transfer_mode": "pull"}
+        "remote_num_tokens": N_PROMPT, "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0}
     assert len(params["remote_block_ids"][0]) == -(-N_PROMPT // 16)
     assert params["remote_request_id"].startswith("chatcmpl-req-42-")
     assert len(params["remote_request_id"]) == len("chatcmpl-req-42-") + 8
@@ -103,9 +106,10 @@ def test_prefill_stub_returns_prefill_params(make_api, stub):
 
 @pytest.mark.parametrize("placement", ["final", "separate", "absent"])
 def test_stream_params_placement(make_api, sse, placement):
-    api = make_api(stream_params=placement)
+    api = make_api(stream_params=placement, bidirectional_kv_xfer=True)
     # Params with neither flag: a decode-node request; bidirectional D returns its params at finish.
-    events = sse(chat(api, stream=True, stream_options={"include_usage": True}, kv_transfer_params={}).data)
+    events = sse(chat(api, stream=True, stream_options={"include_usage": True},
+                      kv_transfer_params=LOCAL).data)
     carriers = [i for i, e in enumerate(events) if isinstance(e, dict) and "kv_transfer_params" in e]
     finish_at = next(i for i, e in enumerate(events) if e != "[DONE]" and e["choices"]
                      and e["choices"][0]["finish_reason"])
@@ -116,7 +120,7 @@ def test_stream_params_placement(make_api, sse, placement):
         assert events[-3]["choices"] == [] and "usage" in events[-3]  # after the usage chunk
     else:
         assert carriers == []
-    body = chat(api, kv_transfer_params={}).get_json()  # non-stream: always top-level
+    body = chat(api, kv_transfer_params=LOCAL).get_json()  # non-stream: always top-level
     params = body["kv_transfer_params"]
     assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
     assert params["remote_num_tokens"] == N_PROMPT + body["usage"]["completion_tokens"] - 1
@@ -209,8 +213,8 @@ def test_fault_slow_delays_the_first_byte(make_api):
 def test_fault_no_params_omits_them(make_api, sse):
     api = make_api()
     api.post("/faults", {"mode": "no_params"})
-    assert chat(api, kv_transfer_params={}).get_json()["kv_transfer_params"] is None
-    events = sse(chat(api, stream=True, kv_transfer_params={}).data)
+    assert chat(api, kv_transfer_params=LOCAL).get_json()["kv_transfer_params"] is None
+    events = sse(chat(api, stream=True, kv_transfer_params=LOCAL).data)
     assert all("kv_transfer_params" not in e for e in events if isinstance(e, dict))
     assert api.engine.snapshot()["kv_leases"] == 0
 
@@ -258,10 +262,70 @@ def test_failed_pull_follows_the_load_failure_policy(make_api, sse, policy, stat
         assert streamed[0]["error"]["code"] == 500 and streamed[-1] == "[DONE]"
 
 
-def test_prefill_declines_below_the_recompute_threshold(make_api):
-    api = make_api(role="prefill", recompute_threshold=64)
-    assert api.engine._declines({"remote_request_id": "r"}, 10) is True
-    assert api.engine._declines({"remote_request_id": "r"}, 64) is False
-    expired = {"remote_request_id": "r", "remote_blocks_expiry_time": api.clock.now + 0.5}
-    assert api.engine._declines(expired, 500) is True
-    assert api.engine.stats.declined_pulls == 2
+def test_empty_params_keep_nothing(make_api):
+    """request_finished: `if not params: return False, None` (nixl/pull_scheduler.py ~L209-210)."""
+    api = make_api()
+    assert chat(api, kv_transfer_params={}).get_json()["kv_transfer_params"] is None
+    assert chat(api).get_json()["kv_transfer_params"] is None
+    snapshot = api.engine.snapshot()
+    assert snapshot["kv_leases"] == snapshot["leaked_leases"] == snapshot["kv_blocks_used"] == 0
+
+
+def test_d_params_without_either_flag_keep_their_blocks_for_good(make_api):
+    """vLLM 0.33: such a request exports D params and delays its free, but was never in
+    reqs_in_batch, so no TTL reaps it and a reader's notification is ignored
+    (nixl/pull_scheduler.py ~L119-125, nixl/pull_worker.py ~L97-121, ~L670-681)."""
+    api = make_api(bidirectional_kv_xfer=True)
+    params = chat(api, kv_transfer_params=LOCAL).get_json()["kv_transfer_params"]
+    assert params["do_remote_decode"] is True and isinstance(params["remote_blocks_expiry_time"], float)
+    api.clock.now += 480 * 10
+    held = api.engine.snapshot()
+    assert (held["kv_leases"], held["leaked_leases"]) == (0, 1)
+    assert held["leaked_blocks"] == held["kv_blocks_used"] > 0
+    assert api.engine.leases.notify(params["remote_request_id"]) is None
+    assert api.engine.snapshot()["leaked_blocks"] == held["leaked_blocks"]
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_a_decode_request_with_p_params_is_tracked_and_expires(make_api, bidirectional):
+    """With bidirectional_kv_xfer (off by default) D keeps its blocks for the next turn's P,
+    tracked; without it D keeps nothing (nixl/pull_scheduler.py ~L232-233)."""
+    api = make_api(kv_load_failure_policy="recompute", bidirectional_kv_xfer=bidirectional)
+    # P's params naming a P that cannot be reached: D recomputes, and still keeps its blocks
+    # for the next turn, tracked (do_remote_prefill put it in reqs_in_batch).
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+              "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "127.0.0.1",
+              "remote_port": 9, "remote_num_tokens": N_PROMPT}
+    out = chat(api, kv_transfer_params=params).get_json()["kv_transfer_params"]
+    if not bidirectional:
+        assert out is None and api.engine.snapshot()["kv_blocks_used"] == 0
+        return
+    assert out["remote_blocks_expiry_time"] == pytest.approx(api.clock.now + 480, abs=1)
+    assert api.engine.snapshot()["kv_leases"] == 1
+    api.clock.now += 480
+    snapshot = api.engine.snapshot()
+    assert (snapshot["kv_leases"], snapshot["leases_expired_unread"], snapshot["kv_blocks_used"]) == (0, 1, 0)
+
+
+def test_usage_reports_cached_tokens_with_prompt_tokens_details(make_api, sse):
+    api = make_api(block_size=4, enable_prompt_tokens_details=True)
+    assert chat(api).get_json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = (N_PROMPT - 1) // 4 * 4
+    assert chat(api).get_json()["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    events = sse(chat(api, stream=True, stream_options={"include_usage": True}).data)
+    assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert make_api().engine.config.enable_prompt_tokens_details is False
+
+
+def test_metrics_use_vllms_names(make_api):
+    api = make_api(block_size=4)
+    chat(api)
+    chat(api)
+    text = api.client.get("/metrics").get_data(as_text=True)
+    labels = '{engine="0",model_name="emulated-model"}'
+    cached = (N_PROMPT - 1) // 4 * 4
+    for line in (f"vllm:num_requests_running{labels} 0.0", f"vllm:num_requests_waiting{labels} 0.0",
+                 f"vllm:prefix_cache_queries_total{labels} {float(N_PROMPT * 2)}",
+                 f"vllm:prefix_cache_hits_total{labels} {float(cached)}"):
+        assert line in text.splitlines(), line
+    assert "vllm:kv_cache_usage_perc" in text and "vllm:external_prefix_cache_hits_total" in text

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import requests
 
 from devtools import sse as sse_client
-from gateway.emulator.process import wait_until
+from gateway.emulator.process import EmulatorProcess, wait_until
 from gateway.emulator.tokens import render_chat
+
+from tests.emulator.conftest import STUB
 
 
 def fresh_history() -> list[dict]:
@@ -17,32 +21,125 @@ def fresh_history() -> list[dict]:
             {"role": "user", "content": "explain bidirectional kv transfer between prefill and decode"}]
 
 
-def test_second_turn_reuses_decode_blocks(pd):
+def test_second_turn_reads_what_d_holds_beyond_ps_own_cache(pd):
+    """With vLLM's defaults (prefix caching on, kv_recompute_threshold 64) a P that prefilled
+    turn 1 holds its prompt, and reads from D only the rest: here a 100-token reply."""
     history = fresh_history()
     n1 = len(render_chat(history))
-    reply, d1 = pd.turn(history)
+    reply, d1 = pd.turn(history, max_tokens=100)
     assert d1["do_remote_decode"] is True and d1["do_remote_prefill"] is False
     assert d1["remote_host"] == "localhost" and isinstance(d1["remote_blocks_expiry_time"], float)
-    assert d1["remote_num_tokens"] == n1 + len(reply.split())  # prompt + generated - 1 (EOS)
+    assert d1["remote_num_tokens"] == n1 + 100 - 1  # prompt + generated - 1 (a length finish)
     p_stats, d_stats = pd.p.stats(), pd.d.stats()
     assert (p_stats["hits"], p_stats["computed_prompt_tokens"]) == (0, n1)
-    assert (d_stats["pulled_tokens"], d_stats["computed_prompt_tokens"]) == (n1, 0)
+    # D loads the whole prompt and still computes its last token (scheduler.py ~L3515).
+    assert (d_stats["pulled_tokens"], d_stats["computed_prompt_tokens"]) == (n1, 1)
 
     history2 = history + [{"role": "assistant", "content": reply},
                           {"role": "user", "content": "and what happens when the blocks expire " * 3}]
     n2 = len(render_chat(history2))
-    pd.p.reset_stats()
-    pd.d.reset_stats()
+    for engine in (pd.p, pd.d):
+        engine.reset_stats()
     reply2, d2 = pd.turn(history2, d1)
     p_stats, d_stats = pd.p.stats(), pd.d.stats()
+    held, own = d1["remote_num_tokens"], n1 // 16 * 16
+    assert p_stats["local_prefix_tokens"] == own > 0
     assert p_stats["hits"] == 1 and p_stats["wrong_reuse"] == 0
-    assert p_stats["reused_prompt_tokens"] == d1["remote_num_tokens"]
-    assert p_stats["computed_prompt_tokens"] == n2 - d1["remote_num_tokens"]
+    assert p_stats["reused_prompt_tokens"] == held - own
+    assert p_stats["computed_prompt_tokens"] == n2 - held
     # Same D: its prefix cache already holds turn 1, so it pulls only the blocks it lacks from P.
-    assert d_stats["local_prefix_tokens"] == d1["remote_num_tokens"] // 16 * 16 > 0
+    assert d_stats["local_prefix_tokens"] == held // 16 * 16
     assert d_stats["pulled_tokens"] == n2 - d_stats["local_prefix_tokens"] < n2
     assert d2["remote_num_tokens"] == n2 + len(reply2.split())
-    assert d_stats["kv_leases"] >= 1
+
+
+@pytest.mark.parametrize("count", [63, 64])
+def test_p_recomputes_under_the_threshold_and_d_frees_its_blocks_either_way(pd, count):
+    """count = min(remote_num_tokens, prompt) - P's own hit (nixl/pull_scheduler.py ~L85-103):
+    63 is recomputed, 64 is read; either way P's connector notifies D, which frees the request."""
+    history = fresh_history()
+    n1 = len(render_chat(history))
+    own = n1 // 16 * 16
+    reply, d1 = pd.turn(history, max_tokens=count - (n1 - own) + 1)
+    assert d1["remote_num_tokens"] - own == count
+    history2 = history + [{"role": "assistant", "content": reply},
+                          {"role": "user", "content": "and then"}]
+    n2 = len(render_chat(history2))
+    leases = pd.d.stats()["kv_leases"]
+    for engine in (pd.p, pd.d):
+        engine.reset_stats()
+    p_in = {**d1, "do_remote_decode": True, "do_remote_prefill": False, "remote_host": pd.d.host}
+    assert pd.prefill(history2, p_in).status_code == 200
+    p_stats = pd.p.stats()
+    assert p_stats["local_prefix_tokens"] == own
+    read = count >= 64
+    assert (p_stats["hits"], p_stats["declined_pulls"]) == ((1, 0) if read else (0, 1))
+    assert p_stats["reused_prompt_tokens"] == (count if read else 0)
+    assert p_stats["computed_prompt_tokens"] == n2 - own - (count if read else 0)
+    assert pd.d.stats()["kv_leases"] == leases - 1
+
+
+def test_p_maps_its_new_blocks_onto_the_last_entries_of_the_remote_group(pd):
+    """The suffix trim (nixl/base_worker.py ~L3784-3793): P's m new blocks read the last m
+    entries of D's list. Reading fewer tokens than D holds is right only with the list cut to
+    them (vLLM issue #43094); a list shorter than m is the worker's assert."""
+    def second_turn() -> tuple[list, dict, int]:
+        """A new conversation's turn 1 (a 100-token reply), and turn 2 as P would get it:
+        allowed to read 30 tokens less than D holds."""
+        history = fresh_history()
+        reply, d1 = pd.turn(history, max_tokens=100)
+        history2 = history + [{"role": "assistant", "content": reply},
+                              {"role": "user", "content": "next"}]
+        p_in = {**d1, "do_remote_decode": True, "do_remote_prefill": False,
+                "remote_host": pd.d.host, "remote_num_tokens": d1["remote_num_tokens"] - 30}
+        return history2, p_in, len(render_chat(history)) // 16 * 16
+
+    pd.p.reset_stats()
+    # The whole list: P reads D's last blocks into its positions [own, part).
+    history2, p_in, own = second_turn()
+    assert len(p_in["remote_block_ids"][0]) > -(-p_in["remote_num_tokens"] // 16)
+    assert pd.prefill(history2, p_in).status_code == 200
+    assert (pd.p.stats()["wrong_reuse"], pd.p.stats()["hits"]) == (1, 0)
+    # The list cut to the blocks holding those tokens: read right.
+    history2, p_in, own = second_turn()
+    keep = -(-p_in["remote_num_tokens"] // 16)
+    cut = {**p_in, "remote_block_ids": [p_in["remote_block_ids"][0][:keep]]}
+    assert pd.prefill(history2, cut).status_code == 200
+    assert pd.p.stats()["hits"] == 1
+    assert pd.p.stats()["reused_prompt_tokens"] == p_in["remote_num_tokens"] - own
+    # Cut shorter than P's new blocks: vLLM's worker asserts; the request fails.
+    history2, p_in, own = second_turn()
+    short = {**p_in, "remote_block_ids": [p_in["remote_block_ids"][0][:2]]}
+    failed = pd.prefill(history2, short)
+    assert failed.status_code == 500 and "AssertionError" in failed.json()["error"]["message"]
+
+
+def test_a_request_waits_for_kv_memory_and_the_wait_is_part_of_its_ttft():
+    """Running requests, leases and the cache share one bounded pool; a request that cannot get
+    its blocks waits in line (v1/core/sched/scheduler.py ~L1454-1461) until some are freed."""
+    with EmulatorProcess("prefill", host="127.0.0.4", kv_capacity_blocks=64, max_model_len=1024,
+                         kv_lease_duration=600, itl_ms=1) as p:
+        def prefill(i: int) -> requests.Response:
+            # ~190 tokens each: 12 blocks for the prompt and the one generated token.
+            body = {"prompt": f"request {i} " + "word " * 188, "max_tokens": 1,
+                    "kv_transfer_params": STUB}
+            return requests.post(p.url + "/v1/completions", json=body, timeout=30)
+
+        held = [prefill(i).json()["kv_transfer_params"] for i in range(5)]     # 60 of 64 blocks
+        assert p.stats()["kv_blocks_used"] == 60 and p.stats()["kv_lease_blocks"] == 60
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(prefill, 5)
+            wait_until(lambda: p.stats()["requests_waiting"] == 1, 10, "the request to wait")
+            assert 'vllm:num_requests_waiting{engine="0",model_name="emulated-model"} 1.0' in \
+                requests.get(p.url + "/metrics", timeout=5).text
+            release = {"remote_engine_id": held[0]["remote_engine_id"],
+                       "remote_request_id": held[0]["remote_request_id"]}
+            kv_url = f"http://{p.host}:{p.kv_port}/kv/release"
+            assert requests.post(kv_url, json=release, timeout=5).status_code == 200
+            assert waiting.result(timeout=30).status_code == 200
+        stats = p.stats()
+        assert stats["kv_wait_seconds"] > 0 and stats["requests_waiting"] == 0
+        assert p.recent_requests()[-1]["kv_wait_ms"] > 0
 
 
 def test_remote_host_must_be_rewritten(pd, sse):
@@ -72,7 +169,7 @@ def test_blocks_are_handed_over_once(pd):
 
 def test_edited_history_counts_wrong_reuse(pd):
     history = fresh_history()
-    reply, d1 = pd.turn(history)
+    reply, d1 = pd.turn(history, max_tokens=100)     # read past the recompute threshold
     edited = [{"role": "system", "content": "you are a verbose assistant " * 4}] + history[1:] + [
         {"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
     p_in = {**d1, "do_remote_decode": True, "do_remote_prefill": False, "remote_host": pd.d.host}

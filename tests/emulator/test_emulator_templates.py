@@ -134,9 +134,9 @@ def test_truncation_keeps_the_last_tokens(make_api):
 @pytest.fixture(scope="module")
 def dropping_pd():
     with EmulatorProcess("prefill", host="127.0.0.2", itl_ms=1, output_tokens=4, reasoning_share=1.0,
-                         template_quirks="drop_reasoning") as p, \
+                         template_quirks="drop_reasoning", bidirectional_kv_xfer=True) as p, \
             EmulatorProcess("decode", host="127.0.0.3", itl_ms=1, output_tokens=4, reasoning_share=1.0,
-                            template_quirks="drop_reasoning") as d:
+                            template_quirks="drop_reasoning", bidirectional_kv_xfer=True) as d:
         yield PD(p, d)
 
 
@@ -147,10 +147,10 @@ def test_p_counts_a_pull_of_tokens_its_prompt_does_not_extend_as_wrong(dropping_
     for engine in (pd.p, pd.d):
         engine.reset_stats()
     history = [{"role": "user", "content": "why is the sky blue"}]
-    reply, params = pd.turn(history)
+    reply, params = pd.turn(history, max_tokens=100)   # past the recompute threshold
     assert reply
     pd.turn(history + [{"role": "assistant", "content": reply, "reasoning": "anything"},
-                       {"role": "user", "content": "and the sea"}], params)
+                       {"role": "user", "content": "and the sea " * 8}], params)
     assert pd.p.stats()["wrong_reuse"] == 1 and pd.p.stats()["hits"] == 0
 
 
@@ -159,7 +159,8 @@ def test_blocks_computed_under_another_cache_salt_are_a_wrong_read(pd):
     another salt's blocks is counted as wrong even when the tokens agree."""
     history = [{"role": "user", "content": "shared question"}]
     p_params = pd.prefill(history, cache_salt="alice").json()["kv_transfer_params"]
-    d = pd.decode(history, {**p_params, "remote_host": pd.p.host}, cache_salt="alice")
+    d = pd.decode(history, {**p_params, "remote_host": pd.p.host}, cache_salt="alice",
+                  max_tokens=100)   # long enough to be read past the recompute threshold
     events = sse_client.events(d)
     d_params = stream_params(events)
     reply = sse_client.reply(events).split()

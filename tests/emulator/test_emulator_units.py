@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from werkzeug.test import Client
 
-from gateway.emulator.config import DEFAULT_KV_TTL, ROLES, EngineConfig, build_parser, config_from_args
+from gateway.emulator.config import ROLES, EngineConfig, build_parser, config_from_args
 from gateway.emulator.faults import Fault, FaultState, parse_fault_spec
 from gateway.emulator.kvport import create_kv_app
-from gateway.emulator.kvstore import LeaseGone, LeaseMismatch, LeaseStore, PrefixCache
+from gateway.emulator.kvstore import BlockPool, LeaseGone, LeaseMismatch, LeaseStore
 from gateway.emulator.tokens import EOS, VOCAB, generate, render_chat, render_completion, reply_text
 
 
@@ -73,68 +73,89 @@ def test_generation_is_deterministic_and_depends_on_the_prompt():
     assert set(generate(["a"], 200)) <= set(VOCAB)
 
 
-# --- leases and prefix cache --------------------------------------------------------------------
-
-def test_lease_is_handed_over_once():
-    store = LeaseStore(block_size=4, ttl=30, clock=FakeClock())
-    lease = store.put("req-1", tuple("abcdefghij"))
-    assert len(lease.block_ids) == 3  # ceil(10 / 4)
-    assert store.take("req-1", lease.block_ids) == lease
-    with pytest.raises(LeaseGone):
-        store.take("req-1")
-    assert len(store) == 0
-
-
-def test_lease_expires_after_ttl_on_the_injected_clock():
-    clock = FakeClock()
-    store = LeaseStore(block_size=4, ttl=30, clock=clock)
-    early, late = store.put("early", ("a",)), store.put("late", ("b",))
-    assert early.expires_at == clock.now + 30
-    clock.now += 29.999
-    assert store.take("early") == early
-    clock.now += 0.001
-    with pytest.raises(LeaseGone):
-        store.take("late")
-    assert late.block_ids != early.block_ids
-
-
-def test_wrong_block_ids_do_not_free_the_lease():
-    store = LeaseStore(block_size=4, ttl=30, clock=FakeClock())
-    lease = store.put("req", tuple("abcdefgh"))
-    with pytest.raises(LeaseMismatch):
-        store.take("req", (999, 1000))
-    assert store.take("req", lease.block_ids) == lease
-
-
-def test_lease_store_is_bounded():
-    store = LeaseStore(block_size=4, ttl=30, maxsize=3, clock=FakeClock())
-    for i in range(5):
-        store.put(f"r{i}", ("x",))
-    assert len(store) == 3
-
+# --- KV memory: the block pool, leases, the prefix cache ---------------------------------------
 
 def test_prefix_cache_matches_whole_blocks_up_to_the_limit():
-    cache = PrefixCache(block_size=4, capacity_blocks=100)
-    cache.insert(list("abcdefghij"))  # two full blocks; "ij" is not cached
-    assert cache.match(list("abcdefghijkl"), limit=12) == 8
-    assert cache.match(list("abcdefgh"), limit=7) == 4  # the last prompt token is always computed
-    assert cache.match(list("abcXefgh"), limit=8) == 0  # block hashes chain: a changed block breaks it
-    assert PrefixCache(block_size=4, capacity_blocks=0).match(list("abcdefgh"), 8) == 0
+    pool = BlockPool(block_size=4, capacity=100)
+    hashes = pool.hashes(list("abcdefghij"))     # two full blocks; "ij" is never cached
+    pool.free(blocks := pool.allocate([], 3))
+    pool.commit(blocks := pool.allocate([], 3), hashes)
+    assert pool.match(pool.hashes(list("abcdefghijkl")), 3) == 2
+    assert pool.match(pool.hashes(list("abcdefgh")), (8 - 1) // 4) == 1   # last token: computed
+    assert pool.match(pool.hashes(list("abcXefgh")), 2) == 0     # hashes chain: one change breaks it
+    assert pool.match(pool.hashes(list("abcdefgh"), salt="tenant-b"), 2) == 0
+    assert BlockPool(4, 100, caching=False).match(hashes, 2) == 0
+    pool.free(blocks)
+    assert pool.match(hashes, 2) == 2 and pool.used == 0      # freed blocks stay findable
 
 
-def test_prefix_cache_evicts_least_recently_used_blocks():
-    cache = PrefixCache(block_size=2, capacity_blocks=2)
-    cache.insert(list("aabb"))
-    cache.insert(list("ccdd"))
-    assert len(cache) == 2
-    assert cache.match(list("aabb"), 4) == 0 and cache.match(list("ccdd"), 4) == 4
+def test_blocks_in_use_are_never_evicted_and_a_full_pool_refuses():
+    pool = BlockPool(block_size=2, capacity=4)
+    held = pool.allocate([], 2)
+    pool.commit(held, pool.hashes(list("aabb")))
+    assert pool.allocate([], 3) is None and pool.used == 2       # nothing changed
+    assert pool.allocate([], 2) is not None and pool.usage() == 1.0
+    assert pool.match(pool.hashes(list("aabb")), 2) == 2
+
+
+def test_free_cached_blocks_are_evicted_least_recently_freed_first_tail_first():
+    pool = BlockPool(block_size=2, capacity=4)
+    old, new = pool.hashes(list("aabb")), pool.hashes(list("ccdd"))
+    for hashes in (old, new):
+        blocks = pool.allocate([], 2)
+        pool.commit(blocks, hashes)
+        pool.free(blocks)
+    assert pool.cached == 4 and pool.used == 0
+    pool.free(pool.allocate([], 1))       # one fresh block evicts the oldest sequence's tail
+    assert pool.match(old, 2) == 1 and pool.match(new, 2) == 2
+    reused = pool.allocate(new, 2)        # a hit references the cached blocks, evicting others
+    assert reused is not None and pool.match(old, 2) == 0 and pool.used == 4
+
+
+def test_a_tracked_lease_is_freed_by_its_notification_or_its_ttl():
+    clock = FakeClock()
+    pool = BlockPool(block_size=4, capacity=10)
+    store = LeaseStore(block_size=4, clock=clock, on_free=lambda lease: pool.free(lease.blocks))
+    read = store.put("read", tuple("abcdefghij"), 30, blocks=pool.allocate([], 3))
+    late = store.put("late", tuple("abcd"), 480, blocks=pool.allocate([], 1))
+    assert len(read.block_ids) == 3 and pool.used == 4
+    assert store.get("read").read([read.block_ids[1]], 4) == list("efgh")
+    assert store.notify("read") is read and pool.used == 1
+    with pytest.raises(LeaseGone):
+        store.get("read")
+    clock.now += 479.999
+    assert store.held()["kv_leases"] == 1
+    clock.now += 0.001
+    assert store.held() == {"kv_leases": 0, "kv_lease_blocks": 0, "leaked_leases": 0,
+                            "leaked_blocks": 0, "leases_expired_unread": 1}
+    assert pool.used == 0 and late.expires_at == 100.0 + 480
+
+
+def test_an_untracked_lease_is_never_freed():
+    """vLLM 0.33 (nixl/pull_worker.py ~L97-121, ~L670-681): no expiry, notifications ignored."""
+    clock = FakeClock()
+    pool = BlockPool(block_size=4, capacity=10)
+    store = LeaseStore(block_size=4, clock=clock, on_free=lambda lease: pool.free(lease.blocks))
+    lease = store.put("leak", tuple("abcdefgh"), None, blocks=pool.allocate([], 2))
+    assert store.notify("leak") is None
+    clock.now += 10 ** 6
+    assert store.get("leak").read(list(lease.block_ids), 4) == list("abcdefgh")
+    assert store.held()["leaked_blocks"] == 2 and pool.used == 2
+
+
+def test_a_lease_read_names_only_its_own_blocks():
+    store = LeaseStore(block_size=4, clock=FakeClock())
+    lease = store.put("req", tuple("abcdefgh"), 30)
+    with pytest.raises(LeaseMismatch):
+        lease.read([999], 4)
+    assert lease.read([lease.block_ids[1], lease.block_ids[0]], 4) == list("efghabcd")
 
 
 # --- KV port ------------------------------------------------------------------------------------
 
 @pytest.fixture
 def kv():
-    store = LeaseStore(block_size=4, ttl=30, clock=FakeClock())
+    store = LeaseStore(block_size=4, clock=FakeClock())
     return store, Client(create_kv_app("engine-A", store))
 
 
@@ -143,24 +164,24 @@ def _pull(client, **body):
     return response.status_code, json.loads(response.get_data())
 
 
-def test_kv_port_hands_requested_blocks_over_once(kv):
+def test_kv_port_reads_the_named_blocks_then_frees_the_lease(kv):
     store, client = kv
-    lease = store.put("r1", tuple("abcdefghij"))
-    ids = [list(lease.block_ids)]
+    lease = store.put("r1", tuple("abcdefghij"), 30)
     status, body = _pull(client, remote_engine_id="engine-A", remote_request_id="r1",
-                         remote_block_ids=ids, first_block=1, num_tokens=9)
+                         block_ids=list(lease.block_ids[1:]))
     assert status == 200
-    assert body["tokens"] == list("efghi") and body["num_blocks"] == 2
-    status, body = _pull(client, remote_engine_id="engine-A", remote_request_id="r1", remote_block_ids=ids)
+    assert body["tokens"] == list("efghij") and body["num_blocks"] == 2
+    status, body = _pull(client, remote_engine_id="engine-A", remote_request_id="r1",
+                         block_ids=[lease.block_ids[0]])
     assert status == 404 and "already read" in body["error"]
 
 
-def test_kv_port_refuses_the_wrong_engine_without_freeing(kv):
+def test_kv_port_refuses_the_wrong_engine_or_blocks_without_freeing(kv):
     store, client = kv
-    lease = store.put("r1", ("a",))
-    assert _pull(client, remote_engine_id="engine-B", remote_request_id="r1")[0] == 409
+    lease = store.put("r1", ("a",), 30)
+    assert _pull(client, remote_engine_id="engine-B", remote_request_id="r1", block_ids=[])[0] == 409
     assert _pull(client, remote_engine_id="engine-A", remote_request_id="r1",
-                 remote_block_ids=[[lease.block_ids[0] + 1]])[0] == 409
+                 block_ids=[lease.block_ids[0] + 1])[0] == 409
     assert client.post("/kv/release", json={"remote_engine_id": "engine-A",
                                             "remote_request_id": "r1"}).status_code == 200
     assert len(store) == 0
@@ -168,10 +189,10 @@ def test_kv_port_refuses_the_wrong_engine_without_freeing(kv):
 
 def test_kv_port_rejects_malformed_requests_without_freeing(kv):
     store, client = kv
-    store.put("r1", ("a",))
+    store.put("r1", ("a",), 30)
     assert client.post("/kv/pull", data=b"{nope").status_code == 400
     assert client.post("/kv/pull", json={"remote_engine_id": "engine-A"}).status_code == 400
-    assert _pull(client, remote_engine_id="engine-A", remote_request_id="r1", num_tokens="all")[0] == 400
+    assert _pull(client, remote_engine_id="engine-A", remote_request_id="r1", block_ids="all")[0] == 400
     assert client.get("/kv/pull").status_code == 404
     assert len(store) == 1
 
@@ -179,10 +200,13 @@ def test_kv_port_rejects_malformed_requests_without_freeing(kv):
 # --- settings and faults ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("role", ROLES)
-def test_defaults_validate_and_follow_the_role(role):
+def test_defaults_are_vllms_whatever_the_role(role):
+    """vLLM 0.33.0: enable_prefix_caching (config/cache.py ~L257), kv_lease_duration 30,
+    kv_recompute_threshold 64, decoder_kv_blocks_ttl 480 (nixl/base_scheduler.py ~L82-185)."""
     config = EngineConfig(role=role, port=9000)
-    assert config.kv_ttl == DEFAULT_KV_TTL[role] and config.kv_port == 10000
-    assert (config.prefix_cache_blocks > 0) == (role == "decode")
+    assert config.kv_port == 10000 and config.enable_prefix_caching is True
+    assert (config.kv_lease_duration, config.decoder_kv_blocks_ttl) == (30.0, 480.0)
+    assert config.recompute_threshold == 64 and config.kv_capacity_blocks == 20_000
 
 
 def test_every_config_field_is_a_flag():
@@ -194,7 +218,8 @@ def test_every_config_field_is_a_flag():
     ({"block_size": 0}, "--block-size"), ({"stream_params": "both"}, "--stream-params"),
     ({"kv_port": 9000}, "--kv-port"), ({"itl_ms": -1}, "--itl-ms"), ({"role": "router"}, "--role"),
     ({"port": 65000}, "--kv-port"), ({"template_quirks": "nope"}, "--template-quirks"),
-    ({"reasoning_share": 1.5}, "--reasoning-share"), ({"log_level": "loud"}, "--log-level")])
+    ({"reasoning_share": 1.5}, "--reasoning-share"), ({"log_level": "loud"}, "--log-level"),
+    ({"kv_capacity_blocks": 100}, "--kv-capacity-blocks")])
 def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         EngineConfig(**{"role": "decode", "port": 9000, **overrides})
@@ -203,7 +228,7 @@ def test_bad_settings_name_the_flag(overrides, flag):
 def test_cli_parses_flags_and_fault_spec(capsys):
     config = config_from_args(["--role", "prefill", "--port", "9100", "--itl-ms", "3",
                                "--fault", "die_after,tokens=3", "--stream-params", "separate"])
-    assert (config.role, config.kv_port, config.itl_ms, config.kv_ttl) == ("prefill", 10100, 3.0, 30.0)
+    assert (config.role, config.kv_port, config.itl_ms) == ("prefill", 10100, 3.0)
     assert config.fault == Fault(mode="die_after", tokens=3)
     with pytest.raises(SystemExit):
         config_from_args(["--role", "decode", "--port", "9100", "--fault", "explode"])

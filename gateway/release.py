@@ -1,0 +1,126 @@
+"""Releasing the blocks a D keeps for a conversation when no P will read them.
+
+After every turn D keeps the conversation's blocks for the next turn's P, until that P reads them
+or `decoder_kv_blocks_ttl` passes (480 s by default). An entry the gateway drops unread (the
+exactness check refused it, a decode-only turn used D's own cache instead, it was evicted,
+replaced, expired or over its D's pinned budget) would leave them pinned all that time.
+
+vLLM frees them when a P request carries the entry's params and reads nothing: with
+`remote_num_tokens` 0, P's connector counts nothing to load (`min(0, prompt) - hit <= 0`,
+whatever `kv_recompute_threshold` is), still queues a receive with no blocks, and its worker
+sends D the read notification, on which D frees the whole request (vLLM 0.33.0,
+`nixl/pull_scheduler.py` ~L85-106 and ~L130-177, `nixl/pull_worker.py` ~L452-476 and ~L670-700).
+That P request computes a one-token prompt, generates one token and keeps its one block for
+`kv_lease_duration` (30 s): the price of a release on P.
+
+Releases run in the background, one at a time, at most `rate` a second per worker; a failed
+release is counted and the blocks are freed at D's TTL as before.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Callable
+
+from . import metrics
+from .errors import GatewayError
+from .instances import Pool
+from .store import Entry
+from .upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/completions"
+# One token of any tokenizer, so P computes next to nothing and never fills a block whose hash
+# could be found by a real prompt; no `model`: vLLM serves its own (serving.py `_is_model_supported`).
+PROMPT = "."
+BACKLOG = 10_000        # releases waiting; beyond, the oldest waits for D's TTL instead
+SWEEP_SECONDS = 1.0     # how often the store is asked for entries that expired
+
+
+def release_body(params: dict) -> dict:
+    """A P request that reads nothing of `params`'s blocks and so makes D free them."""
+    return {"prompt": PROMPT, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {**params, "do_remote_decode": True,
+                                   "do_remote_prefill": False, "remote_num_tokens": 0}}
+
+
+class Releaser:
+    """Sends the release of each dropped entry to a P, in the background, bounded in rate."""
+
+    def __init__(self, upstream: Upstream, prefill: Pool, rate: float,
+                 sweep: Callable[[], None] = lambda: None, backlog: int = BACKLOG) -> None:
+        self.upstream = upstream
+        self.prefill = prefill
+        self.rate = rate
+        self.sweep = sweep                  # the store's expiry, run while the queue is idle
+        self._jobs: queue.Queue[tuple[Entry, str]] = queue.Queue(backlog)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    def drop(self, entry: Entry, reason: str) -> None:
+        """`entry` will not be read: release its blocks soon. Never blocks, never raises."""
+        if not self.enabled or not entry.params:
+            return
+        try:
+            self._jobs.put_nowait((entry, reason))
+        except queue.Full:
+            metrics.RELEASES.labels(reason, "skipped").inc()
+            return
+        self.start()
+
+    def start(self) -> None:
+        """The background loop (a greenlet under gevent), once per process, after fork."""
+        if self._thread is None and self.enabled:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="pd-gateway-release",
+                                                    daemon=True)
+                    self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        pause = 1.0 / self.rate
+        while not self._stop.is_set():
+            try:
+                entry, reason = self._jobs.get(timeout=SWEEP_SECONDS)
+            except queue.Empty:
+                self._sweep()
+                continue
+            started = time.monotonic()
+            self.release(entry, reason)
+            self._stop.wait(max(0.0, pause - (time.monotonic() - started)))
+
+    def _sweep(self) -> None:
+        try:
+            self.sweep()
+        except Exception:               # a store's bug must not end the loop
+            log.exception("sweeping expired entries failed")
+
+    def release(self, entry: Entry, reason: str) -> bool:
+        """Ask a P to notify `entry`'s D, now; True if P answered."""
+        try:
+            instance = self.prefill.choose(entry.decode_url)
+            self.prefill.acquire(instance)
+            try:
+                headers = self.upstream.headers(f"release-{uuid.uuid4().hex}", None)
+                self.upstream.post_json(instance, PATH, release_body(entry.params), headers)
+            finally:
+                self.prefill.release(instance)
+        except GatewayError as exc:
+            log.info("release of a %s entry on %s failed: %s", reason, entry.decode_url,
+                     exc.message)
+            metrics.RELEASES.labels(reason, "failed").inc()
+            return False
+        metrics.RELEASES.labels(reason, "released").inc()
+        return True
