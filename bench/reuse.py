@@ -218,6 +218,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """One line per scenario and reply length: the gateway against vllm-router's default."""
+    by = {(r["scenario"], r["reply"], r["system"]): r for r in rows}
+    lines = []
+    for (scenario, reply, system), ours in by.items():
+        if system != SYSTEMS["gateway"].label:
+            continue
+        peer = by.get((scenario, reply, SYSTEMS["vllm-router"].label))
+        if peer is None or not ours["computed"]:
+            continue
+        lines.append(
+            f"- {scenario}, {reply}-token replies: the gateway computed "
+            f"{ours['computed']:,} prompt tokens, vllm-router (cache_aware) "
+            f"{peer['computed']:,} ({peer['computed'] / ours['computed']:.2f}x); TTFT p50 "
+            f"{ours['ttft_p50_ms']} against {peer['ttft_p50_ms']} ms, p99 {ours['ttft_p99_ms']} "
+            f"against {peer['ttft_p99_ms']} ms; P read D's blocks on {ours['read_turns']} of "
+            f"{ours['turns']} turns; D's pinned blocks peaked at {ours['d_pinned_peak']:,} "
+            f"(vllm-router: {peer['d_pinned_peak']:,}).")
+    return "\n".join(lines)
+
+
 def available(keys: list[str], notes: list[str]) -> list[System]:
     problems = {"router": venvs.ROUTER.ensure(), "seed": venvs.seed_problem()}
     out = []
@@ -233,6 +254,7 @@ def available(keys: list[str], notes: list[str]) -> list[System]:
 
 def measure(keys: list[str], scenarios, replies, out_dir: str) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
+    os.makedirs(out_dir, exist_ok=True)
     systems = available(keys, notes)
     rows = []
     for scenario in scenarios:

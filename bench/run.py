@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib.metadata import version
 
-from bench import growth, history_cost, report, venvs
+from bench import growth, history_cost, report, reuse, venvs
 from bench.measure import Load, run_load
 from bench.metrics import summarize
 from bench.systems import Engines, System, nginx_binary, start
@@ -61,13 +61,15 @@ class Plan:
     duration: float  # no turn starts after this many seconds
     min_conversations: int  # low concurrencies run more conversations back to back
     growth: growth.GrowthPlan
+    reuse: tuple = ()       # (scenarios, reply lengths) of bench.reuse
 
 
 QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-redis-4", "gw-noid-1",
                        "seed", "vllm-router", "nginx"),
-             (8, 64, 256), turns=5, duration=2, min_conversations=8, growth=growth.QUICK)
+             (8, 64, 256), turns=5, duration=2, min_conversations=8, growth=growth.QUICK,
+             reuse=((reuse.SCENARIOS[0], reuse.SCENARIOS[2]), (32,)))
 FULL = Plan("full", tuple(SYSTEMS), (8, 64, 256), turns=8, duration=60, min_conversations=32,
-            growth=growth.FULL)
+            growth=growth.FULL, reuse=(reuse.SCENARIOS, reuse.REPLIES))
 
 
 def available(plan: Plan, notes: list[str]) -> list[System]:
@@ -196,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     began, load_before, clock = datetime.now(timezone.utc), os.getloadavg(), time.monotonic()
     notes: list[str] = []
+    # First, on engines of its own for every run: where reading D's blocks pays.
+    reuse_rows, reuse_notes = reuse.measure(list(reuse.SYSTEMS), *plan.reuse,
+                                            os.path.join(args.out, "reuse"))
+    notes += reuse_notes
     systems = available(plan, notes)
     engines = Engines.start(**ENGINE_TIMING)
     try:
@@ -214,8 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + report.table(history, report.HISTORY_COLUMNS) + "\n\n"
           + report.table(cached, report.CACHED_COLUMNS))
     with open(os.path.join(args.out, f"results-{plan.name}.json"), "w") as f:
-        json.dump({"rows": rows, "ratios": ratio_rows, "history": history, "cached": cached}, f,
-                  indent=1)
+        json.dump({"rows": rows, "ratios": ratio_rows, "history": history, "cached": cached,
+                   "reuse": reuse_rows}, f, indent=1)
     report.plot_matrix(rows, os.path.join(args.plots, "matrix.png"))
     report.plot_growth(history, "history_kb", "cpu_ms_per_turn", "history at the first turn (KB)",
                        "proxy CPU ms / turn", os.path.join(args.plots, "growth_history.png"))
@@ -241,6 +247,10 @@ def main(argv: list[str] | None = None) -> None:
         "reply_words": REPLY_WORDS, "turns": plan.turns, "duration": f"{plan.duration:g}",
         "min_conversations": plan.min_conversations, "gthreads": GTHREAD_X1["threads"],
         "gthreads4": GTHREAD_X4["threads"], "gthreadturns4": GTHREAD_X4["max_turns"],
+        "reuse_summary": reuse.summary(reuse_rows), "reuse_table": reuse.table(reuse_rows),
+        "reuse_engine": ", ".join(f"`--{k.replace('_', '-')} {v}`"
+                                  for k, v in reuse.ENGINE.items()),
+        "reuse_d_capacity": f"{reuse.D_CAPACITY:,}", "reuse_turns": reuse.TURNS,
         "table": report.table(rows, markdown=True),
         "ratios": report.table(ratio_rows, report.RATIO_COLUMNS, markdown=True),
         "history": report.table(history, report.HISTORY_COLUMNS, markdown=True),

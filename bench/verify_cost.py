@@ -24,8 +24,10 @@ from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
 from gateway.emulator.process import EmulatorProcess
 from gateway.emulator.tokens import VOCAB
+# Not vLLM's defaults: P without a prefix cache and kv_recompute_threshold 0, so that every
+# reuse is a read of D's blocks whose proof is what this measures.
 ENGINE = {"itl_ms": 8, "prefill_ms_per_token": 0.02, "pull_ms_per_block": 0.05,
-          "max_model_len": 200_000, "prefix_cache_blocks": 0}
+          "max_model_len": 200_000, "recompute_threshold": 0}
 
 
 def conversation(url: str, size: int, turns: int, seed: int) -> tuple[list[float], int]:
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| history tokens | verify_reuse | hits | TTFT p50 ms | TTFT p99 ms | gateway CPU ms/turn "
           "| /tokenize calls | emulator /tokenize ms |")
     print("|---|---|---|---|---|---|---|---|")
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2", **ENGINE) as p, \
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2",
+                         enable_prefix_caching=False, **ENGINE) as p, \
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3", **ENGINE) as d:
         for size in args.sizes:
             own = tokenize_ms(p, size)

@@ -23,16 +23,29 @@ QUESTIONS = [
 ]
 
 
-def chat(gateway_url: str, model: str, stats=None) -> None:
-    client = OpenAI(base_url=gateway_url + "/v1", api_key="demo-key")
+def chat(gateway: GatewayProcess, model: str) -> None:
+    """Five turns through the gateway, and what P did with each, as the gateway's own /metrics
+    say it (so the same with real engines): P's prompt tokens, those it did not compute (its own
+    prefix cache, and what it read of the blocks D kept after the last turn), and whether it
+    read D's blocks (vLLM reads them only when D holds 64 tokens or more beyond P's own cache:
+    the replies here are 80 tokens long)."""
+    client = OpenAI(base_url=gateway.url + "/v1", api_key="demo-key")
     messages = [{"role": "system", "content": "You are a terse assistant."}]
-    print(f"\n{'turn':>4}  {'cache':5}  {'TTFT ms':>8}  {'P reused tokens':>15}  reply")
+
+    def counters() -> dict:
+        return {"prompt": gateway.metric("pd_gateway_prefill_tokens_total", kind="prompt"),
+                "cached": gateway.metric("pd_gateway_prefill_tokens_total", kind="cached"),
+                **{result: gateway.metric("pd_gateway_kv_reads_total", result=result)
+                   for result in ("read", "recomputed", "own_cache", "unreported")}}
+
+    print(f"\n{'turn':>4}  {'cache':5}  {'TTFT ms':>8}  {'P prompt':>8}  {'P cached':>8}  "
+          f"{'D blocks':10}  reply")
     for turn, question in enumerate(QUESTIONS, 1):
         messages.append({"role": "user", "content": question})
-        before = stats() if stats else None
+        before = counters()
         start = time.perf_counter()
         raw = client.chat.completions.with_raw_response.create(
-            model=model, messages=messages, stream=True, max_tokens=12)
+            model=model, messages=messages, stream=True, max_tokens=80)
         ttft, reply = None, []
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
@@ -40,11 +53,12 @@ def chat(gateway_url: str, model: str, stats=None) -> None:
                 reply.append(chunk.choices[0].delta.content)
         text = "".join(reply)
         messages.append({"role": "assistant", "content": text})
-        reused = "-"
-        if stats:
-            reused = str(stats()["reused_prompt_tokens"] - before["reused_prompt_tokens"])
+        after = counters()
+        delta = {k: int(after[k] - before[k]) for k in after}
+        read = next((k for k in ("read", "recomputed", "own_cache", "unreported") if delta[k]),
+                    "-")
         print(f"{turn:>4}  {raw.headers.get('X-Gateway-Cache', '?'):5}  {ttft or 0:8.1f}  "
-              f"{reused:>15}  {text.strip()[:60]}")
+              f"{delta['prompt']:>8}  {delta['cached']:>8}  {read:10}  {text.strip()[:40]}...")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,23 +71,27 @@ def main(argv: list[str] | None = None) -> None:
     if bool(args.prefill) != bool(args.decode):
         parser.error("give both --prefill and --decode (real engines), or neither (emulated)")
     with contextlib.ExitStack() as stack:
-        stats = None
+        emulated = not args.prefill
         if args.prefill and args.decode:
             prefill, decode = args.prefill, args.decode
         else:
             # Distinct loopback addresses: D reaches P only because the gateway rewrites
             # remote_host ("localhost" as vLLM reports it) to P's real address.
-            p = stack.enter_context(EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2"))
-            d = stack.enter_context(EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3"))
-            prefill, decode, stats = [p.url], [d.url], p.stats
+            # Bidirectional transfer on, as the README's `vllm serve` command has it; the rest
+            # vLLM's defaults (prefix caching on, kv_recompute_threshold 64).
+            p = stack.enter_context(EmulatorProcess("prefill", bidirectional_kv_xfer=True,
+                                                    host="127.0.0.2"))
+            d = stack.enter_context(EmulatorProcess("decode", bidirectional_kv_xfer=True,
+                                                    host="127.0.0.3"))
+            prefill, decode = [p.url], [d.url]
             print(f"emulated prefill engine on {p.url}, decode engine on {d.url}")
         gateway = stack.enter_context(GatewayProcess(prefill, decode, port=args.port,
                                                      workers=args.workers))
         print(f"gateway (gunicorn) on {gateway.url}, logs in {gateway.log_path}")
         model = requests.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        chat(gateway.url, model, stats)
+        chat(gateway, model)
         print(f"\nThe gateway keeps serving on {gateway.url} (OpenAI API at {gateway.url}/v1); "
-              f"Ctrl-C stops it{'' if stats is None else ' and the emulated engines'}.")
+              f"Ctrl-C stops it{' and the emulated engines' if emulated else ''}.")
         try:
             while gateway.process.poll() is None:
                 time.sleep(0.5)

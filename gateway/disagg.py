@@ -62,6 +62,37 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+class Sent:
+    """Whether a turn's entry went to a P, and its release once no P will read it: refused by
+    the proof, or every P the params went to refused the connection (never read them), or the
+    prefill failed before they were sent. A P that got them and failed otherwise may have read
+    them, and its read notifies D: no release then (a second notification is D's error log)."""
+
+    def __init__(self, entry: Entry | None, releaser: Releaser) -> None:
+        self.entry = entry
+        self.releaser = releaser
+        self.carried = False
+        self.dropped = False
+
+    def drop(self, reason: str) -> None:
+        if self.entry is not None and not self.dropped and not self.carried:
+            self.dropped = True
+            self.releaser.drop(self.entry, reason)
+
+    def retrying(self, failure: GatewayError | None) -> None:
+        """Before another attempt: after a refused connection the params were never read."""
+        if self.carried and replayable(failure) and failure is not None:
+            self.carried = False
+            self.drop("prefill_failed")
+
+    def failed(self, exc: GatewayError) -> None:
+        """Every attempt failed: release unless a P that got the params may have read them (a
+        4xx is a refusal before the engine saw the request)."""
+        if isinstance(exc, ServiceUnavailable) or exc.status < 500:
+            self.carried = False
+        self.drop("prefill_failed")
+
+
 def replayable(failure: GatewayError | None) -> bool:
     """May P's params go to another D after `failure`?
 
@@ -157,6 +188,8 @@ class Disagg:
             # Its D has left the pool (removed, or its address gone from DNS): a miss, so P is
             # never sent to pull blocks from an engine that may no longer be there.
             metrics.ENTRIES.labels("gone").inc()
+            # Gone from the pool is not always gone (removed for a drain, say): let it free.
+            self.releaser.drop(entry, "decode_gone")
             entry, reason = None, "decode_gone"
         elif entry is None or not self.fast_path.max_tokens:
             reason = "no_entry" if entry is None else "off"
@@ -170,9 +203,10 @@ class Disagg:
                 # engines' own caches serving most of it). The entry's blocks, now unread, go.
                 turn, d_body = self._decode_body(request, identity)
                 try:
-                    reply = self._decode(request, identity, turn, headers, lambda failure: d_body,
-                                         None, started, "hit", ("decode-only", reason, "-"),
-                                         only=target)
+                    return self._decode(request, identity, turn, headers, lambda failure: d_body,
+                                        None, started, "hit", ("decode-only", reason, "-"),
+                                        only=target,
+                                        ended=lambda: self.releaser.drop(entry, "decode_only"))
                 except GatewayError as exc:
                     if not exc.instance_fault:
                         self.releaser.drop(entry, "decode_only")
@@ -183,19 +217,13 @@ class Disagg:
                              exc.message)
                     self.releaser.drop(entry, "decode_failed")
                     entry, admitted, reason = None, None, "decode_failed"
-                else:
-                    self.releaser.drop(entry, "decode_only")
-                    return reply
-        carried: list[bool] = []      # the entry's params went to a P
+        sent = Sent(entry, self.releaser)
 
         def prefill_call(instance: Instance, failure: GatewayError | None) -> tuple[bool, dict]:
             def tokenize(body: dict) -> list:
                 return self.upstream.tokenize(instance, body, headers)
 
-            if carried and replayable(failure):
-                # The P they went to refused the connection: it never read them.
-                self.releaser.drop(entry, "prefill_failed")
-                carried.clear()
+            sent.retrying(failure)
             if identity.reusable and admitted is None:
                 self.exactness.prepare(request, tokenize)
             # A retry never replays D's params: the failed P may already have read the blocks.
@@ -204,14 +232,18 @@ class Disagg:
                 admitted if admitted is not None
                 else self.exactness.admit(entry, request, identity, tokenize)[0])
             if reuse:
-                carried.append(True)
-            elif entry is not None and failure is None:
-                self.releaser.drop(entry, "unproven")     # refused: P gets the miss stub
+                sent.carried = True
+            else:
+                sent.drop("unproven" if failure is None else "prefill_failed")
             body = prefill_body(request.wire, entry if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
-        prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
-                                                      prefill_call)
+        try:
+            prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
+                                                          prefill_call)
+        except GatewayError as exc:
+            sent.failed(exc)
+            raise
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
         count_prefill(prefill_reply, entry.params if hit and entry else None)
         turn, d_body = self._decode_body(request, identity)
@@ -234,8 +266,10 @@ class Disagg:
     def _decode(self, request: ClientRequest, identity: Identity, turn: Turn, headers: dict,
                 body_for: Callable[[GatewayError | None], dict], prefer: str | None,
                 started: float, cache: str, path: tuple[str, str, str],
-                only: Instance | None = None) -> Reply:
-        """Decode on D (retried before the first byte unless `only`), relay, remember."""
+                only: Instance | None = None,
+                ended: Callable[[], None] | None = None) -> Reply:
+        """Decode on D (retried before the first byte unless `only`), relay, remember;
+        `ended` runs when the turn is over (its stream closed), never before."""
         reply_headers = {"X-Gateway-Cache": cache, "X-Gateway-Path": "%s; reason=%s" % path[:2]}
         trace = (headers.get("X-Request-Id"), cache, *path)
         if not request.stream:
@@ -247,6 +281,7 @@ class Disagg:
             self._count(request, cache, path)
             reply = turn.absorb_body(reply)
             self._remember(request, identity, turn, decode)
+            self._let_go(turn, decode, ended)
             self._log_turn(trace, decode, turn, None, "completed")
             return Reply(headers=reply_headers, body=reply)
         decode, stream = self._attempt(
@@ -268,9 +303,28 @@ class Disagg:
         def close() -> None:
             chunks.close()        # cut short: its GeneratorExit is counted as a disconnect
             relay.finish()        # never iterated at all: the stream and D's count still go
+            self._let_go(turn, decode, ended)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
                      stream=chunks, content_type=stream.content_type, close=once(close))
+
+    def _let_go(self, turn: Turn, decode: Instance, ended: Callable[[], None] | None) -> None:
+        """The turn is over: run `ended`, and release what D kept that no entry holds (a turn
+        cut before its end, or one whose reply the next turn cannot find). Never raises: it
+        runs in the reply's close."""
+        try:
+            if ended is not None:
+                ended()
+            raw = turn.params
+            # D's own params (do_remote_decode) name blocks D keeps for a next turn.
+            params = (clean_params(raw) if isinstance(raw, dict) and raw.get("do_remote_decode")
+                      and not turn.kept else None)
+            if params is not None:
+                params["remote_host"] = decode.host
+                self.releaser.drop(Entry(params=params, decode_url=decode.url,
+                                         history_digest="", history_len=0), "unstored")
+        except Exception:
+            log.exception("letting go of the turn's blocks failed")
 
     @staticmethod
     def _count(request: ClientRequest, cache: str, path: tuple[str, str, str]) -> None:
@@ -308,5 +362,6 @@ class Disagg:
                                   history_digest=digest, history_len=length,
                                   plain=plain_reply(identity, turn, request.body),
                                   token_digest=held))
+        turn.kept = True
         metrics.ENTRIES.labels("stored").inc()
 

@@ -50,17 +50,18 @@ INSTANCE_CHANGES = Counter("pd_gateway_instance_changes", "Instances added to or
                            ["role", "change", "source"])
 RELEASES = Counter("pd_gateway_releases", "Entries dropped unread whose D blocks the gateway "
                    "asked a P to free, by why they were dropped (unproven, mismatch, decode_only, "
-                   "decode_failed, replaced, evicted, expired, budget) and result (released, "
-                   "failed: D frees them at its TTL; skipped: too many waiting)",
-                   ["reason", "result"])
+                   "decode_failed, decode_gone, prefill_failed, unstored, replaced, evicted, "
+                   "expired, budget) and result (released; failed: D frees them at its TTL; "
+                   "skipped: too many waiting)", ["reason", "result"])
 PINNED_BLOCKS = Gauge("pd_gateway_pinned_blocks", "Blocks each D keeps for the conversations this "
                       "gateway's local stores hold (their entries' remote_block_ids), summed over "
                       "live workers", ["decode"], multiprocess_mode="livesum")
 KV_READS = Counter("pd_gateway_kv_reads", "Turns whose P was sent D's params, by what P reports "
                    "(kv_transfer_params.remote_prefill_cached_tokens, or usage.prompt_tokens_"
-                   "details.cached_tokens): read (P had every token D held for it, from D or, when "
-                   "that count is a whole number of blocks, possibly its own cache), recomputed "
-                   "(P had fewer: under kv_recompute_threshold, or its own cache served), "
+                   "details.cached_tokens) against min(remote_num_tokens, prompt): read (equal: "
+                   "P had every token D held for it, read from D or, when that count is a whole "
+                   "number of blocks, possibly its own cache), recomputed (fewer: under "
+                   "kv_recompute_threshold), own_cache (more: its own cache held them all), "
                    "unreported (P said nothing)", ["result"])
 PREFILL_TOKENS = Counter("pd_gateway_prefill_tokens", "P's prompt tokens as P reports them: "
                          "prompt (usage.prompt_tokens) and cached (what P did not compute: its "

@@ -73,6 +73,11 @@ def pack(params: dict, decode_url: str, history_digest: str, history_len: int, p
     return b"".join(parts)     # one exact-size object (orjson's own output keeps spare room)
 
 
+def expiry(packed: bytes) -> float:
+    """The expiry `pack` stored, read from the header alone (0.0 if none)."""
+    return _HEAD.unpack_from(packed)[3]
+
+
 def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float | None]:
     """The fields `pack` took; ValueError if `packed` is not one of its outputs."""
     try:

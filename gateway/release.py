@@ -37,7 +37,8 @@ PATH = "/v1/completions"
 # One token of any tokenizer, so P computes next to nothing and never fills a block whose hash
 # could be found by a real prompt; no `model`: vLLM serves its own (serving.py `_is_model_supported`).
 PROMPT = "."
-BACKLOG = 10_000        # releases waiting; beyond, the oldest waits for D's TTL instead
+BACKLOG = 10_000        # releases waiting; beyond, a new one is skipped (D's TTL frees it)
+READ_TIMEOUT = 10.0     # a release is a one-token prefill: a P slower than this is in trouble
 SWEEP_SECONDS = 1.0     # how often the store is asked for entries that expired
 
 
@@ -86,8 +87,12 @@ class Releaser:
                                                     daemon=True)
                     self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = READ_TIMEOUT + 1) -> None:
+        """End the loop, waiting for a release in flight (none outlives its gateway)."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _run(self) -> None:
         pause = 1.0 / self.rate
@@ -108,18 +113,25 @@ class Releaser:
             log.exception("sweeping expired entries failed")
 
     def release(self, entry: Entry, reason: str) -> bool:
-        """Ask a P to notify `entry`'s D, now; True if P answered."""
+        """Ask a P to notify `entry`'s D, now; True if P answered. Any P will do: a random key
+        spreads the releases over them (each keeps a block of its own for 30 s), skipping those
+        down or overloaded."""
+        request_id = f"release-{uuid.uuid4().hex}"
         try:
-            instance = self.prefill.choose(entry.decode_url)
+            instance = self.prefill.choose(request_id)
             self.prefill.acquire(instance)
             try:
-                headers = self.upstream.headers(f"release-{uuid.uuid4().hex}", None)
-                self.upstream.post_json(instance, PATH, release_body(entry.params), headers)
+                headers = self.upstream.headers(request_id, None)
+                self.upstream.post_json(instance, PATH, release_body(entry.params), headers,
+                                        read_timeout=READ_TIMEOUT)
             finally:
                 self.prefill.release(instance)
         except GatewayError as exc:
-            log.info("release of a %s entry on %s failed: %s", reason, entry.decode_url,
-                     exc.message)
+            log.info("release of a %s entry failed: %s", reason, exc.message)
+            metrics.RELEASES.labels(reason, "failed").inc()
+            return False
+        except Exception:               # a bug must not end the loop: counted, logged
+            log.exception("release of a %s entry failed", reason)
             metrics.RELEASES.labels(reason, "failed").inc()
             return False
         metrics.RELEASES.labels(reason, "released").inc()

@@ -8,10 +8,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
-from cachetools import TTLCache
+from urllib.parse import urlsplit, urlunsplit
+
+from cachetools import TLRUCache
 
 from . import metrics
-from .packing import digest_bytes, pack, unpack
+from .packing import digest_bytes, expiry, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,14 @@ def _key(key: str) -> bytes:
     return digest_bytes(key) or key.encode()
 
 
+def public_url(url: str) -> str:
+    """An engine URL without the user:password it may carry (never in metrics or reports)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 def pinned_blocks(entry: Entry) -> int:
     """The blocks D keeps for the entry (its exported remote_block_ids, every group)."""
     return sum(len(group) for group in entry.params.get("remote_block_ids") or ())
@@ -89,13 +99,16 @@ def stamped(entry: Entry, now: float, ttl: float) -> Entry:
     return entry if entry.expires_at is not None else replace(entry, expires_at=now + ttl)
 
 
-class _LeavingCache(TTLCache):
-    """A TTLCache that tells `on_leave(key, value, why)` what leaves it unasked: evicted for room
-    or expired (it expires on every write, where the expired items would leave unseen)."""
+class _LeavingCache(TLRUCache):
+    """Packed entries until their own expiry (an entry put back keeps the one its first put
+    stamped: D frees the blocks then, whatever the gateway does), least recently used evicted
+    first; `on_leave(key, value, why)` hears what leaves unasked: evicted for room, or expired
+    (the cache also expires on every write, where expired items would leave unseen)."""
 
-    def __init__(self, maxsize: int, ttl: float, timer: Callable[[], float],
+    def __init__(self, maxsize: int, timer: Callable[[], float],
                  on_leave: Callable[[bytes, bytes, str], None]) -> None:
-        super().__init__(maxsize=maxsize, ttl=ttl, timer=timer)
+        super().__init__(maxsize=maxsize, ttu=lambda _key, packed, _now: expiry(packed),
+                         timer=timer)
         self._on_leave = on_leave
 
     def popitem(self):  # type: ignore[no-untyped-def]
@@ -121,7 +134,9 @@ class Pinned:
         self._order: dict[str, OrderedDict[bytes, int]] = {}   # only with a budget
 
     def add(self, decode: str, key: bytes, blocks: int) -> list[bytes]:
-        """Count the entry's blocks; the keys of the oldest entries of `decode` beyond the budget."""
+        """Count the entry's blocks; the keys of the oldest entries of `decode` beyond the
+        budget. Never the entry just added: a conversation longer than the budget keeps its
+        latest turn (alone on its D then)."""
         self._totals[decode] = self._totals.get(decode, 0) + blocks
         if not self.budget:
             return []
@@ -130,7 +145,7 @@ class Pinned:
         over: list[bytes] = []
         total = self._totals[decode]
         for old_key, old_blocks in order.items():
-            if total <= self.budget:
+            if total <= self.budget or old_key == key:
                 break
             over.append(old_key)
             total -= old_blocks
@@ -162,9 +177,9 @@ class LocalStore(_Takes):
 
     def __init__(self, maxsize: int, ttl: float,
                  timer: Callable[[], float] = time.monotonic, pinned_budget: int = 0) -> None:
-        # TTLCache is not thread-safe (even a read reorders its LRU links), so every
+        # The cache is not thread-safe (even a read reorders its LRU links), so every
         # operation holds the lock; none does I/O while holding it.
-        self._cache: TTLCache[bytes, bytes] = _LeavingCache(maxsize, ttl, timer, self._left)
+        self._cache = _LeavingCache(maxsize, timer, self._left)
         self._lock = threading.Lock()
         self._timer = timer
         self._ttl = ttl
@@ -173,18 +188,15 @@ class LocalStore(_Takes):
         self.on_drop: Callable[[Entry, str], None] = _ignore
 
     def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
-        now = self._timer()
         for key in keys:
             k = _key(key)
-            with self._lock:
+            with self._lock:       # one section: the ledger never counts an entry already gone
                 packed = self._cache.pop(k, None)
-            if packed is None:
-                continue
-            entry = decode(packed)
-            with self._lock:
-                self._pinned.remove(entry.decode_url, k, pinned_blocks(entry))
-            self._publish(entry.decode_url)
-            if entry.expires_at > now:     # a put-back entry past its own expiry: gone
+                entry = None if packed is None else decode(packed)
+                if entry is not None:
+                    self._pinned.remove(entry.decode_url, k, pinned_blocks(entry))
+            if entry is not None:
+                self._publish(entry.decode_url)
                 return key, entry
         return None
 
@@ -235,11 +247,12 @@ class LocalStore(_Takes):
         for entry, why in dropped:
             self.on_drop(entry, why)
         for url, count in counts.items():
-            metrics.PINNED_BLOCKS.labels(url).set(count)
+            metrics.PINNED_BLOCKS.labels(public_url(url)).set(count)
 
     def pinned(self) -> dict[str, int]:
+        """Blocks each D keeps for this store's entries, by D's URL without credentials."""
         with self._lock:
-            return self._pinned.totals()
+            return {public_url(url): count for url, count in self._pinned.totals().items()}
 
     def __len__(self) -> int:
         with self._lock:
@@ -299,11 +312,14 @@ class RedisStore(_Takes):
         try:
             # GET: the entry this one replaces (a regenerated turn), whose blocks no P will read.
             old = self._redis.set(self.PREFIX + key, encode(entry), pxat=expires_ms, get=True)
-            replaced = None if old is None else decode(old)
         except self._errors as exc:
             self._failed("put", exc)
             return
-        if replaced is not None:
+        if old is not None:
+            try:
+                replaced = decode(old)
+            except ValueError:          # a foreign value under our key: nothing to release
+                return
             self.on_drop(replaced, "replaced")
 
     def sweep(self) -> None:

@@ -28,6 +28,7 @@ class Turn:
     done: bool = False                                # [DONE] seen (stream) or body complete
     error: bool = False
     stored: bool = False                              # the entry for the next turn was put
+    kept: bool = False                                # ...and D's params with it
     prompt_ids: list | None = None                    # D's token ids, when it returned them
     output_ids: list | None = None
     strip_ids: bool = False                           # the gateway asked for them, not the client

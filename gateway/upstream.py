@@ -223,7 +223,7 @@ class Upstream:
         return out
 
     def _send(self, instance: Instance, path: str, body: bytes, headers: dict,
-              stream: bool) -> requests.Response:
+              stream: bool, timeout: Timeout | None = None) -> requests.Response:
         """POST `body` through the session's adapter, whatever the status; raise a GatewayError
         if it failed.
 
@@ -243,7 +243,8 @@ class Upstream:
         if instance.credentials:      # user:password in the URL, as requests sends them
             HTTPBasicAuth(*instance.credentials)(request)
         try:
-            response = self._adapter.send(request, stream=stream, timeout=self._timeout)
+            response = self._adapter.send(request, stream=stream,
+                                          timeout=timeout or self._timeout)
             if not stream:
                 response.content      # read whole, as Session.send does: the connection returns
         except (requests.RequestException, ValueError) as exc:  # ValueError: a bad header
@@ -251,9 +252,9 @@ class Upstream:
         return response
 
     def _post(self, instance: Instance, path: str, body: dict, headers: dict,
-              stream: bool) -> requests.Response:
+              stream: bool, timeout: Timeout | None = None) -> requests.Response:
         response = self._send(instance, path, jsonio.dumps(body),
-                              {**headers, "Content-Type": "application/json"}, stream)
+                              {**headers, "Content-Type": "application/json"}, stream, timeout)
         if response.status_code >= 400:
             message = _error_message(response)
             response.close()
@@ -264,9 +265,13 @@ class Upstream:
             raise BadGateway(f"{instance.name} failed with HTTP {response.status_code}")
         return response
 
-    def post_json(self, instance: Instance, path: str, body: dict, headers: dict) -> dict:
-        """POST and parse a JSON object reply, or raise a GatewayError."""
-        response = self._post(instance, path, body, headers, stream=False)
+    def post_json(self, instance: Instance, path: str, body: dict, headers: dict,
+                  read_timeout: float | None = None) -> dict:
+        """POST and parse a JSON object reply, or raise a GatewayError; `read_timeout` instead
+        of --read-timeout for a call that should never take long."""
+        timeout = None if read_timeout is None else Timeout(connect=self.timeout[0],
+                                                            read=read_timeout)
+        response = self._post(instance, path, body, headers, stream=False, timeout=timeout)
         try:
             reply = jsonio.loads_engine(response.content)
         except ValueError as exc:

@@ -168,6 +168,8 @@ def test_a_short_turn_goes_to_its_d_alone_and_its_entry_is_released(store):
         reply = second_turn(client)
         assert reply.status_code == 200, reply.data
         assert reply.headers["X-Gateway-Path"] == "decode-only; reason=short"
+        assert len(responses.calls) == 1      # not before the turn is over: D may still wait
+        reply.close()                         # the server closes the reply after the stream
         wait_until(lambda: len(responses.calls) == 2, 10, "the release")
         assert [c.request.url for c in responses.calls] == [holder.url + CHAT,
                                                             P_URL + "/v1/completions"]

@@ -99,7 +99,7 @@ def test_a_failing_decode_is_retried_on_the_other(engines2, fault):
         d0 = ds[0].stats()
         assert d0["failed_pulls"] + d0["stale_pulls"] == 0 and d0["leaked_leases"] == 0
         local = d0["plain_requests"]
-        assert later == 160 and later - local <= hits <= later
+        assert later == 160 and hits >= later - local
         if fault == "refused":
             assert local == 0
         else:

@@ -46,7 +46,8 @@ class Turn:
     gen: Generation = None  # type: ignore[assignment]
     salt: str | None = None  # cache_salt: KV computed under another salt is never this request's
     local: int = 0  # prompt tokens found in the local prefix cache
-    pulled: int = 0  # prompt tokens read from a remote engine and used
+    pulled: int = 0  # prompt tokens read from a remote engine and used (less the last, recomputed)
+    loaded: int = 0  # prompt tokens loaded from a remote engine, as vLLM counts them
     computed: int = 0  # prompt tokens computed here
     prefill_s: float = 0.0
     waited_s: float = 0.0  # waiting for KV memory before the prefill could start
@@ -74,8 +75,10 @@ class Turn:
 
     @property
     def cached_tokens(self) -> int:
-        """vLLM's num_cached_tokens: local prefix hits plus tokens loaded from another engine."""
-        return self.local + self.pulled
+        """vLLM's num_cached_tokens: local prefix hits plus tokens loaded from another engine,
+        counted before a whole loaded prompt's last token is set aside to be recomputed
+        (v1/metrics/stats.py ~L326-338, set at scheduling: scheduler.py ~L1250-1258)."""
+        return self.local + self.loaded
 
 
 def _flag(params: dict, name: str) -> bool:
@@ -252,14 +255,15 @@ class Engine:
             count = n - local     # D loads the whole prompt it lacks, no threshold (~L59-65)
         ready = local
         emulated_ms = 0.0
+        # Every new request of an engine with a connector queries it (scheduler.py ~L1212-1214).
+        self.stats.external_prefix_cache_queries += n - local
         if count > 0:
-            self.stats.external_prefix_cache_queries += n - local
             read_blocks, ok = self._read(turn, params, group, local, count)
             emulated_ms += read_blocks * cfg.pull_ms_per_block
             if ok:
                 # A whole prompt loaded still computes its last token (scheduler.py ~L3515).
                 ready = min(local + count, n - 1)
-                turn.pulled = ready - local
+                turn.pulled, turn.loaded = ready - local, count
                 self.stats.external_prefix_cache_hits += count
                 if p_node:
                     self.stats.hits += 1

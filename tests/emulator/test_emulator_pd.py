@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -191,16 +192,23 @@ def test_invalid_params_are_treated_as_turn_one(pd):
     assert stats["hits"] == 0 and stats["failed_pulls"] == stats["stale_pulls"] == 0
 
 
-def test_prefill_declines_expired_decode_blocks_and_frees_them(pd):
+def test_prefill_declines_nearly_expired_decode_blocks_as_a_failed_load(pd):
+    """Within 5 s of D's exported expiry P declines the read (nixl/pull_worker.py ~L127-172):
+    the request goes to failure handling, which vLLM's default kv_load_failure_policy (fail)
+    turns into an error; D is not notified (its TTL frees the blocks)."""
     history = fresh_history()
-    reply, d1 = pd.turn(history)
+    reply, d1 = pd.turn(history, max_tokens=100)          # past the recompute threshold
     leases = pd.d.stats()["kv_leases"]
     history2 = history + [{"role": "assistant", "content": reply}, {"role": "user", "content": "next"}]
     expired = {**d1, "do_remote_decode": True, "do_remote_prefill": False, "remote_host": pd.d.host,
-               "remote_blocks_expiry_time": 0.0}
-    assert pd.prefill(history2, expired).status_code == 200
-    assert pd.p.stats()["declined_pulls"] == 1 and pd.p.stats()["hits"] == 0
-    assert pd.d.stats()["kv_leases"] == leases - 1  # the release reached D
+               "remote_blocks_expiry_time": time.monotonic() + 4.0}
+    failed = pd.prefill(history2, expired)
+    assert failed.status_code == 500 and "expired" in failed.json()["error"]["message"]
+    stats = pd.p.stats()
+    assert (stats["declined_pulls"], stats["stale_pulls"], stats["hits"]) == (1, 1, 0)
+    assert pd.d.stats()["kv_leases"] == leases            # nothing reached D
+    fresh = {**expired, "remote_blocks_expiry_time": time.monotonic() + 60.0}
+    assert pd.prefill(history2, fresh).status_code == 200 and pd.p.stats()["hits"] == 1
 
 
 def test_openai_sdk_streams_from_decode(pd):
