@@ -12,7 +12,11 @@ run. Each configuration on fresh engines:
 - `defaults`: the pinned budget (`--pinned-blocks`) and releases on;
 - `defaults, fast path`: the same with `--fast-path-tokens 64`.
 
-    python -m bench.d_memory [--conversations 1000] [--concurrency 16] [--d-capacity 6000]
+    python -m bench.d_memory [--conversations 1000] [--arrivals 20] [--concurrency 16]
+                             [--d-capacity 6000] [--budget 2000]
+
+A configuration whose D fills up stops starting conversations after 48 failed turns (its D stays
+full until its TTL, 480 s): `conversations` says how many it started.
 """
 from __future__ import annotations
 
@@ -38,11 +42,18 @@ def words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(VOCAB) for _ in range(count))
 
 
-def conversation(url: str, index: int, salt: str) -> dict:
+STOP_AFTER_FAILURES = 48   # D is full and stays full (480 s): no new conversation starts
+
+
+def conversation(url: str, index: int, salt: str, failures: list, start_at: float) -> dict:
     rng = random.Random(f"{salt}/{index}")
+    time.sleep(max(0.0, start_at - time.monotonic()))       # arrivals at a steady rate
     turns = 1 + index % 3
     messages = [{"role": "user", "content": f"{salt} {index} " + words(rng, 150)}]
-    out = {"ttft": [], "later": 0, "hits": 0, "errors": 0}
+    out = {"ttft": [], "later": 0, "hits": 0, "errors": 0, "started": False}
+    if len(failures) >= STOP_AFTER_FAILURES:
+        return out
+    out["started"] = True
     session = requests.Session()
     for turn in range(turns):
         try:
@@ -50,6 +61,7 @@ def conversation(url: str, index: int, salt: str) -> dict:
                 "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True})
         except Exception:        # a turn that waited past TIMEOUT, or failed: the conversation ends
             out["errors"] += 1
+            failures.append(index)
             return out
         out["ttft"].append(timed.ttft)
         if turn:
@@ -90,21 +102,28 @@ def measure(label: str, settings: dict, args: argparse.Namespace) -> dict:
             GatewayProcess([p.url], [d.url], workers=1, **settings) as gateway:
         sampler = Sampler(d)
         started = time.monotonic()
+        failures: list = []
         with ThreadPoolExecutor(args.concurrency) as pool:
-            runs = list(pool.map(lambda i: conversation(gateway.url, i, label),
+            runs = list(pool.map(lambda i: conversation(gateway.url, i, label, failures,
+                                                        started + i / args.arrivals),
                                  range(args.conversations)))
         seconds = time.monotonic() - started
         if settings.get("release_rate", 1):
-            # What the releases still in flight will free (at most --release-rate a second).
+            # What the releases still queued will free (at most --release-rate a second).
+            def settled(last=[-1.0]) -> bool:
+                now = gateway.metric("pd_gateway_releases_total")
+                done, last[0] = now == last[0], now
+                return done
             wait_until(lambda: d.stats()["requests_running"] == 0, 30, "D to settle")
-            time.sleep(2)
+            wait_until(lambda: settled() or time.sleep(1), 120, "the releases to drain")
         peak = sampler.stop()
         ps, ds = p.stats(), d.stats()
         released = gateway.metric("pd_gateway_releases_total", result="released")
     ttft = sorted(t for r in runs for t in r["ttft"])
     later = sum(r["later"] for r in runs)
     return {
-        "system": label, "turns": len(ttft), "failed": sum(r["errors"] for r in runs),
+        "system": label, "conversations": sum(r["started"] for r in runs),
+        "turns": len(ttft), "failed": sum(r["errors"] for r in runs),
         "seconds": round(seconds, 1),
         "ttft_p50": round(statistics.median(ttft) * 1000, 1) if ttft else "-",
         "ttft_p99": round(ttft[int(len(ttft) * 0.99) - 1] * 1000, 1) if ttft else "-",
@@ -116,7 +135,7 @@ def measure(label: str, settings: dict, args: argparse.Namespace) -> dict:
         "wrong_reuse": ps["wrong_reuse"] + ds["wrong_reuse"]}
 
 
-COLUMNS = ("system", "turns", "failed", "seconds", "ttft_p50", "ttft_p99", "later_hits",
+COLUMNS = ("system", "conversations", "turns", "failed", "seconds", "ttft_p50", "ttft_p99", "later_hits",
            "d_pinned_peak", "d_used_peak", "d_waiting_peak", "d_wait_s", "d_pinned_end",
            "leaked_leases", "released", "wrong_reuse")
 
@@ -125,6 +144,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--conversations", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--arrivals", type=float, default=20.0,
+                        help="new conversations a second, at most")
     parser.add_argument("--d-capacity", type=int, default=6000, help="D's KV cache in blocks")
     parser.add_argument("--budget", type=int, default=2000, help="--pinned-blocks")
     args = parser.parse_args()
@@ -132,7 +153,8 @@ def main() -> None:
                ("defaults", {"pinned_blocks": args.budget}),
                ("defaults, fast path", {"pinned_blocks": args.budget, "fast_path_tokens": 64})]
     print(f"{args.conversations} conversations of 1-3 turns (150-word question, 6-word "
-          f"follow-ups, 32-token replies), {args.concurrency} at a time; D: "
+          f"follow-ups, 32-token replies), {args.arrivals:g} new a second, at most "
+          f"{args.concurrency} at a time; D: "
           f"{args.d_capacity} blocks of 16; budget {args.budget} blocks; turn timeout {TIMEOUT} s")
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
