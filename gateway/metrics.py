@@ -56,6 +56,10 @@ RELEASES = Counter("pd_gateway_releases", "Entries dropped unread whose D blocks
 PINNED_BLOCKS = Gauge("pd_gateway_pinned_blocks", "Blocks each D keeps for the conversations this "
                       "gateway's local stores hold (their entries' remote_block_ids), summed over "
                       "live workers", ["decode"], multiprocess_mode="livesum")
+SHARED_PINNED_BLOCKS = Gauge("pd_gateway_shared_pinned_blocks", "Blocks each D keeps for the "
+                             "conversations of a shared (Redis) store, every host's, as the "
+                             "last put on that D counted them", ["decode"],
+                             multiprocess_mode="mostrecent")
 KV_READS = Counter("pd_gateway_kv_reads", "Turns whose P was sent D's params, by what P reports "
                    "(kv_transfer_params.remote_prefill_cached_tokens, or usage.prompt_tokens_"
                    "details.cached_tokens) against min(remote_num_tokens, prompt): read (equal: "

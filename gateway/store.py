@@ -1,6 +1,7 @@
 """`ConversationStore`: where each conversation's latest decode KV params wait for the next turn."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -262,12 +263,64 @@ class LocalStore(_Takes):
         return {"store": "local", "conversations": len(self), "pinned_blocks": self.pinned()}
 
 
-_TAKE_FIRST = """
+# The blocks each D keeps for a Redis store's entries, shared by every gateway host: per D (an
+# id of its URL) a sorted set of entry keys by expiry, their blocks, and the total; and which D
+# each entry is on. Scripts reach these keys by name (one primary, as the take already needs).
+_UNPIN = """
+local function unpin(prefix, member)
+    local owner = prefix .. 'pinned-of'
+    local d = redis.call('HGET', owner, member)
+    if not d then return 0 end
+    local blocks = prefix .. 'pinned-blocks:' .. d
+    local n = tonumber(redis.call('HGET', blocks, member) or '0')
+    redis.call('DECRBY', prefix .. 'pinned-total:' .. d, n)
+    redis.call('HDEL', blocks, member)
+    redis.call('ZREM', prefix .. 'pinned:' .. d, member)
+    redis.call('HDEL', owner, member)
+    return n
+end
+"""
+
+_TAKE_FIRST = _UNPIN + """
+local prefix = ARGV[1]
 for i, key in ipairs(KEYS) do
     local value = redis.call('GETDEL', key)
-    if value then return {i, value} end
+    if value then
+        unpin(prefix, string.sub(key, #prefix + 1))
+        return {i, value}
+    end
 end
 return false
+"""
+
+# KEYS[1] the entry; ARGV: packed entry, expiry (ms), now (ms), member, blocks, budget, D id,
+# prefix. Returns the entry it replaced (or false), the entries dropped over D's budget (oldest
+# first, never this one), and D's total after.
+_PUT = _UNPIN + """
+local prefix, member, d = ARGV[8], ARGV[4], ARGV[7]
+local zset = prefix .. 'pinned:' .. d
+local old = redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2], 'GET')
+unpin(prefix, member)
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', zset, '-inf', ARGV[3])) do
+    unpin(prefix, gone)                       -- expired in Redis: D has freed them too
+end
+redis.call('ZADD', zset, ARGV[2], member)
+redis.call('HSET', prefix .. 'pinned-blocks:' .. d, member, ARGV[5])
+redis.call('HSET', prefix .. 'pinned-of', member, d)
+local total = redis.call('INCRBY', prefix .. 'pinned-total:' .. d, ARGV[5])
+local budget = tonumber(ARGV[6])
+local over = {}
+while budget > 0 and total > budget do
+    local oldest = nil                        -- the first by expiry that is not this entry
+    for _, m in ipairs(redis.call('ZRANGE', zset, 0, 1)) do
+        if m ~= member then oldest = m; break end
+    end
+    if not oldest then break end
+    total = total - unpin(prefix, oldest)
+    local value = redis.call('GETDEL', prefix .. oldest)
+    if value then table.insert(over, value) end
+end
+return {old or false, over, total}
 """
 
 
@@ -281,23 +334,29 @@ class RedisStore(_Takes):
 
     PREFIX = "pd-gateway:"
 
-    def __init__(self, url: str, ttl: float, timeout: float, client=None) -> None:
+    def __init__(self, url: str, ttl: float, timeout: float, client=None,
+                 pinned_budget: int = 0, timer: Callable[[], float] = time.time) -> None:
         import redis   # only a Redis-backed gateway needs the client
 
         self._errors = (redis.RedisError, ValueError, TypeError)   # or a foreign value
         self._redis = client if client is not None else redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._ttl_ms = int(ttl * 1000)
+        self._budget = pinned_budget     # per D, across every host sharing the store
+        self._timer = timer              # wall-clock seconds: every host reads the same expiry
         # One round trip however many history prefixes a request tries (a long conversation
-        # whose entry expired tries them all). Its keys must live on one node: no Cluster.
+        # whose entry expired tries them all), and one a put, the blocks each D keeps counted
+        # on the way. Their keys must live on one node: no Cluster.
         self._take_first = self._redis.register_script(_TAKE_FIRST)
+        self._put = self._redis.register_script(_PUT)
         self.on_drop: Callable[[Entry, str], None] = _ignore
 
     def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
         if not keys:
             return None
         try:
-            found = self._take_first(keys=[self.PREFIX + key for key in keys])
+            found = self._take_first(keys=[self.PREFIX + key for key in keys],
+                                     args=[self.PREFIX])
             return None if found is None else (keys[found[0] - 1], decode(found[1]))
         except self._errors as exc:
             self._failed("take", exc)
@@ -305,25 +364,33 @@ class RedisStore(_Takes):
 
     def put(self, key: str, entry: Entry) -> None:
         # Wall-clock expiry (PXAT): every gateway host reads the same entry.
-        entry = stamped(entry, time.time(), self._ttl_ms / 1000)
+        now = self._timer()
+        entry = stamped(entry, now, self._ttl_ms / 1000)
         expires_ms = int(entry.expires_at * 1000)
-        if expires_ms <= time.time() * 1000:
+        if expires_ms <= now * 1000:
             return
+        decode_id = hashlib.blake2b(entry.decode_url.encode(), digest_size=8).hexdigest()
         try:
-            # GET: the entry this one replaces (a regenerated turn), whose blocks no P will read.
-            old = self._redis.set(self.PREFIX + key, encode(entry), pxat=expires_ms, get=True)
+            old, over, total = self._put(
+                keys=[self.PREFIX + key],
+                args=[encode(entry), expires_ms, int(now * 1000), key, pinned_blocks(entry),
+                      self._budget, decode_id, self.PREFIX])
         except self._errors as exc:
             self._failed("put", exc)
             return
-        if old is not None:
+        metrics.SHARED_PINNED_BLOCKS.labels(public_url(entry.decode_url)).set(total)
+        # The entry this one replaced (a regenerated turn), and those over D's budget: their
+        # blocks no P will read.
+        for packed, why in ([(old, "replaced")] if old else []) + [(v, "budget") for v in over]:
             try:
-                replaced = decode(old)
+                dropped = decode(packed)
             except ValueError:          # a foreign value under our key: nothing to release
-                return
-            self.on_drop(replaced, "replaced")
+                continue
+            self.on_drop(dropped, why)
 
     def sweep(self) -> None:
-        """Redis expires and evicts entries itself, unseen: their blocks wait for D's TTL."""
+        """Redis expires entries itself, unseen (the next put on their D uncounts them): their
+        blocks are D's to free at its TTL, a few seconds later."""
 
     def report(self) -> dict:
         try:
@@ -343,4 +410,6 @@ def create_store(settings) -> ConversationStore:
         share = settings.pinned_blocks // max(1, settings.workers)
         return LocalStore(settings.store_size, settings.store_ttl,
                           pinned_budget=max(1, share) if settings.pinned_blocks else 0)
-    return RedisStore(settings.store, settings.store_ttl, settings.store_timeout)
+    # One budget for every worker and host sharing the store.
+    return RedisStore(settings.store, settings.store_ttl, settings.store_timeout,
+                      pinned_budget=settings.pinned_blocks)

@@ -82,14 +82,25 @@ def test_entries_refused_by_the_exactness_check_are_released():
         assert p.stats()["wrong_reuse"] == 0
 
 
-def test_a_ds_pinned_blocks_stay_within_the_budget_and_recent_conversations_still_hit(engines):
-    p, d = engines
+@pytest.mark.parametrize("store", ["local", "redis"])
+def test_a_ds_pinned_blocks_stay_within_the_budget_and_recent_conversations_still_hit(
+        store, request):
     budget = 120
-    with gateway_process([p.url], [d.url], pinned_blocks=budget) as gateway:
+    settings = {"pinned_blocks": budget}
+    if store == "redis":       # one budget for every worker and host sharing the store
+        server = request.getfixturevalue("redis_server")
+        server.client.flushdb()
+        settings.update(store=server.url, workers=2)
+    # Engines of its own: what D holds is counted from nothing.
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.76", itl_ms=1) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.77",
+                            itl_ms=1) as d, \
+            gateway_process([p.url], [d.url], **settings) as gateway:
         convs = [workload.Conversation(gateway.url, first_words=150, max_tokens=8)
                  for _ in range(12)]
         workload.drive(convs, turns=1, concurrency=1)        # ~11 blocks each: 12 > budget
-        pinned = gateway.metric("pd_gateway_pinned_blocks", decode=d.url)
+        gauge = "pd_gateway_pinned_blocks" if store == "local" else "pd_gateway_shared_pinned_blocks"
+        pinned = gateway.metric(gauge, decode=d.url)
         assert 0 < pinned <= budget
         released = "pd_gateway_releases_total"
         wait_until(lambda: gateway.metric(released, reason="budget", result="released") >= 1,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
@@ -327,3 +328,42 @@ def test_metrics_and_reports_never_show_an_engine_urls_credentials(clock):
     store.put("k", on("http://user:secret@d:8200", 1))
     assert store.pinned() == {"http://d:8200": 4}
     assert "secret" not in str(store.report())
+
+
+def test_a_shared_store_counts_each_ds_blocks_for_every_host_within_one_budget(redis_server):
+    redis_server.client.flushdb()
+    one, two = (RedisStore(redis_server.url, ttl=30, timeout=1, pinned_budget=10)
+                for _ in range(2))                       # two gateway hosts, one Redis
+    dropped = dropping(one)
+    dropping(two).clear()
+    one.put("k0", on("http://d1", 0, blocks=4))
+    two.put("k1", on("http://d1", 1, blocks=4))
+    one.put("k2", on("http://d1", 2, blocks=4))          # 12 > 10: the oldest, put by the other host
+    two.put("x", on("http://d2", 9, blocks=8))           # another D: its own budget
+    assert dropped == [("r0", "http://d1", "budget")]
+    assert two.take("k0") is None and one.take("k1") is not None
+    one.put("big", on("http://d2", 10, blocks=11))       # over the budget alone: it stays
+    assert dropped[-1] == ("r9", "http://d2", "budget")
+    pinned = {k.decode(): int(v) for k, v in (
+        (key, redis_server.client.get(key)) for key in redis_server.client.keys("pd-gateway:pinned-total:*"))}
+    assert sorted(pinned.values()) == [4, 11]            # d1: k2; d2: big
+
+
+def test_a_shared_store_uncounts_entries_redis_expired_or_that_moved(redis_server):
+    redis_server.client.flushdb()
+    clock = [time.time()]
+    store = RedisStore(redis_server.url, ttl=30, timeout=1, pinned_budget=10,
+                       timer=lambda: clock[0])
+    dropped = dropping(store)
+    store.put("old", on("http://d", 1, blocks=8))
+    clock[0] += 31                                        # past its expiry: D freed the blocks
+    store.put("new", on("http://d", 2, blocks=8))         # 8, not 16: nothing over the budget
+    assert dropped == []
+    mover = RedisStore(redis_server.url, ttl=30, timeout=1, pinned_budget=10)
+    dropped = dropping(mover)
+    mover.put("moved", on("http://d", 3, blocks=2))
+    mover.put("moved", on("http://e", 4, blocks=2))       # regenerated on another D
+    assert dropped == [("r3", "http://d", "replaced")]
+    totals = sorted(int(redis_server.client.get(k)) for k in
+                    redis_server.client.keys("pd-gateway:pinned-total:*"))
+    assert totals == [2, 8]
