@@ -58,10 +58,17 @@ class Engines:
     def start(cls, **timing: object) -> Engines:
         # Each advertises its own address as remote_host: vllm-router passes kv_transfer_params
         # through as the engines write them (the gateway and the seed overwrite the field).
-        return cls(EmulatorProcess("prefill", bidirectional_kv_xfer=True, host=PREFILL_HOST, advertise_host=PREFILL_HOST,
-                                   **timing),
-                   EmulatorProcess("decode", bidirectional_kv_xfer=True, host=DECODE_HOST, advertise_host=DECODE_HOST,
-                                   **timing))
+        # Not vLLM's defaults: bidirectional transfer on (what the gateway and the seed need),
+        # and a KV cache far larger than a GPU's. One P and one D serve every system of a run,
+        # and the blocks a stopped system's conversations left on D (their last turns) stay
+        # pinned until D's 480 s TTL: with a real cache's size the later systems would wait for
+        # memory. These runs measure the proxies' CPU; D's memory is bench.reuse's and
+        # bench.d_memory's subject.
+        flags = {"bidirectional_kv_xfer": True, "kv_capacity_blocks": 4_000_000, **timing}
+        return cls(EmulatorProcess("prefill", host=PREFILL_HOST, advertise_host=PREFILL_HOST,
+                                   **flags),
+                   EmulatorProcess("decode", host=DECODE_HOST, advertise_host=DECODE_HOST,
+                                   **flags))
 
     def __iter__(self):
         return iter((self.prefill, self.decode))

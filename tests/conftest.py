@@ -83,12 +83,17 @@ def engines():
         yield p, d
 
 
-@pytest.fixture
-def fresh_engines(engines):
+def reset(engines):
+    """Engines shared by several tests, as a test finds them: no fault, counters at zero."""
     for engine in engines:
         engine.set_fault("none")
         engine.reset_stats()
     return engines
+
+
+@pytest.fixture
+def fresh_engines(engines):
+    return reset(engines)
 
 
 def gateway_process(prefill, decode, **settings):

@@ -10,7 +10,7 @@ import pytest
 
 from devtools import workload
 from gateway.emulator.process import EmulatorProcess, wait_until
-from tests.conftest import gateway_process
+from tests.conftest import gateway_process, reset
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,7 @@ def default_engines():
 
 @pytest.fixture
 def engines(default_engines):
-    for engine in default_engines:
-        engine.set_fault("none")
-        engine.reset_stats()
-    return default_engines
+    return reset(default_engines)
 
 
 def short_follow_ups(gateway, count: int, **options) -> list[workload.Conversation]:
