@@ -77,7 +77,9 @@ class ApiKeys:
             raise Unauthorized("Incorrect API key provided")
 
     def _reload(self) -> None:
-        """Re-read the file if it changed; a file that cannot be read keeps the last keys."""
+        """Re-read the file if it changed. Revocation fails closed: an empty, comments-only,
+        deleted or unreadable file accepts none of its keys (the settings' own still work);
+        write the file elsewhere and rename it in, so no reader sees it half written."""
         if not self._lock.acquire(blocking=False):
             return                       # another request is looking already
         try:
@@ -89,14 +91,14 @@ class ApiKeys:
                     return
                 keys = read_keys(self.path)
             except OSError as exc:
-                log.warning("API keys file %s: %s; keeping the %d keys read before", self.path,
-                            exc.strerror or exc, len(self._from_file))
+                if self._stamp is not None or self._from_file:
+                    log.error("API keys file %s: %s; none of its keys is accepted until it can "
+                              "be read", self.path, exc.strerror or exc)
+                self._from_file, self._stamp = [], None
                 return
-            if not keys and self._from_file:
-                # Most likely caught mid-rewrite (write the file elsewhere, then rename it in).
-                log.warning("API keys file %s is empty; keeping the %d keys read before",
-                            self.path, len(self._from_file))
-                return
+            if not keys:
+                log.warning("API keys file %s holds no key: none of its keys is accepted",
+                            self.path)
             self._from_file, self._stamp = [_digest(k) for k in keys], stamp
             log.info("API keys file %s: %d keys", self.path, len(keys))
         finally:

@@ -197,6 +197,13 @@ class Settings:
     api_keys_file: str = option("", _keys_file, "A file of client API keys, one a line (# starts "
                                 "a comment); re-read within a second when it changes, caches "
                                 "kept.")
+    tenant_cache_salt: str = option("auto", str, "Keep tenants apart in the engines' prefix "
+                                    "caches too: each request gets a cache_salt derived from its "
+                                    "credential (and the client's own cache_salt, if any), so "
+                                    "one tenant's cached prompt never speeds up (or reveals "
+                                    "itself to) another's. auto: on with client API keys. The "
+                                    "cost: tenants no longer share cached prompts such as a "
+                                    "common system prompt.", choices=("auto", "on", "off"))
     admin_token: str = option("", str, "Bearer token for GET /admin/status, the detailed report "
                               "(engine URLs, in-flight counts, breakers, store, worker); empty "
                               "turns the report off. /health shows status only. The same token "

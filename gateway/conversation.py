@@ -39,6 +39,11 @@ NO_REUSE = ("truncate_prompt_tokens", "prompt_embeds")
 ID_HEADERS = ("X-Conversation-Id", "X-Session-ID")
 
 
+# How far back a request's history is searched for the previous turn's entry, in messages:
+# the turn's own new messages (a user message, or a tool loop's results) are rarely more.
+LOOKUP_DEPTH = 64
+
+
 def _h(*parts: bytes) -> bytes:
     # SHA-256 (cut to 16 bytes): CPUs hash it in hardware, three times as fast as BLAKE2b
     # (measured here: 71 against 207 us for 100 KB), and every turn hashes its whole history.
@@ -88,6 +93,14 @@ def tenant_of(authorization: str | None) -> bytes:
     return _h(b"tenant", (authorization or "").encode())
 
 
+def tenant_salt(authorization: str | None, client_salt: object) -> str:
+    """The cache_salt that keeps a tenant's prompts out of every other tenant's prefix cache
+    hits (vLLM mixes cache_salt into its first block's hash). Derived from the credential, so
+    no client can name another tenant's salt; the client's own salt, if any, stays inside."""
+    own = client_salt if isinstance(client_salt, str) else ""
+    return _h(b"cache-salt", tenant_of(authorization), own.encode()).hex()
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who a request belongs to and which stored entries it may use.
@@ -112,8 +125,10 @@ class Identity:
             return [self.root]
         if self.messages is None:
             return []
-        # Entries live under histories that end with an assistant reply; any prefix may be one.
-        return [d.hex() for d in reversed(self.messages[:-1])]
+        # Entries live under histories that end with an assistant reply; any of the most recent
+        # LOOKUP_DEPTH prefixes may be one. Bounded: a store (Redis) is asked for every key in
+        # one call, and a body of a million messages must not make that a million keys.
+        return [d.hex() for d in reversed(self.messages[-LOOKUP_DEPTH - 1:-1])]
 
     def extends(self, history_digest: str, history_len: int) -> bool:
         """Does this request's history strictly extend the history an entry's blocks hold?"""

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from . import metrics
 from .config import split_nameserver
-from .instances import Pool
+from .instances import Pool, public_url
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +143,14 @@ class Discovery:
         except ResolveError as exc:
             metrics.RESOLUTIONS.labels("failed").inc()
             (log.debug if url in self._failing else log.warning)(
-                "resolving %s failed (%s); its %s instances stay as they are", url, exc,
-                pool.role)
+                "resolving %s failed (%s); its %s instances stay as they are", public_url(url),
+                exc, pool.role)
             self._failing.add(url)
             return False
         metrics.RESOLUTIONS.labels("ok").inc()
         if url in self._failing:
             self._failing.discard(url)
-            log.info("resolving %s works again", url)
+            log.info("resolving %s works again", public_url(url))
         added, removed = pool.sync(f"dns:{url}", [with_address(url, a) for a in addresses])
         for kind, instances in (("added", added), ("removed", removed)):
             if instances:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,15 @@ from urllib.parse import unquote, urlsplit
 from .errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
+
+
+_USERINFO = re.compile(r"(//)[^/@\s]*@")
+
+
+def public_url(url: str) -> str:
+    """An engine URL (or a text holding one, as "dns:<url>") without the user:password it may
+    carry: never in logs, metrics or reports."""
+    return _USERINFO.sub(r"\1", url)
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,11 @@ class Instance:
     @property
     def name(self) -> str:
         return f"{self.role}[{self.index}]"
+
+    @property
+    def public_url(self) -> str:
+        """The URL as logs and reports show it: without the user:password it may carry."""
+        return public_url(self.url)
 
     def available(self, now: float) -> bool:
         return not self.down and now >= self.open_until
@@ -112,7 +127,8 @@ class Pool:
             self.instances = [*self.instances, instance]
         # Run-time changes are news; the settings' own instances are not.
         (log.debug if origin == "settings" else log.info)("%s (%s) added (%s)", instance.name,
-                                                          url, origin)
+                                                          instance.public_url,
+                                                          public_url(origin))
         return instance, True
 
     def remove(self, url: str) -> Instance | None:
@@ -123,8 +139,8 @@ class Pool:
             if instance is None:
                 return None
             self.instances = [i for i in self.instances if i is not instance]
-        log.info("%s (%s) removed (%d in flight finish there)", instance.name, url,
-                 instance.inflight)
+        log.info("%s (%s) removed (%d in flight finish there)", instance.name,
+                 instance.public_url, instance.inflight)
         return instance
 
     def sync(self, origin: str, urls: list[str]) -> tuple[list[Instance], list[Instance]]:
@@ -216,14 +232,14 @@ class Pool:
                 instance.down = True
             elif instance.failures >= self.policy.breaker_failures or instance.open_until:
                 instance.open_until = self._clock() + self.policy.breaker_cooldown
-        log.warning("%s (%s) %s", instance.name, instance.url,
+        log.warning("%s (%s) %s", instance.name, instance.public_url,
                     "marked down" if unreachable else f"failed {instance.failures} time(s)")
         if unreachable and self.on_down is not None:
             self.on_down()
 
     def report(self) -> list[dict]:
         now = self._clock()
-        return [{"name": i.name, "url": i.url, "origin": i.origin, "state": i.state(now),
+        return [{"name": i.name, "url": i.public_url, "origin": i.origin, "state": i.state(now),
                  "inflight": i.inflight, "consecutive_failures": i.failures}
                 for i in self.instances]
 
@@ -262,7 +278,8 @@ class Prober:
                 return
             for pool, instance in down:
                 if self.probe(instance):
-                    log.info("%s (%s) answers /health again", instance.name, instance.url)
+                    log.info("%s (%s) answers /health again", instance.name,
+                             instance.public_url)
                     pool.succeeded(instance)
 
     def stop(self) -> None:

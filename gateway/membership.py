@@ -31,7 +31,7 @@ from .config import Settings, _url_list
 from .discovery import Discovery, Resolver
 from .errors import BadRequest, NotFound
 from .gunicorn_conf import APPLIED, CHANGES_ENV, SLOT_ENV, MAX_SLOTS
-from .instances import Pool
+from .instances import Pool, public_url
 
 log = logging.getLogger(__name__)
 TICK = 0.5          # seconds between looks at the changes file
@@ -152,7 +152,7 @@ class Membership:
             time.sleep(0.05)
             pending = self._pending(target)
         instance = pool.get(url)
-        return {"role": pool.role, "url": url, "name": instance.name if instance else None,
+        return {"role": pool.role, "url": public_url(url), "name": instance.name if instance else None,
                 "workers_pending": pending}
 
     def _pending(self, target: int) -> list[int]:

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Mapping
 
 from . import logs, metrics
@@ -13,7 +14,7 @@ from .admission import Admission
 from .affinity import Affinity
 from .auth import ApiKeys
 from .config import Settings
-from .conversation import identify, root_key
+from .conversation import identify, root_key, tenant_salt
 from .disagg import Disagg
 from .errors import BadGateway, GatewayError
 from .exactness import Exactness
@@ -58,6 +59,9 @@ class Gateway:
         self.admission = Admission(settings.turn_limit, settings.admission_queue,
                                    settings.admission_wait, settings.retry_after)
         self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file)
+        # Tenants apart in the engines' prefix caches as well (auto: where tenants exist).
+        self.salted = (settings.tenant_cache_salt == "on" or
+                       (settings.tenant_cache_salt == "auto" and self.api_keys.enabled))
         # Entries the store drops unread (replaced, evicted, expired, over budget) and those a
         # turn drops: their D is told to free the blocks, in the background (gateway.release).
         self.releaser = Releaser(self.upstream, self.prefill, settings.release_rate,
@@ -122,6 +126,9 @@ class Gateway:
     def _serve(self, request: ClientRequest, id_args: tuple, headers: Mapping[str, str],
                request_id: str) -> Reply:
         identity = identify(*id_args)
+        if self.salted:
+            salt = tenant_salt(headers.get("Authorization"), request.body.get("cache_salt"))
+            request = replace(request, body={**request.body, "cache_salt": salt})
         # A client's own key is the gateway's to check, not the engines' (--upstream-api-key).
         client_credential = None if self.api_keys.enabled else headers.get("Authorization")
         engine_headers = self.upstream.headers(request_id, client_credential,

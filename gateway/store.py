@@ -9,11 +9,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
-from urllib.parse import urlsplit, urlunsplit
-
 from cachetools import TLRUCache
 
 from . import metrics
+from .instances import public_url
 from .packing import digest_bytes, expiry, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -76,14 +75,6 @@ def _key(key: str) -> bytes:
     """A store key in 16 bytes (49 as an object) where it is a digest in hex (every key the
     gateway makes), instead of 32 characters (81)."""
     return digest_bytes(key) or key.encode()
-
-
-def public_url(url: str) -> str:
-    """An engine URL without the user:password it may carry (never in metrics or reports)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def pinned_blocks(entry: Entry) -> int:

@@ -109,7 +109,7 @@ def _translate(exc: Exception, instance: Instance,
     cut = watch.error() if watch is not None else None
     if cut is not None:
         return cut
-    log.warning("%s (%s) failed: %r", instance.name, instance.url, exc)
+    log.warning("%s (%s) failed: %r", instance.name, instance.public_url, exc)
     if _caused_by(exc, requests.ConnectTimeout, ConnectTimeoutError):
         return ServiceUnavailable(f"{instance.name} did not accept a connection in time")
     if _caused_by(exc, requests.Timeout, ReadTimeoutError, TimeoutError, socket.timeout):

@@ -156,3 +156,16 @@ def test_completion_continuations_are_checked_at_a_token_boundary():
     assert spaced.extends(digest, length) and glued.extends(digest, length)   # same characters
     assert spaced.at_boundary(length) and newline.at_boundary(length)
     assert not glued.at_boundary(length)                                       # not the same tokens
+
+
+def test_a_lookup_tries_at_most_the_most_recent_history_prefixes():
+    """One store call per request, however long the body (issue: a million messages were a
+    million Redis keys in one script)."""
+    from gateway.conversation import LOOKUP_DEPTH
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
+                for i in range(1001)]
+    identity = identify({"messages": messages}, {}, None)
+    keys = identity.lookups()
+    assert len(keys) == LOOKUP_DEPTH
+    # The previous turn's entry (the history up to the last reply) is the first tried.
+    assert keys[0] == identify({"messages": messages[:-1]}, {}, None).messages[-1].hex()

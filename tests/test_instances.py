@@ -250,3 +250,17 @@ def test_the_admin_endpoint_follows_the_admin_rule(two_d_client, app):
     # Without a token the admin routes do not exist.
     plain = app.test_client()
     assert plain.post("/admin/instances", json={"role": "decode", "url": D_URL}).status_code == 404
+
+
+def test_engine_credentials_never_reach_reports_or_logs(caplog):
+    """user:password in an engine URL is sent to the engine (Basic auth), and shown nowhere."""
+    from gateway.instances import Pool
+    pool = Pool("decode", ["http://bob:s3cret@10.9.0.3:8200"])
+    instance = pool.instances[0]
+    assert instance.credentials == ("bob", "s3cret")
+    with caplog.at_level("INFO"):
+        pool.failed(instance, unreachable=True)
+        pool.add("http://eve:hunter2@10.9.0.4:8200", origin="dns:http://eve:hunter2@d.test:8200")
+    assert [i["url"] for i in pool.report()] == ["http://10.9.0.3:8200", "http://10.9.0.4:8200"]
+    assert "s3cret" not in caplog.text and "hunter2" not in caplog.text
+    assert "10.9.0.3:8200" in caplog.text

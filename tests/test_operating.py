@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -277,13 +278,22 @@ def test_a_keys_file_is_reread_when_it_changes(tmp_path, clock):
     with pytest.raises(Unauthorized):
         keys.check("Bearer old-key")
     keys.check("Bearer new-key")
-    path.write_text("")                    # caught mid-rewrite: the last keys stay
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    # Revocation fails closed: emptied (or comments only), deleted, unreadable: no key of it.
+    for revoke in (lambda: path.write_text("# nobody\n"), path.unlink):
+        revoke()
+        clock.advance(1.0)
+        with pytest.raises(Unauthorized):
+            keys.check("Bearer new-key")
+        path.write_text("new-key\n")
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 3 * 10**9))
+        clock.advance(1.0)
+        keys.check("Bearer new-key")
+    path.chmod(0)
     clock.advance(1.0)
-    keys.check("Bearer new-key")
-    path.unlink()                          # gone: the last keys stay
-    clock.advance(1.0)
-    keys.check("Bearer new-key")
+    if os.geteuid() != 0:                  # root reads anything
+        with pytest.raises(Unauthorized):
+            keys.check("Bearer new-key")
+    assert ApiKeys(["from-settings"], str(tmp_path / "none"), clock=clock).enabled
 
 
 def test_each_key_is_its_own_tenant():
@@ -328,3 +338,27 @@ def test_api_keys_end_to_end_with_a_keys_file(tmp_path):
         cache, history = turn("first-key", history + [{"role": "user", "content": "more"}])
         assert cache == "hit"          # the worker was not restarted: its cache is whole
         assert p.stats()["wrong_reuse"] == 0 and json.dumps(history)
+
+
+@pytest.mark.parametrize("salting, shared", [("auto", False), ("off", True)])
+def test_tenants_do_not_share_the_engines_prefix_caches(fresh_engines, gateway_factory,
+                                                        salting, shared):
+    """A document one tenant sent does not make another's prefill faster (a timing probe of
+    what the other sent) unless salting is off; the engines' own counters say so."""
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], api_keys="key-alpha,key-beta",
+                              tenant_cache_salt=salting)
+    document = f"confidential {uuid.uuid4().hex} " + " ".join(f"clause{i}" for i in range(300))
+
+    def ask(key: str) -> dict:
+        reply = requests.post(gateway.url + "/v1/chat/completions", timeout=30,
+                              headers={"Authorization": f"Bearer {key}"}, json={
+                                  "model": MODEL, "max_tokens": 4,
+                                  "messages": [{"role": "user", "content": document}]})
+        assert reply.status_code == 200, reply.text
+        return next(r for r in reversed(p.recent_requests()) if r["kind"] == "chat")
+
+    assert ask("key-alpha")["local_prefix_tokens"] == 0
+    beta = ask("key-beta")
+    assert (beta["local_prefix_tokens"] > 300) == shared
+    assert ask("key-alpha")["local_prefix_tokens"] > 300     # a tenant still hits its own
