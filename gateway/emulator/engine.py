@@ -105,8 +105,12 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = gevent.sleep,
-                 session: requests.Session | None = None) -> None:
+                 session: requests.Session | None = None,
+                 background: Callable[..., object] = gevent.spawn) -> None:
         self.config = config
+        # A notification with nothing to read goes out beside the request, as NIXL's send_notif
+        # does (nixl/pull_worker.py ~L452-476): it never holds up the prefill.
+        self.background = background
         self.engine_id = str(uuid.uuid4())
         self.clock = clock
         self.sleep = sleep
@@ -250,7 +254,7 @@ class Engine:
                 self.stats.declined_pulls += 1
                 count = 0
             if count <= 0:
-                release(self.session, params)
+                self.background(release, self.session, params)
         elif _flag(params, "do_remote_prefill"):
             count = n - local     # D loads the whole prompt it lacks, no threshold (~L59-65)
         ready = local

@@ -55,7 +55,9 @@ def make_api():
     def make(**overrides: object) -> Api:
         clock = TickingClock()
         settings = {"role": "decode", "port": 18200, "itl_ms": 2.0, "output_tokens": 4, **overrides}
-        engine = Engine(EngineConfig(**settings), clock=clock, sleep=clock.sleep)
+        # Background work (a read notification) runs at once: no hub runs in these tests.
+        engine = Engine(EngineConfig(**settings), clock=clock, sleep=clock.sleep,
+                        background=lambda fn, *args: fn(*args))
         return Api(engine, clock, create_app(engine).test_client())
 
     return make
