@@ -90,10 +90,10 @@ class ApiKeys:
                 if stamp == self._stamp:
                     return
                 keys = read_keys(self.path)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:     # ValueError: not UTF-8
                 if self._stamp is not None or self._from_file:
                     log.error("API keys file %s: %s; none of its keys is accepted until it can "
-                              "be read", self.path, exc.strerror or exc)
+                              "be read", self.path, getattr(exc, "strerror", None) or exc)
                 self._from_file, self._stamp = [], None
                 return
             if not keys:

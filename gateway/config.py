@@ -103,9 +103,10 @@ class Settings:
                              "before the least recently used are evicted (local store; bound a "
                              "Redis store with its maxmemory).")
     pinned_blocks: int = option(8192, bounded(int, 0), "Blocks each D may keep pinned for "
-                                "conversations waiting for their next turn (local stores; every "
-                                "worker keeps its share): beyond, the least recently active are "
-                                "released (docs/d-memory.md); 0: no budget.")
+                                "conversations waiting for their next turn (each worker of a "
+                                "local store keeps its share; a Redis store one budget for every "
+                                "host): beyond, the least recently active are released "
+                                "(docs/d-memory.md); 0: no budget.")
     release_rate: float = option(50.0, bounded(float, 0.0), "Releases per second per worker: an "
                                  "entry dropped unread (refused, used by a decode-only turn, "
                                  "evicted, replaced, expired, over budget) has a P tell its D to "

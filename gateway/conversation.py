@@ -93,12 +93,11 @@ def tenant_of(authorization: str | None) -> bytes:
     return _h(b"tenant", (authorization or "").encode())
 
 
-def tenant_salt(authorization: str | None, client_salt: object) -> str:
+def tenant_salt(authorization: str | None, client_salt: str | None) -> str:
     """The cache_salt that keeps a tenant's prompts out of every other tenant's prefix cache
     hits (vLLM mixes cache_salt into its first block's hash). Derived from the credential, so
     no client can name another tenant's salt; the client's own salt, if any, stays inside."""
-    own = client_salt if isinstance(client_salt, str) else ""
-    return _h(b"cache-salt", tenant_of(authorization), own.encode()).hex()
+    return _h(b"cache-salt", tenant_of(authorization), (client_salt or "").encode()).hex()
 
 
 @dataclass(frozen=True)

@@ -6,25 +6,26 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
 
-_USERINFO = re.compile(r"(//)[^/@\s]*@")
-
-
 def public_url(url: str) -> str:
-    """An engine URL (or a text holding one, as "dns:<url>") without the user:password it may
-    carry: never in logs, metrics or reports."""
-    return _USERINFO.sub(r"\1", url)
+    """An engine URL (or an origin, "dns:<url>") without the user:password it may carry: never
+    in logs, metrics or reports. The host is what follows the last "@" of the netloc, as
+    urllib reads it, whatever the password holds."""
+    prefix = "dns:" if url.startswith("dns:") else ""
+    parts = urlsplit(url[len(prefix):])
+    if "@" not in parts.netloc:
+        return url
+    return prefix + urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,9 @@ class Pool:
 
     def report(self) -> list[dict]:
         now = self._clock()
-        return [{"name": i.name, "url": i.public_url, "origin": i.origin, "state": i.state(now),
-                 "inflight": i.inflight, "consecutive_failures": i.failures}
+        return [{"name": i.name, "url": i.public_url, "origin": public_url(i.origin),
+                 "state": i.state(now), "inflight": i.inflight,
+                 "consecutive_failures": i.failures}
                 for i in self.instances]
 
 

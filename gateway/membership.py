@@ -113,10 +113,11 @@ class Membership:
         pool, url = self._pool(role), self._url(url)
         instance = pool.get(url)
         if instance is None:
-            raise NotFound(f"no {role} instance at {url}")
+            raise NotFound(f"no {role} instance at {public_url(url)}")
         if instance.origin.startswith("dns:"):
-            raise BadRequest(f"{instance.name} is an address of {instance.origin[4:]}: it comes "
-                             "and goes with DNS", status=409)
+            raise BadRequest(f"{instance.name} is an address of "
+                             f"{public_url(instance.origin)[4:]}: it comes and goes with DNS",
+                             status=409)
         if len(pool.instances) == 1:
             raise BadRequest(f"{instance.name} is the last {role} instance", status=409)
         self.changes.append({"op": "remove", "role": role, "url": url})

@@ -126,8 +126,10 @@ class Gateway:
     def _serve(self, request: ClientRequest, id_args: tuple, headers: Mapping[str, str],
                request_id: str) -> Reply:
         identity = identify(*id_args)
-        if self.salted:
-            salt = tenant_salt(headers.get("Authorization"), request.body.get("cache_salt"))
+        own_salt = request.body.get("cache_salt")
+        if self.salted and (own_salt is None or isinstance(own_salt, str)):
+            # (A salt that is not a string goes as sent: the engine answers its 400.)
+            salt = tenant_salt(headers.get("Authorization"), own_salt)
             request = replace(request, body={**request.body, "cache_salt": salt})
         # A client's own key is the gateway's to check, not the engines' (--upstream-api-key).
         client_credential = None if self.api_keys.enabled else headers.get("Authorization")

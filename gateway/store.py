@@ -255,20 +255,25 @@ class LocalStore(_Takes):
 
 
 # The blocks each D keeps for a Redis store's entries, shared by every gateway host: per D (an
-# id of its URL) a sorted set of entry keys by expiry, their blocks, and the total; and which D
-# each entry is on. Scripts reach these keys by name (one primary, as the take already needs).
+# id of its URL) a sorted set of entry keys by expiry, their blocks and the total, all expiring
+# after its last entry; and per entry, which D it is on (expiring with the entry). Scripts reach
+# these keys by name (one primary, as the take already needs). Every loop is bounded, and a
+# ledger that lost pieces (keys deleted by hand, an allkeys-* eviction) mends itself.
 _UNPIN = """
-local function unpin(prefix, member)
-    local owner = prefix .. 'pinned-of'
-    local d = redis.call('HGET', owner, member)
-    if not d then return 0 end
+local function unpin_from(prefix, d, member)
     local blocks = prefix .. 'pinned-blocks:' .. d
     local n = tonumber(redis.call('HGET', blocks, member) or '0')
-    redis.call('DECRBY', prefix .. 'pinned-total:' .. d, n)
+    if n > 0 then redis.call('DECRBY', prefix .. 'pinned-total:' .. d, n) end
     redis.call('HDEL', blocks, member)
     redis.call('ZREM', prefix .. 'pinned:' .. d, member)
-    redis.call('HDEL', owner, member)
+    local owner = prefix .. 'pinned-of:' .. member
+    if redis.call('GET', owner) == d then redis.call('DEL', owner) end
     return n
+end
+local function unpin(prefix, member)
+    local d = redis.call('GET', prefix .. 'pinned-of:' .. member)
+    if not d then return 0 end
+    return unpin_from(prefix, d, member)
 end
 """
 
@@ -288,28 +293,42 @@ return false
 # prefix. Returns the entry it replaced (or false), the entries dropped over D's budget (oldest
 # first, never this one), and D's total after.
 _PUT = _UNPIN + """
-local prefix, member, d = ARGV[8], ARGV[4], ARGV[7]
-local zset = prefix .. 'pinned:' .. d
+local prefix, member, d, expiry = ARGV[8], ARGV[4], ARGV[7], tonumber(ARGV[2])
+local zset, blocks, total_key = prefix .. 'pinned:' .. d, prefix .. 'pinned-blocks:' .. d,
+    prefix .. 'pinned-total:' .. d
 local old = redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2], 'GET')
-unpin(prefix, member)
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', zset, '-inf', ARGV[3])) do
-    unpin(prefix, gone)                       -- expired in Redis: D has freed them too
+unpin(prefix, member)                         -- the entry it replaces, on whichever D
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', zset, '-inf', '(' .. ARGV[3], 'LIMIT', 0, 64)) do
+    unpin_from(prefix, d, gone)               -- expired in Redis: D has freed them too
 end
-redis.call('ZADD', zset, ARGV[2], member)
-redis.call('HSET', prefix .. 'pinned-blocks:' .. d, member, ARGV[5])
-redis.call('HSET', prefix .. 'pinned-of', member, d)
-local total = redis.call('INCRBY', prefix .. 'pinned-total:' .. d, ARGV[5])
+redis.call('ZADD', zset, expiry, member)
+redis.call('HSET', blocks, member, ARGV[5])
+redis.call('SET', prefix .. 'pinned-of:' .. member, d, 'PXAT', ARGV[2])
+local total = redis.call('INCRBY', total_key, ARGV[5])
 local budget = tonumber(ARGV[6])
 local over = {}
-while budget > 0 and total > budget do
+for _ = 1, 256 do                             -- bounded: a put never holds Redis long
+    if budget <= 0 or total <= budget then break end
     local oldest = nil                        -- the first by expiry that is not this entry
     for _, m in ipairs(redis.call('ZRANGE', zset, 0, 1)) do
         if m ~= member then oldest = m; break end
     end
-    if not oldest then break end
-    total = total - unpin(prefix, oldest)
+    if not oldest then                        -- this entry alone: its blocks are the total
+        total = tonumber(ARGV[5])
+        redis.call('SET', total_key, total)
+        break
+    end
+    total = total - unpin_from(prefix, d, oldest)
     local value = redis.call('GETDEL', prefix .. oldest)
     if value then table.insert(over, value) end
+end
+-- The ledger outlives its last entry by a minute at most.
+local keep_until = expiry + 60000
+for _, key in ipairs({zset, blocks, total_key}) do
+    local left = redis.call('PTTL', key)
+    if left < 0 or tonumber(ARGV[3]) + left < keep_until then
+        redis.call('PEXPIREAT', key, keep_until)
+    end
 end
 return {old or false, over, total}
 """
@@ -348,7 +367,8 @@ class RedisStore(_Takes):
         try:
             found = self._take_first(keys=[self.PREFIX + key for key in keys],
                                      args=[self.PREFIX])
-            return None if found is None else (keys[found[0] - 1], decode(found[1]))
+            # `not found`: Lua's false is None over RESP2, False over RESP3.
+            return None if not found else (keys[found[0] - 1], decode(found[1]))
         except self._errors as exc:
             self._failed("take", exc)
             return None

@@ -304,7 +304,7 @@ def two_instance_app(store):
     apps = []
 
     def make(prefill, decode):
-        apps.append(create_app(Settings(prefill=prefill, decode=decode, worker_class="gthread",
+        apps.append(create_app(Settings(release_rate=0, prefill=prefill, decode=decode, worker_class="gthread",
                                         verify_reuse="off"), store=store))
         return apps[-1]
 
@@ -396,7 +396,7 @@ def test_engine_urls_keep_their_own_path_and_credentials(store):
     responses.post(d_url + CHAT, body=chat_events([" a"], d_params()),
                    content_type="text/event-stream",
                    match=[matchers.header_matcher({"Authorization": auth})])
-    app = create_app(Settings(prefill=[p_url], decode=[d_url], worker_class="gthread", threads=8,
+    app = create_app(Settings(release_rate=0, prefill=[p_url], decode=[d_url], worker_class="gthread", threads=8,
                               verify_reuse="off", resolve_interval=0), store=store)
     try:
         reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "stream": True})

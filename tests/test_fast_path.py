@@ -246,7 +246,7 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     from gateway.config import Settings
     from gateway.emulator.tokens import Template
     from tests.test_exactness_payloads import PLAIN, d_stream, tokenizer
-    app = create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+    app = create_app(Settings(release_rate=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               verify_reuse="always", fast_path_tokens=64), store=store)
     client = app.test_client()
     try:

@@ -192,7 +192,7 @@ def test_a_change_log_of_its_own_outside_gunicorn():
 @pytest.fixture
 def two_d_client(store):
     from gateway.app import create_app
-    app = create_app(Settings(prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
+    app = create_app(Settings(release_rate=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
                               verify_reuse="off", fast_path_tokens=64, admin_token="t"),
                      store=store)
     yield app.test_client(), app.extensions["pd_gateway"].gateway

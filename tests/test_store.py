@@ -367,3 +367,22 @@ def test_a_shared_store_uncounts_entries_redis_expired_or_that_moved(redis_serve
     totals = sorted(int(redis_server.client.get(k)) for k in
                     redis_server.client.keys("pd-gateway:pinned-total:*"))
     assert totals == [2, 8]
+
+
+def test_a_shared_ledger_that_lost_pieces_mends_itself_and_never_loops(redis_server):
+    """Keys deleted by hand, or evicted by an allkeys-* policy: a put still ends, and the
+    totals come back to what is really kept."""
+    redis_server.client.flushdb()
+    store = RedisStore(redis_server.url, ttl=30, timeout=1, pinned_budget=10)
+    dropped = dropping(store)
+    for n in range(3):
+        store.put(f"k{n}", on("http://d", n, blocks=3))
+    for key in redis_server.client.keys("pd-gateway:pinned-of:*"):
+        redis_server.client.delete(key)                   # every entry's owner gone
+    for key in redis_server.client.keys("pd-gateway:pinned-blocks:*"):
+        redis_server.client.delete(key)                   # and every count
+    store.put("k3", on("http://d", 3, blocks=3))          # 12 > 10 by the stale total
+    assert [r for r, _, why in dropped] == ["r0", "r1", "r2"]
+    (total_key,) = redis_server.client.keys("pd-gateway:pinned-total:*")
+    assert int(redis_server.client.get(total_key)) == 3   # k3 alone: the total mended
+    assert 0 < redis_server.client.pttl(total_key) <= 90_000

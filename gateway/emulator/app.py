@@ -261,6 +261,11 @@ def create_app(engine: Engine) -> Flask:
     def get_stats() -> Response:
         return _json(engine.snapshot())
 
+    @app.get("/stats/leases/<path:request_id>")
+    def lease(request_id: str) -> Response:
+        """Whether blocks are still kept for this internal request id (for tests)."""
+        return _json({"held": engine.leases.holds(request_id)})
+
     @app.get("/stats/requests")
     def recent_requests() -> Response:
         return _json(list(stats.recent))

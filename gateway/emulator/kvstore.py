@@ -225,6 +225,12 @@ class LeaseStore:
             raise LeaseGone(request_id)
         return lease
 
+    def holds(self, request_id: str) -> bool:
+        """Is a lease (tracked or not) still kept for this request? Nothing changes."""
+        with self._lock:
+            self._leases.expire()
+            return request_id in self._leases or request_id in self._untracked
+
     def notify(self, request_id: str) -> Lease | None:
         """A reader is done (read, or declined): free a tracked lease. An untracked one is
         ignored, as vLLM's worker ignores notifications for requests it never saw in a batch

@@ -170,6 +170,10 @@ class EmulatorProcess:
     def reset_stats(self) -> dict:
         return self._call("POST", "/stats/reset")
 
+    def holds(self, request_id: str) -> bool:
+        """Does this engine still keep blocks for the internal request id (remote_request_id)?"""
+        return self._call("GET", f"/stats/leases/{request_id}")["held"]
+
     def recent_requests(self) -> list[dict]:
         return self._call("GET", "/stats/requests")  # type: ignore[return-value]
 

@@ -66,7 +66,7 @@ def test_p_recomputes_under_the_threshold_and_d_frees_its_blocks_either_way(pd, 
     history2 = history + [{"role": "assistant", "content": reply},
                           {"role": "user", "content": "and then"}]
     n2 = len(render_chat(history2))
-    leases = pd.d.stats()["kv_leases"]
+    assert pd.d.holds(d1["remote_request_id"])
     for engine in (pd.p, pd.d):
         engine.reset_stats()
     p_in = {**d1, "do_remote_decode": True, "do_remote_prefill": False, "remote_host": pd.d.host}
@@ -78,7 +78,7 @@ def test_p_recomputes_under_the_threshold_and_d_frees_its_blocks_either_way(pd, 
     assert p_stats["reused_prompt_tokens"] == (count if read else 0)
     assert p_stats["computed_prompt_tokens"] == n2 - own - (count if read else 0)
     # The notification goes out beside the request (as NIXL's): D frees the lease soon after.
-    wait_until(lambda: pd.d.stats()["kv_leases"] == leases - 1, 10, "D to free the lease")
+    wait_until(lambda: not pd.d.holds(d1["remote_request_id"]), 10, "D to free the lease")
 
 
 def test_p_maps_its_new_blocks_onto_the_last_entries_of_the_remote_group(pd):
@@ -199,7 +199,6 @@ def test_prefill_declines_nearly_expired_decode_blocks_as_a_failed_load(pd):
     turns into an error; D is not notified (its TTL frees the blocks)."""
     history = fresh_history()
     reply, d1 = pd.turn(history, max_tokens=100)          # past the recompute threshold
-    leases = pd.d.stats()["kv_leases"]
     history2 = history + [{"role": "assistant", "content": reply}, {"role": "user", "content": "next"}]
     expired = {**d1, "do_remote_decode": True, "do_remote_prefill": False, "remote_host": pd.d.host,
                "remote_blocks_expiry_time": time.monotonic() + 4.0}
@@ -207,7 +206,7 @@ def test_prefill_declines_nearly_expired_decode_blocks_as_a_failed_load(pd):
     assert failed.status_code == 500 and "expired" in failed.json()["error"]["message"]
     stats = pd.p.stats()
     assert (stats["declined_pulls"], stats["stale_pulls"], stats["hits"]) == (1, 1, 0)
-    assert pd.d.stats()["kv_leases"] == leases            # nothing reached D
+    assert pd.d.holds(d1["remote_request_id"])            # nothing reached D
     fresh = {**expired, "remote_blocks_expiry_time": time.monotonic() + 60.0}
     assert pd.prefill(history2, fresh).status_code == 200 and pd.p.stats()["hits"] == 1
 
