@@ -36,6 +36,22 @@ def _key_list(value: Any) -> list[str]:
     return keys
 
 
+def _host_list(value: Any) -> list[str]:
+    """Networks (10.0.0.0/8, 127.0.0.1) and host names (vllm-3.internal, *.internal)."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    hosts = []
+    for item in items:
+        try:
+            hosts.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            name = item.lower().removeprefix("*.")
+            if not name or not all(part.isascii() and part.replace("-", "").isalnum()
+                                   for part in name.split(".")):
+                raise ValueError(f"{item!r} is neither a network nor a host name") from None
+            hosts.append(item.lower())
+    return hosts
+
+
 def _keys_file(value: Any) -> str:
     path = str(value)
     if path and not os.access(path, os.R_OK):
@@ -177,7 +193,10 @@ class Settings:
                             "above a fronting proxy's idle timeout. After SIGTERM, idle "
                             "connections are closed within 2 s.")
     max_turns: int = option(0, bounded(int, 0), "Admission control: turns one worker runs at "
-                            "once (a stream holds its place until its last byte); more wait "
+                            "once (a stream holds its place until its last byte; with gthread, "
+                            "turns it relays to the worker that owns their conversation count "
+                            "too, as they hold a thread, and with gevent they have as many "
+                            "places of their own); more wait "
                             "briefly, then get 429 with Retry-After before any engine is called. "
                             "0: three quarters of the threads with gthread (the rest answer "
                             "refusals and probes), a quarter of the worker connections with "
@@ -205,6 +224,13 @@ class Settings:
                                     "itself to) another's. auto: on with client API keys. The "
                                     "cost: tenants no longer share cached prompts such as a "
                                     "common system prompt.", choices=("auto", "on", "off"))
+    admin_instance_hosts: list[str] = option([], _host_list, "Where engines added through "
+                                             "/admin/instances may be: networks (10.0.0.0/8) "
+                                             "and host names (*.internal: any name under it). "
+                                             "Empty: only the hosts --prefill and --decode name. "
+                                             "Others get 403: the admin token cannot point the "
+                                             "gateway at any address it reaches.",
+                                             nargs="+", show="hosts of --prefill, --decode")
     admin_token: str = option("", str, "Bearer token for GET /admin/status, the detailed report "
                               "(engine URLs, in-flight counts, breakers, store, worker); empty "
                               "turns the report off. /health shows status only. The same token "

@@ -102,16 +102,21 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # left. A slot owns a share of conversations (gateway.affinity) and a private port.
         server.pd_slots = {}    # slot -> the worker holding it
         server.pd_private = _private_base(settings, server)
+        # slot -> its private listener. The master binds them and holds them as long as their
+        # slot lives, so a port is never free for another local user to take while its
+        # worker is away (a crash, a restart), and a forward to it waits in the backlog for
+        # the replacement. A worker inherits its own and accepts on it.
+        server.pd_listeners = {}
         server.pd_changes = _new_changes(None)
         # Every configured slot owns its share from the start: a request that reaches the first
         # worker up waits for its owner (owner_wait) rather than moving once all have started.
         for slot in range(min(server.num_workers, MAX_SLOTS)):
-            LIVE_SLOTS[slot] = 1
+            LIVE_SLOTS[slot] = server.pd_private is None or _listener(server, slot) is not None
 
     def on_reload(server):
         # SIGHUP: gunicorn starts a whole new set of workers, then stops the old set. The new
-        # set takes slots 0..n-1 again; new and old worker of a slot share its private port
-        # (SO_REUSEPORT) until the old one has stopped.
+        # set takes slots 0..n-1 again; new and old worker of a slot accept on its one private
+        # listener (the master's) until the old one has stopped.
         server.pd_slots = {}
         # Admin changes are reset with the settings: the new workers start from those alone.
         # Old workers notice their file was unlinked and stop reporting progress in APPLIED.
@@ -125,7 +130,9 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         if worker.pd_slot >= MAX_SLOTS:
             raise RuntimeError(f"pd-gateway supports at most {MAX_SLOTS} workers")
         server.pd_slots[worker.pd_slot] = worker
-        LIVE_SLOTS[worker.pd_slot] = 1
+        # A slot whose listener cannot be bound serves what it receives and owns nothing.
+        LIVE_SLOTS[worker.pd_slot] = (server.pd_private is None
+                                      or _listener(server, worker.pd_slot) is not None)
 
     def nworkers_changed(server, new_value, old_value):
         # TTOU (or TTIN): gunicorn's manage_workers stops the oldest workers beyond the new
@@ -142,13 +149,18 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         os.environ.pop(PRIVATE_ENV, None)
         if server.pd_private is not None:
             host, base = server.pd_private
+            # Other slots' listeners are theirs alone: this process's copies closed, so a
+            # listener the master closes (its slot retired) is closed for good.
+            for slot, listener in server.pd_listeners.items():
+                if slot != worker.pd_slot:
+                    listener.close()
             # Appended before the worker's accept loop starts, so gunicorn serves it like the
-            # public socket; only this process listens on it. The worker keeps the object too:
-            # gunicorn 20's gevent worker swaps its sockets for copies of their descriptors,
-            # and a dropped original would close the descriptor under the copy.
-            address = (host, base + worker.pd_slot)
-            worker.pd_private_socket = _PrivateSocket(address, worker.cfg, worker.log)
-            worker.sockets = [*worker.sockets, worker.pd_private_socket]
+            # public socket. The master's object stays referenced: gunicorn 20's gevent worker
+            # swaps its sockets for copies of their descriptors, and a dropped original would
+            # close the descriptor under the copy.
+            own = server.pd_listeners.get(worker.pd_slot)
+            if own is not None:
+                worker.sockets = [*worker.sockets, own]
             os.environ[PRIVATE_ENV] = f"{host}:{base}"
 
     def child_exit(server, worker):
@@ -163,6 +175,10 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         refilled = set(itertools.islice(free, missing))
         if holder is None or (holder is worker and worker.pd_slot not in refilled):
             LIVE_SLOTS[worker.pd_slot] = 0
+            if worker.pd_slot not in server.pd_slots:        # nobody will accept on it
+                listener = getattr(server, "pd_listeners", {}).pop(worker.pd_slot, None)
+                if listener is not None:
+                    listener.close()
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
@@ -217,6 +233,23 @@ def _private_base(settings: Settings, server) -> tuple[str, int] | None:
     return settings.private_host, base
 
 
+def _listener(server, slot: int):
+    """The master's private listener for `slot`, bound now if it is not yet; None (logged) if
+    its port is taken: that worker then owns no conversations, and the gateway goes on."""
+    listener = server.pd_listeners.get(slot)
+    if listener is None:
+        host, base = server.pd_private
+        try:
+            listener = _PrivateSocket((host, base + slot), server.cfg, server.log)
+        except OSError as exc:
+            server.log.error("pd-gateway: worker slot %d cannot listen privately on %s:%d (%s); "
+                             "it serves without owning conversations", slot, host, base + slot,
+                             exc)
+            return None
+        server.pd_listeners[slot] = listener
+    return listener
+
+
 def _new_changes(old: str | None) -> str:
     """A new, empty admin-changes file (mode 0600: only the gateway's user may add instances);
     the old one unlinked."""
@@ -260,7 +293,11 @@ def _metrics_dir() -> None:
 
 class _PrivateSocket(TCPSocket):
     def set_options(self, sock, bound=False):
-        # Only for the overlap of a reload (see on_reload); the public socket keeps
-        # gunicorn's own setting, so no other process can bind it.
+        # For a USR2 upgrade, whose new master binds the same ports while the old one drains.
+        # Linux lets only sockets of the same effective uid share a port: no other user's.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        return super().set_options(sock, bound)
+        sock = super().set_options(sock, bound)
+        # Forked workers inherit it; a re-exec'd master must not (gunicorn marks its own
+        # inheritable): a copy nobody accepts on would take a share of the connections.
+        sock.set_inheritable(False)
+        return sock

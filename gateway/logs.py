@@ -27,6 +27,22 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+# Control characters (and Unicode's line breaks) as escapes: a message that quotes a client
+# (an engine's "The model `x` does not exist" echoes the request's model) keeps to its line.
+_CONTROL = {c: f"\\x{c:02x}" if c < 256 else f"\\u{c:04x}"
+            for c in [*range(32), 127, 0x85, 0x2028, 0x2029]}
+_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\t"})
+
+
+class TextFormatter(logging.Formatter):
+    """One record, one line: no input can forge a log line. A traceback still follows on lines
+    of its own (the formatter appends it after the message)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        return line if line.isprintable() else line.translate(_CONTROL)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {"time": self.formatTime(record), "level": record.levelname,
@@ -44,7 +60,7 @@ def configure(level: str, fmt: str = "text") -> None:
         if not any(isinstance(f, RequestIdFilter) for f in handler.filters):
             handler.addFilter(RequestIdFilter())
             handler.setFormatter(JsonFormatter() if fmt == "json"
-                                 else logging.Formatter(TEXT_FORMAT))
+                                 else TextFormatter(TEXT_FORMAT))
 
 
 def traceparent(given: str | None) -> str:

@@ -19,12 +19,14 @@ this process's own: the change applies here only.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import json
 import logging
 import os
 import tempfile
 import threading
 import time
+from urllib.parse import urlsplit
 
 from . import gunicorn_conf, metrics
 from .config import Settings, _url_list
@@ -75,6 +77,30 @@ class ChangeLog:
         os.close(self._fd)
 
 
+class Allowed:
+    """Is a URL's host one of these networks or names (`*.domain`: any name under it)? A name
+    is matched as written, never resolved: it could resolve anywhere by the time it is used."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        self.networks, self.names, self.domains = [], set(), []
+        for host in hosts:
+            try:
+                self.networks.append(ipaddress.ip_network(host, strict=False))
+            except ValueError:
+                if host.startswith("*."):
+                    self.domains.append(host[1:].lower())
+                else:
+                    self.names.add(host.lower())
+
+    def __call__(self, url: str) -> bool:
+        host = (urlsplit(url).hostname or "").lower()
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return host in self.names or host.endswith(tuple(self.domains))
+        return any(address in network for network in self.networks) or host in self.names
+
+
 class Membership:
     """Fills the pools from the settings (names resolved), then keeps them current."""
 
@@ -87,6 +113,9 @@ class Membership:
                                    enabled=self.interval > 0)
         for role, pool in pools.items():
             self.discovery.seed(pool, getattr(settings, role))
+        self.allowed = Allowed(settings.admin_instance_hosts or
+                               [urlsplit(url).hostname or "" for url in
+                                (*settings.prefill, *settings.decode)])
         self.changes = ChangeLog(environ.get(CHANGES_ENV))
         self._lock = threading.Lock()       # one applier at a time: the file's order holds
         self.apply_pending()               # a worker that (re)starts catches up with the rest
@@ -102,6 +131,9 @@ class Membership:
     def add(self, role: str, url: str) -> tuple[dict, bool]:
         """Add an instance in every worker: (its report and which workers have it, new?)."""
         pool, url = self._pool(role), self._url(url)
+        if not self.allowed(url):
+            raise BadRequest(f"{public_url(url)} is not on a host --admin-instance-hosts allows",
+                             param="url", status=403)
         if pool.get(url) is not None:
             return self._confirmed(pool, url), False
         self.changes.append({"op": "add", "role": role, "url": url})

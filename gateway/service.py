@@ -58,6 +58,14 @@ class Gateway:
         self.affinity = Affinity(settings, self.upstream)
         self.admission = Admission(settings.turn_limit, settings.admission_queue,
                                    settings.admission_wait, settings.retry_after)
+        # A request relayed to the worker that owns its conversation holds, for its whole
+        # stream, a thread here (gthread: counted with the turns, which need the same threads)
+        # or a connection of the worker's pool (gevent: counted apart, within the pool).
+        # Uncounted, relays filled every thread while the requests they waited for queued
+        # behind them: a deadlock. Its owner admits the turn itself.
+        self.relays = (self.admission if settings.worker_class == "gthread" else
+                       Admission(settings.turn_limit, settings.admission_queue,
+                                 settings.admission_wait, settings.retry_after))
         self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file)
         # Tenants apart in the engines' prefix caches as well (auto: where tenants exist).
         self.salted = (settings.tenant_cache_salt == "on" or
@@ -90,15 +98,15 @@ class Gateway:
                  if self.affinity.may_forward(environ) else None)
         held: list = []        # what this call took, released after the reply's own
         try:
-            if owner is None:
-                self._admit(held)             # a place for this turn, or 429: nothing started
+            # A place for this turn or its relay, or 429 with nothing started.
+            self._admit(held, self.admission if owner is None else self.relays)
             total = self.settings.total_timeout
             held.append(Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
                               time.monotonic() + total if total else None).stop)
             reply = None if owner is None else self._forward(owner, environ, raw, headers)
             if reply is None:
-                if owner is not None:
-                    self._admit(held)         # its owner is away: served here, as a miss
+                if owner is not None and self.relays is not self.admission:
+                    self._admit(held, self.admission)    # its owner is away: served here
                 reply = self._serve(request, id_args, headers, request_id)
         except BaseException:
             _release(once(*reversed(held)))      # the error the client sees is the first one
@@ -108,9 +116,10 @@ class Gateway:
             _release(reply.close)                # the body is whole: it goes out regardless
         return reply
 
-    def _admit(self, held: list) -> None:
-        self.admission.enter()
-        held.append(self.admission.leave)
+    @staticmethod
+    def _admit(held: list, admission: Admission) -> None:
+        admission.enter()
+        held.append(admission.leave)
 
     def _forward(self, owner: Instance, environ: Mapping[str, object], raw: bytes,
                  headers: Mapping[str, str]) -> Reply | None:
@@ -163,7 +172,8 @@ class Gateway:
                 "threads": sum(not t.name.startswith("ThreadPoolExecutor")
                                for t in threading.enumerate()),
                 "watchers": Watch.live,
-                **self.admission.report(), **self.store.report(), **pools,
+                **self.admission.report(), "relays_in_flight": self.relays.inflight,
+                **self.store.report(), **pools,
                 **({"greenlets": _greenlets()} if debug else {})}
 
     def close(self) -> None:

@@ -59,7 +59,8 @@ def test_engines_added_and_removed_while_conversations_run(worker_class):
                    for i, role in enumerate(["prefill", "prefill", "decode", "decode", "decode"])]
         p1, p2, d1, d2, d3 = engines
         gateway = stack.enter_context(gateway_process([p1.url], [d1.url, d2.url], workers=2,
-                                                      worker_class=worker_class))
+                                                      worker_class=worker_class,
+                                                      admin_instance_hosts="127.0.0.0/24"))
         for slot in range(2):
             wait_until(lambda: gateway.status(port=gateway.port + 1 + slot), 20, f"slot {slot}")
         convs = conversations(gateway, 40)

@@ -145,7 +145,7 @@ def test_a_settings_name_that_cannot_be_resolved_is_kept_as_given():
 def test_admin_changes_reach_every_member_of_the_file_in_order(tmp_path):
     path = tmp_path / "changes.jsonl"
     path.touch()
-    settings = Settings(prefill=[P_URL], decode=[D_URL])
+    settings = Settings(prefill=[P_URL], decode=[D_URL], admin_instance_hosts=["10.9.0.0/24"])
 
     def worker():
         pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
@@ -193,7 +193,8 @@ def test_a_change_log_of_its_own_outside_gunicorn():
 def two_d_client(store):
     from gateway.app import create_app
     app = create_app(Settings(release_rate=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
-                              verify_reuse="off", fast_path_tokens=64, admin_token="t"),
+                              verify_reuse="off", fast_path_tokens=64, admin_token="t",
+                              admin_instance_hosts=["10.9.0.0/24"]),
                      store=store)
     yield app.test_client(), app.extensions["pd_gateway"].gateway
     app.extensions["pd_gateway"].close()
@@ -250,6 +251,33 @@ def test_the_admin_endpoint_follows_the_admin_rule(two_d_client, app):
     # Without a token the admin routes do not exist.
     plain = app.test_client()
     assert plain.post("/admin/instances", json={"role": "decode", "url": D_URL}).status_code == 404
+
+
+@pytest.mark.parametrize("allowed, url, status", [
+    ([], "http://10.9.0.1:8101", 201),                # a host the settings name, another port
+    ([], "http://10.9.0.5:8100", 403),
+    ([], "http://169.254.169.254:80", 403),           # a cloud's metadata service
+    (["10.9.0.0/24"], "http://10.9.0.5:8100", 201),
+    (["10.9.0.0/24"], "http://10.9.1.5:8100", 403),
+    (["*.internal", "vllm.example"], "http://p3.pods.internal:8100", 201),
+    (["*.internal", "vllm.example"], "http://vllm.example:8100", 201),
+    (["*.internal", "vllm.example"], "http://internal.evil:8100", 403),
+    (["*.internal", "vllm.example"], "http://10.9.0.1:8100", 403),   # names, not what they resolve to
+])
+def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, status):
+    """With the admin token, /admin/instances could point the gateway at any address it reaches
+    and read answers back through /v1/models; it takes only hosts the settings allow."""
+    from gateway.app import create_app
+    app = create_app(Settings(release_rate=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
+                              admin_instance_hosts=allowed))
+    try:
+        reply = app.test_client().post("/admin/instances", json={"role": "decode", "url": url},
+                                       headers=ADMIN)
+        assert reply.status_code == status, reply.get_json()
+        if status == 403:
+            assert reply.get_json()["error"]["param"] == "url"
+    finally:
+        app.extensions["pd_gateway"].close()
 
 
 def test_engine_credentials_never_reach_reports_or_logs(caplog):

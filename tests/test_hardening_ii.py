@@ -1,0 +1,171 @@
+"""Hardening II (the second security review): a burst past capacity gets fast refusals and never
+deadlocks forwarding workers; private listeners nobody else can take."""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from gateway.emulator.process import free_port, wait_until
+from devtools import workload
+from tests.conftest import MODEL, gateway_process
+
+BURST = 128
+
+
+def _burst_request(i: int, host: str, port: int) -> bytes:
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": f"burst conversation {i}"}]})
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n{body}").encode()
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_burst_past_capacity_gets_refusals_and_health_answers(fresh_engines, worker_class,
+                                                                workers):
+    """128 streams at once on workers of 8 threads (or 32 connections): every turn is either
+    admitted (held at P, which hangs) or refused with 429, and /health answers while they are
+    held. Before, a request relayed to its owner held a thread and no place: 4 gthread workers
+    filled every thread with relays whose owners' requests queued behind them, for good."""
+    p, _ = fresh_engines
+    p.set_fault("hang", max_s=120)          # every admitted turn is held until its client leaves
+    sizing = {"threads": 8} if worker_class == "gthread" else {"worker_connections": 32}
+    with gateway_process([p.url], [fresh_engines[1].url], worker_class=worker_class,
+                         workers=workers, **sizing) as gateway:
+        host, port = "127.0.0.1", gateway.port
+        clients = [socket.create_connection((host, port)) for _ in range(BURST)]
+        selector = selectors.DefaultSelector()
+        replies: dict[socket.socket, bytes] = {}
+        try:
+            for i, sock in enumerate(clients):
+                sock.sendall(_burst_request(i, host, port))
+                selector.register(sock, selectors.EVENT_READ)
+                replies[sock] = b""
+            ended: list[int] = []        # statuses of the replies that came
+
+            def settled() -> bool:
+                for key, _ in selector.select(0.2):
+                    sock = key.fileobj
+                    replies[sock] += sock.recv(65536)
+                    if b"\r\n\r\n" in replies[sock] or not replies[sock]:
+                        # A reply (or a close): the client hangs up, as clients do once they
+                        # have what they asked for.
+                        selector.unregister(sock)
+                        sock.close()
+                        ended.append(int(replies[sock].split(b" ", 2)[1]) if replies[sock]
+                                     else 0)
+                return len(ended) + p.stats()["requests"] == BURST
+
+            # Bounded for a deadlock's sake only: settled in well under a second when it works.
+            wait_until(settled, 60, "every turn of the burst admitted or refused",
+                       gateway.process, gateway.log_path)
+            admitted = p.stats()["requests"]
+            assert set(ended) <= {429} and admitted + len(ended) == BURST
+            assert ended, "a burst of 128 on these workers is refused in part"
+            for _ in range(5):                    # the admitted turns are still held
+                assert requests.get(gateway.url + "/health", timeout=10).status_code == 200
+            print(f"\n{worker_class} x{workers}: {admitted} admitted, {len(ended)} x 429")
+        finally:
+            for sock in clients:
+                sock.close()
+            selector.close()
+        # Their clients gone, the held turns end: no place stays taken.
+        wait_until(lambda: p.stats()["fault_responses"] == p.stats()["requests"], 30,
+                   "P's held requests ended")
+        p.set_fault("none")
+
+
+# --- 2. private listeners nobody else can take ----------------------------------------------
+
+def _another_user_binds(host: str, port: int) -> bool:
+    """Can another local user bind host:port now, as a squatter would (SO_REUSEPORT, which
+    Linux honours only between sockets of one uid)? Run as root, the child is uid 65534;
+    otherwise it is this uid without SO_REUSEPORT, which no listener of ours lets in either."""
+    pid = os.fork()
+    if pid == 0:                      # the child only makes system calls, then _exits
+        code = 1
+        try:
+            root = os.geteuid() == 0
+            if root:
+                os.setuid(65534)
+            sock = socket.socket()                       # owned by the uid that makes it
+            if root:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_private_port_stays_the_gateways_while_its_worker_is_away(fresh_engines):
+    """The master holds every slot's listener: with its worker killed and no replacement yet
+    (the master stopped), nobody else can bind the port, and a forward sent meanwhile waits
+    for the replacement instead of being refused. Before, the worker bound it and the port was
+    free until the replacement came: another user's listener got the forwarded requests."""
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], workers=2) as gateway:
+        private = gateway.port + 1                      # slot 0
+        victim = gateway.status(port=private)["pid"]
+        os.kill(gateway.process.pid, signal.SIGSTOP)     # no respawn until we say
+        try:
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda: _zombie(victim), 10, "the killed worker gone")
+            assert not _another_user_binds("127.0.0.1", private)
+            waiting = ThreadPoolExecutor(1).submit(
+                requests.get, f"http://127.0.0.1:{private}/health", timeout=30)
+        finally:
+            os.kill(gateway.process.pid, signal.SIGCONT)
+        assert waiting.result().status_code == 200      # served by the replacement
+        assert gateway.status(port=private)["pid"] != victim
+
+
+def test_a_slot_whose_port_is_taken_serves_and_the_gateway_goes_on(fresh_engines):
+    """A port squatted before start: that worker serves without owning conversations; the
+    others own them all (every later turn a hit) and the squatter is never sent a request.
+    Before, the worker failed to boot and the master halted the whole gateway (exit 3)."""
+    p, d = fresh_engines
+    port = free_port("127.0.0.1", 3)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port + 2))               # slot 1's private port
+    squatter.listen(16)
+    squatter.setblocking(False)
+    try:
+        with gateway_process([p.url], [d.url], port=port, workers=2) as gateway:
+            convs = workload.run(gateway.url, conversations=24, turns=2)
+            assert workload.errors(convs) == []
+            assert workload.later_hits(convs) == (24, 24)
+            assert gateway.process.poll() is None
+            with pytest.raises(BlockingIOError):
+                squatter.accept()
+            assert "cannot listen privately" in gateway.log()
+    finally:
+        squatter.close()
+
+
+# --- 7. the smaller ones ----------------------------------------------------------------------
+
+def test_a_client_cannot_forge_a_line_of_the_text_log(fresh_engines, gateway_factory):
+    """vLLM's 404 quotes the model a client sent; the gateway logs what the engine answered.
+    A model name with a newline stays inside its line, escaped."""
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url])
+    forged = "2026-12-05 00:00:00,000 1 ERROR gateway.admin [-]: admin token rotated"
+    reply = requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+        "model": f"nope\n{forged}\r\n{forged}", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 404
+    wait_until(lambda: "nope\\n2026" in gateway.log(), 10, "the engine's answer logged")
+    assert not any(line.startswith(forged) for line in gateway.log().splitlines())
