@@ -20,7 +20,7 @@ $(STAMP): setup.cfg setup.py
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m gateway.demo $(if $(PREFILL),--prefill $(PREFILL)) $(if $(DECODE),--decode $(DECODE))
+	$(BIN)/python -m devtools.demo $(if $(PREFILL),--prefill $(PREFILL)) $(if $(DECODE),--decode $(DECODE))
 
 # The lowest supported versions (constraints/lowest.txt, the floors of setup.cfg) in a venv of
 # their own: the embedding tests (a legacy Flask app under its own gunicorn) run there too.

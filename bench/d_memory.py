@@ -32,8 +32,8 @@ import requests
 from devtools import sse
 from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
-from gateway.emulator.process import EmulatorProcess, wait_until
-from gateway.emulator.tokens import VOCAB
+from emulator.process import EmulatorProcess, wait_until
+from emulator.tokens import VOCAB
 
 TIMEOUT = 15.0      # a turn that waits longer for D's memory is counted as failed
 

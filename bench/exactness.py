@@ -176,7 +176,7 @@ def completions_conversation(url: str, client: Client, turns: int, seed: int) ->
 @contextlib.contextmanager
 def mode_engines(mode: Mode, first_host: int):
     """A P and a D engine with the mode's template behaviour, on 127.0.0.N and N+1."""
-    from gateway.emulator.process import EmulatorProcess
+    from emulator.process import EmulatorProcess
     # kv_recompute_threshold 0 (vLLM's is 64): P reads whatever the gateway lets it, so what
     # is measured is the gateway's decision, not the threshold hiding it behind short replies.
     flags = {"itl_ms": 1, "output_tokens": 6, "recompute_threshold": 0, **mode.engine}

@@ -24,8 +24,8 @@ import requests
 from devtools import sse
 from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
-from gateway.emulator.process import EmulatorProcess, wait_until
-from gateway.emulator.tokens import VOCAB
+from emulator.process import EmulatorProcess, wait_until
+from emulator.tokens import VOCAB
 
 # vLLM's defaults (prefix caching, kv_recompute_threshold 64) with bidirectional transfer on.
 ENGINE = {"itl_ms": 10, "prefill_ms_per_token": 0.1, "pull_ms_per_block": 0.05,

@@ -23,7 +23,7 @@ from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
 from gateway.affinity import owner
 from gateway.conversation import identify
-from gateway.emulator.process import EmulatorProcess, wait_until
+from emulator.process import EmulatorProcess, wait_until
 
 
 def ttft(url: str, body: dict) -> float:

@@ -13,7 +13,7 @@ from bench.fill import FILL_ENV
 from bench.measure import Load, run_load
 from bench.systems import PROXY_HOST, Engines, Running, System, quiet_ports, start, stop_process
 from gateway.config import Settings
-from gateway.emulator.process import wait_until
+from emulator.process import wait_until
 
 
 @dataclass(frozen=True)

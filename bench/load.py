@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory for locust's CSV files")
     args = parser.parse_args(argv)
 
-    from gateway.emulator.process import EmulatorProcess
+    from emulator.process import EmulatorProcess
     from devtools.processes import GatewayProcess
 
     with contextlib.ExitStack() as stack:

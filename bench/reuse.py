@@ -42,7 +42,7 @@ from bench.metrics import percentile
 from bench.systems import slug, stop_process, _spawn
 from devtools.processes import GatewayProcess
 from devtools.workload import FIRST_WORDS, TURN_WORDS
-from gateway.emulator.process import EmulatorProcess, free_port
+from emulator.process import EmulatorProcess, free_port
 
 HOSTS = ("127.0.0.80", "127.0.0.81", "127.0.0.82", "127.0.0.83")   # P, P, D, D
 PROXY_HOST = "127.0.0.1"

@@ -13,7 +13,7 @@ import requests
 
 from bench import venvs
 from devtools.processes import GatewayProcess, RedisProcess
-from gateway.emulator.process import EmulatorProcess, free_port, wait_until
+from emulator.process import EmulatorProcess, free_port, wait_until
 
 PROXY_HOST = "127.0.0.1"
 PREFILL_HOST = "127.0.0.2"

@@ -8,7 +8,7 @@ import threading
 from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
-from gateway.emulator.process import free_port
+from emulator.process import free_port
 
 
 class _Records(BaseResolver):

@@ -1,7 +1,7 @@
 """Gateways (under gunicorn: `pd-gateway`, or a host app that mounts it) and Redis servers as
 child processes on free loopback ports.
 
-Ports and waiting come from `gateway.emulator.process` (`free_port`, `wait_until`), which
+Ports and waiting come from `emulator.process` (`free_port`, `wait_until`), which
 starts the emulated engines.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from gateway.emulator.process import free_port, wait_until
+from emulator.process import free_port, wait_until
 
 
 @dataclass

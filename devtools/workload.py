@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import requests
 
 from devtools import sse
-from gateway.emulator.tokens import VOCAB, render_chat
+from emulator.tokens import VOCAB, render_chat
 
 MODEL = "emulated-model"  # the emulator's default served name
 # Benchmark sizes in words (= emulator tokens), after vLLM's generate_multi_turn.json scaled

@@ -64,7 +64,7 @@ P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
 @contextlib.contextmanager
 def two_of_each(first_host: int):
     """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
-    from gateway.emulator.process import EmulatorProcess
+    from emulator.process import EmulatorProcess
     with contextlib.ExitStack() as stack:
         engines = [stack.enter_context(EmulatorProcess(role, bidirectional_kv_xfer=True, host=f"127.0.0.{first_host + i}",
                                                        itl_ms=1))
@@ -74,7 +74,7 @@ def two_of_each(first_host: int):
 
 @pytest.fixture(scope="session")
 def engines():
-    from gateway.emulator.process import EmulatorProcess
+    from emulator.process import EmulatorProcess
     # Not vLLM's defaults: bidirectional transfer on (what the gateway is for), and
     # kv_recompute_threshold 0, so that P reads whatever D holds beyond its own cache and every
     # reuse shows in P's counters (with 64, short replies are recomputed: tests/test_kv_truth.py).

@@ -13,7 +13,7 @@ from gateway.affinity import Affinity, owner
 from gateway.config import Settings
 from gateway.conversation import identify
 from devtools import workload
-from gateway.emulator.process import EmulatorProcess, wait_until
+from emulator.process import EmulatorProcess, wait_until
 from tests.conftest import gateway_process, two_of_each
 
 

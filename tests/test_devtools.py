@@ -9,7 +9,7 @@ import pytest
 
 from devtools import sse
 from devtools.workload import Conversation, benchmark_conversation
-from gateway.emulator.process import free_port, wait_until
+from emulator.process import free_port, wait_until
 
 
 def test_ports_handed_out_are_never_handed_out_again_before_anyone_binds_them():

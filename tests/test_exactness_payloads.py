@@ -10,7 +10,7 @@ import json
 import pytest
 import responses
 
-from gateway.emulator.tokens import EOS, THINK, END_THINK, Template, token_ids
+from emulator.tokens import EOS, THINK, END_THINK, Template, token_ids
 from tests.conftest import D_URL, P_URL
 from tests.test_disagg_payloads import MISS, client_events, d_params, p_params, p_reply, sse
 

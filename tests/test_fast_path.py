@@ -15,7 +15,7 @@ import responses
 from openai import OpenAI
 from responses import matchers
 
-from gateway.emulator.process import wait_until
+from emulator.process import wait_until
 from tests.conftest import D_URL, MODEL, P_URL
 from tests.test_disagg_payloads import MISS, chat_events, d_params, p_params, p_reply
 
@@ -244,7 +244,7 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     # path proves the entry on P instead of taking the refusal as final.
     from gateway.app import create_app
     from gateway.config import Settings
-    from gateway.emulator.tokens import Template
+    from emulator.tokens import Template
     from tests.test_exactness_payloads import PLAIN, d_stream, tokenizer
     app = create_app(Settings(release_rate=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               verify_reuse="always", fast_path_tokens=64), store=store)

@@ -12,7 +12,7 @@ import pytest
 import requests
 import responses
 
-from gateway.emulator.process import wait_until
+from emulator.process import wait_until
 from tests.conftest import MODEL, gateway_process
 from tests.test_reliability import open_and_abandon
 
@@ -217,7 +217,7 @@ def test_models_asks_healthy_instances_first_with_a_short_timeout():
 
 
 def test_a_disconnect_noticed_by_the_watcher_is_counted_as_a_disconnect():
-    from gateway.emulator.process import EmulatorProcess
+    from emulator.process import EmulatorProcess
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.17", itl_ms=1) as p, \
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.18", itl_ms=3000) as d, \
             gateway_process([p.url], [d.url]) as gateway:
@@ -297,7 +297,7 @@ def _client(url: str, deadline: float, rng, outcome: dict) -> None:
 def test_chaos_with_long_bodies_leaves_nothing_behind(worker_class):
     import random
     import threading
-    from gateway.emulator.process import EmulatorProcess
+    from emulator.process import EmulatorProcess
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.19", itl_ms=2, prefill_ms_per_token=0.1) as p, \
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.20", itl_ms=20) as d, \
             gateway_process([p.url], [d.url], workers=2, worker_class=worker_class) as gateway:

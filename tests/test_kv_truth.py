@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from devtools import workload
-from gateway.emulator.process import EmulatorProcess
+from emulator.process import EmulatorProcess
 from tests.conftest import gateway_process
 
 

@@ -16,7 +16,7 @@ import requests
 import responses
 from flask import Flask
 
-from gateway.emulator.process import EmulatorProcess, wait_until
+from emulator.process import EmulatorProcess, wait_until
 from tests.conftest import D_URL, MODEL, P_URL, gateway_process
 from tests.test_disagg_payloads import CHAT, MESSAGES, chat_events, d_params, p_params, p_reply
 from tests.test_hardening import metric

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from devtools import sse, workload
-from gateway.emulator.process import EmulatorProcess, wait_until
+from emulator.process import EmulatorProcess, wait_until
 from tests.conftest import MODEL, gateway_process, two_of_each
 
 

@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from devtools import sse, workload
-from gateway.emulator.process import wait_until
+from emulator.process import wait_until
 from tests.conftest import MODEL, gateway_process, two_of_each
 
 pytestmark = pytest.mark.slow

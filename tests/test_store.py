@@ -129,7 +129,7 @@ def test_redis_concurrent_takes_get_the_entry_once(redis_server):
 
 def test_redis_failures_are_misses_not_errors():
     from gateway import metrics
-    from gateway.emulator.process import free_port
+    from emulator.process import free_port
     failed = metrics.STORE_ERRORS.labels("take")._value.get()
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", ttl=450, timeout=0.5)   # nobody there
     store.put("k", entry())

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from devtools import workload
 from devtools.processes import GatewayProcess, Mount
-from gateway.emulator.process import wait_until
+from emulator.process import wait_until
 from tests.conftest import MODEL
 from tests.test_affinity import workers_of
 from tests.test_e2e_core import chat_turns

@@ -8,10 +8,10 @@ import pytest
 import requests
 
 from devtools import sse as sse_client
-from gateway.emulator.app import create_app
-from gateway.emulator.config import EngineConfig
-from gateway.emulator.engine import Engine
-from gateway.emulator.process import EmulatorProcess
+from emulator.app import create_app
+from emulator.config import EngineConfig
+from emulator.engine import Engine
+from emulator.process import EmulatorProcess
 
 # What a gateway sends P on turn 1 (vLLM's disagg_proxy_multiturn.py).
 STUB = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.emulator.tokens import render_chat
+from emulator.tokens import render_chat
 
 MESSAGES = [{"role": "user", "content": "tell me about kv caches please"}]
 # D-side params that set neither flag (what a gateway sends for a local decode).

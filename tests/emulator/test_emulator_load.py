@@ -7,7 +7,7 @@ import selectors
 import socket
 import time
 
-from gateway.emulator.process import EmulatorProcess
+from emulator.process import EmulatorProcess
 
 STREAMS = 500
 

@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from devtools import sse as sse_client
-from gateway.emulator.process import EmulatorProcess, wait_until
-from gateway.emulator.tokens import render_chat
+from emulator.process import EmulatorProcess, wait_until
+from emulator.tokens import render_chat
 
 from tests.emulator.conftest import STUB
 

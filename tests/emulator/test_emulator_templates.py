@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from devtools import sse as sse_client
-from gateway.emulator.process import EmulatorProcess
-from gateway.emulator.tokens import EOS, THINK, Template, generate_chat, token_ids
+from emulator.process import EmulatorProcess
+from emulator.tokens import EOS, THINK, Template, generate_chat, token_ids
 from tests.emulator.conftest import PD, stream_params
 
 words = st.lists(st.sampled_from(["hi", "there", "kv", "cache"]), min_size=1, max_size=6).map(" ".join)

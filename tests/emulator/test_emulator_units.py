@@ -10,11 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from werkzeug.test import Client
 
-from gateway.emulator.config import ROLES, EngineConfig, build_parser, config_from_args
-from gateway.emulator.faults import Fault, FaultState, parse_fault_spec
-from gateway.emulator.kvport import create_kv_app
-from gateway.emulator.kvstore import BlockPool, LeaseGone, LeaseMismatch, LeaseStore
-from gateway.emulator.tokens import EOS, VOCAB, generate, render_chat, render_completion, reply_text
+from emulator.config import ROLES, EngineConfig, build_parser, config_from_args
+from emulator.faults import Fault, FaultState, parse_fault_spec
+from emulator.kvport import create_kv_app
+from emulator.kvstore import BlockPool, LeaseGone, LeaseMismatch, LeaseStore
+from emulator.tokens import EOS, VOCAB, generate, render_chat, render_completion, reply_text
 
 
 class FakeClock:

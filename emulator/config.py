@@ -7,9 +7,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..options import (SettingsError, add_arguments, boolean, bounded, check, given, option,
+from gateway.options import (SettingsError, add_arguments, boolean, bounded, check, given, option,
                        positive)
-from ..options import port as _port
+from gateway.options import port as _port
 from .faults import Fault, parse_fault_spec
 from .tokens import QUIRKS
 
@@ -131,7 +131,7 @@ class EngineConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pd-gateway-emulator",
+        prog="python -m emulator.cli",
         description="Emulated vLLM engine (prefill or decode role) with a real KV pull port.")
     add_arguments(parser, EngineConfig)
     return parser

@@ -17,7 +17,7 @@ import time
 
 import requests
 
-from ..options import options
+from gateway.options import options
 from .config import EngineConfig
 
 # Every port free_port has handed out in this process. A picked port is free only until someone
@@ -52,6 +52,11 @@ def free_port(host: str = "127.0.0.1", run: int = 1, low: int = 20000, high: int
             _handed_out.update(ports)
             return base
     raise RuntimeError(f"no {run} consecutive free ports in {low}..{high} on {host}")
+
+
+# The emulator is not installed (it stays out of the gateway's wheel): it runs from the
+# checkout it is in.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | None = None,
@@ -121,7 +126,7 @@ class EmulatorProcess:
             fd, log_path = tempfile.mkstemp(prefix=f"emulator-{role}-{port}-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "gateway.emulator.cli", "--role", role, "--host", host,
+        self.argv = [sys.executable, "-m", "emulator.cli", "--role", role, "--host", host,
                      "--port", str(port), "--kv-port", str(kv_port)]
         self.argv += _argv(flags)
         self._starts_down = str(flags.get("fault") or "").split(",")[0] == "down"
@@ -149,7 +154,9 @@ class EmulatorProcess:
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                               "PYTHONPATH": _CHECKOUT + os.pathsep
+                                               + os.environ.get("PYTHONPATH", "")})
         # An engine started with --fault down answers /health with 503; /faults shows it is up.
         probe = "/faults" if self._starts_down else "/health"
         try:

@@ -9,10 +9,10 @@ import requests
 from openai import OpenAI
 
 # A development entry point, run from a checkout (`make run`), like the tooling it uses:
-# nothing else in the package imports devtools.
+# nothing in the gateway package imports devtools or the emulator.
 from devtools.processes import GatewayProcess
 
-from .emulator.process import EmulatorProcess
+from emulator.process import EmulatorProcess
 
 QUESTIONS = [
     "Tell me about disaggregated prefill and decode in a few words",

@@ -1,4 +1,4 @@
-"""pd-gateway-emulator: serve one emulated engine (HTTP API and KV port) from one gevent process."""
+"""`python -m emulator.cli` (from a checkout): serve one emulated engine (HTTP API and KV port) from one gevent process."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .config import config_from_args  # noqa: E402
 from .engine import Engine  # noqa: E402
 from .kvport import create_kv_app  # noqa: E402
 
-log = logging.getLogger("gateway.emulator")
+log = logging.getLogger("emulator")
 
 BACKLOG = 2048  # hundreds of clients connect at once in the load test; the default 256 drops SYNs
 
