@@ -180,6 +180,11 @@ class Settings:
                                  "bytes from an engine (prefill included).")
     total_timeout: float = option(900.0, bounded(float, 0.0), "Deadline, in seconds, "
                                   "for a whole request, stream included; 0 for none.")
+    client_timeout: float = option(60.0, positive(float), "Seconds a client may stall while "
+                                   "it is served: send nothing more of its request (headers, "
+                                   "body: 408) or take nothing of its reply (the turn ends, its "
+                                   "place and D's stream released). Idle keep-alive "
+                                   "connections wait --keepalive.")
     max_body_bytes: int = option(32 * 1024 * 1024, positive(int),
                                  "Largest request body accepted; larger ones get 413.")
     # Read once, at import. Help and README show where it comes from, never the key itself.

@@ -15,8 +15,9 @@ workers = _settings.workers
 # Streams last as long as decode does: a sync worker would be killed at `timeout` mid-stream.
 # gevent serves thousands of idle streams per worker; gthread one thread per stream.
 # gevent: gunicorn's worker, except that a graceful stop does not wait out idle keep-alives.
+# Both with a deadline on clients that stall (--client-timeout).
 worker_class = ("gateway.workers.GeventWorker" if _settings.worker_class == "gevent"
-                else _settings.worker_class)
+                else "gateway.workers.ThreadWorker")
 threads = _settings.threads
 worker_connections = _settings.worker_connections
 # The worker heartbeat, not a request limit: streams may run much longer than this.

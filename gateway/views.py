@@ -30,13 +30,27 @@ def _read_body(limit: int) -> bytes:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
     try:
         raw = request.stream.read(limit + 1)
-    except (OSError, ValueError) as exc:      # gunicorn's NoMoreData: a cut chunked body
+    except (OSError, ValueError, HTTPException) as exc:
+        if _stalled(exc):     # the client socket's timeout (gateway.workers), maybe wrapped
+            raise GatewayError("The request body stopped arriving for longer than the "
+                               "client timeout", status=408) from exc
+        if isinstance(exc, HTTPException):   # e.g. the host app's MAX_CONTENT_LENGTH
+            raise GatewayError.from_http(exc) from exc
+        # gunicorn's NoMoreData, werkzeug's ClientDisconnected: a cut body
         raise BadRequest("Request body ended before it was complete") from exc
-    except HTTPException as exc:    # e.g. the host app's MAX_CONTENT_LENGTH: answered here
-        raise GatewayError.from_http(exc) from exc
     if len(raw) > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
     return raw
+
+
+def _stalled(exc: BaseException | None) -> bool:
+    """A timeout, or an error raised while handling one (werkzeug reports a failed read of the
+    body as ClientDisconnected)."""
+    while exc is not None:
+        if isinstance(exc, TimeoutError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 _UNSENT = "pd_gateway.stream_response"

@@ -1,5 +1,12 @@
-"""gunicorn's gevent worker, with kept-alive connections let go at shutdown and a cheaper
-write to clients.
+"""gunicorn's gevent and gthread workers, with a deadline on every client that stalls, kept-alive
+connections let go at shutdown and a cheaper write to clients.
+
+A client that stops sending its request (headers or body) or stops taking its reply holds what
+serves it: a gthread thread (8 connections that sent half their headers blocked every thread
+of a worker, /health included, for as long as they stayed open), a gevent connection and the
+turn's admission place and D's stream. Each client socket here has a timeout while a request is
+served (`--client-timeout`): a read or a write that makes no progress for that long fails, the
+request ends (408 for a body that stopped coming) and everything it held is released.
 
 On SIGTERM gunicorn's gevent worker stops accepting, then waits until every connection's
 greenlet has ended, and a connection idle between two requests ends only when its keep-alive
@@ -16,26 +23,46 @@ client sockets here try one plain send first and leave anything it did not take 
 """
 from __future__ import annotations
 
+import socket
+
 import gevent
 import gevent.socket
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
+from gunicorn.workers.gthread import ThreadWorker as _ThreadWorker
+
+from .config import Settings
 
 STOP_KEEPALIVE_LINGER = 2.0   # as gunicorn's gthread worker
+_THREAD_CLIENT_TIMEOUT: float | None = None    # this gthread worker's --client-timeout
+
+
+def _client_timeout() -> float:
+    return Settings.from_env().client_timeout
 
 
 class GeventWorker(_GeventWorker):
     def init_process(self) -> None:
         self._idle: dict = {}     # greenlet -> the keep-alive timeout it is waiting under
+        self._clients: dict = {}  # greenlet -> the client socket it serves
+        self._client_timeout = _client_timeout()
         super().init_process()
 
     def handle(self, listener, client, addr) -> None:
         if type(client) is gevent.socket.socket:     # not TLS sockets, whose send differs
             client.__class__ = _ClientSocket
-        super().handle(listener, client, addr)
+        glet = gevent.getcurrent()
+        self._clients[glet] = client
+        try:
+            super().handle(listener, client, addr)
+        finally:
+            del self._clients[glet]
 
     def timeout_ctx(self) -> "_IdleWait":
-        # gunicorn calls this around reading each next request on a connection, only there.
-        return _IdleWait(self._idle, self.cfg.keepalive if self.alive else STOP_KEEPALIVE_LINGER)
+        # gunicorn calls this around reading each next request on a connection, only there:
+        # the keep-alive wait, bounded by itself (the request's headers with it); the client
+        # timeout holds from the headers on.
+        return _IdleWait(self._idle, self.cfg.keepalive if self.alive else STOP_KEEPALIVE_LINGER,
+                         self._clients.get(gevent.getcurrent()), self._client_timeout)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -56,18 +83,25 @@ class GeventWorker(_GeventWorker):
 
 
 class _IdleWait:
-    """gevent.Timeout(seconds, False), registered while the greenlet waits inside it."""
+    """gevent.Timeout(seconds, False), registered while the greenlet waits inside it; the
+    client's own timeout off meanwhile, and on again after."""
 
-    def __init__(self, idle: dict, seconds: float) -> None:
+    def __init__(self, idle: dict, seconds: float, client, client_timeout: float) -> None:
         self.idle = idle
         self.timeout = gevent.Timeout(seconds, False)
+        self.client = client
+        self.client_timeout = client_timeout
 
     def __enter__(self) -> gevent.Timeout:
         self.idle[gevent.getcurrent()] = self.timeout
+        if self.client is not None:
+            self.client.settimeout(None)
         return self.timeout.__enter__()
 
     def __exit__(self, *exc) -> bool:
         self.idle.pop(gevent.getcurrent(), None)
+        if self.client is not None:
+            self.client.settimeout(self.client_timeout)
         return self.timeout.__exit__(*exc)
 
 
@@ -83,3 +117,49 @@ class _ClientSocket(gevent.socket.socket):
             sent = 0
         if sent < len(data):
             super().sendall(memoryview(data)[sent:], flags)
+
+
+class ThreadWorker(_ThreadWorker):
+    """gunicorn's gthread worker, whose client sockets time out (`--client-timeout`) wherever
+    a thread would block on them (gunicorn makes them blocking in the thread that serves a
+    request), and whose closing connections never make its main loop wait for the client."""
+
+    def init_process(self) -> None:
+        global _THREAD_CLIENT_TIMEOUT
+        _THREAD_CLIENT_TIMEOUT = _client_timeout()
+        super().init_process()
+
+    def handle(self, conn):  # type: ignore[no-untyped-def]
+        if type(conn.sock) is socket.socket:          # not TLS sockets (gunicorn wraps later)
+            conn.sock.__class__ = _ThreadClientSocket
+        return super().handle(conn)
+
+
+class _ThreadClientSocket(socket.socket):
+    """Blocking means: with a timeout. Half-closed by the server, it waits for nothing more:
+    gunicorn 27 lingers on a closing connection for the client's own close, up to 2 s, in the
+    main loop that accepts and dispatches every connection (a client that never closes held
+    all of them up: 2 s per refused request of a burst)."""
+
+    __slots__ = ()
+
+    def setblocking(self, flag: bool) -> None:
+        if flag:
+            super().settimeout(_THREAD_CLIENT_TIMEOUT)
+        else:
+            super().setblocking(False)
+
+    def shutdown(self, how: int) -> None:
+        super().shutdown(how)
+        if how == socket.SHUT_WR:
+            self.__class__ = _ClosingSocket
+
+
+class _ClosingSocket(socket.socket):
+    """What the client already sent is drained (no reset cuts the reply's last bytes); what it
+    has not sent yet is not waited for."""
+
+    __slots__ = ()
+
+    def settimeout(self, value) -> None:  # type: ignore[no-untyped-def]
+        super().settimeout(0.0)

@@ -49,17 +49,18 @@ def test_a_burst_past_capacity_gets_refusals_and_health_answers(fresh_engines, w
                 sock.sendall(_burst_request(i, host, port))
                 selector.register(sock, selectors.EVENT_READ)
                 replies[sock] = b""
-            ended: list[int] = []        # statuses of the replies that came
+            ended: list[int] = []        # statuses of the replies that ended
 
             def settled() -> bool:
                 for key, _ in selector.select(0.2):
                     sock = key.fileobj
-                    replies[sock] += sock.recv(65536)
-                    if b"\r\n\r\n" in replies[sock] or not replies[sock]:
-                        # A reply (or a close): the client hangs up, as clients do once they
-                        # have what they asked for.
+                    chunk = sock.recv(65536)
+                    replies[sock] += chunk
+                    if not chunk:
+                        # The gateway's close (Connection: close). Waiting for it, rather than
+                        # hanging up first, is what a client may do: gunicorn 27's gthread
+                        # main loop lingered up to 2 s for such a client's own close.
                         selector.unregister(sock)
-                        sock.close()
                         ended.append(int(replies[sock].split(b" ", 2)[1]) if replies[sock]
                                      else 0)
                 return len(ended) + p.stats()["requests"] == BURST
@@ -154,6 +155,71 @@ def test_a_slot_whose_port_is_taken_serves_and_the_gateway_goes_on(fresh_engines
             assert "cannot listen privately" in gateway.log()
     finally:
         squatter.close()
+
+
+# --- 3. clients that stall cost their connections, not the worker ----------------------------
+
+STALLED = {
+    "headers": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl",
+    "body": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+             b"\r\nContent-Length: 1000\r\n\r\n{\"model\": "),
+}
+
+
+@pytest.mark.parametrize("stall", ["headers", "body"])
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_clients_that_stall_their_request_cost_their_connections_not_the_worker(
+        fresh_engines, worker_class, stall):
+    """8 clients send part of their request and stop, on a worker of 4 threads (or 16
+    connections): /health still answers, a stalled body gets 408 and a stalled gthread request
+    is closed, each after --client-timeout. Before, gthread's threads were theirs for as long
+    as they stayed, /health included."""
+    p, d = fresh_engines
+    sizing = {"threads": 4} if worker_class == "gthread" else {"worker_connections": 16}
+    with gateway_process([p.url], [d.url], worker_class=worker_class, client_timeout=1,
+                         **sizing) as gateway:
+        stalled = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(8)]
+        try:
+            for sock in stalled:
+                sock.sendall(STALLED[stall])
+            assert requests.get(gateway.url + "/health", timeout=30).status_code == 200
+            if stall == "body" or worker_class == "gthread":
+                for sock in stalled:
+                    sock.settimeout(30)
+                    reply = sock.recv(4096)          # what the gateway sends, then its close
+                    assert reply.startswith(b"HTTP/1.1 408") if stall == "body" else True
+                    while reply:
+                        reply = sock.recv(4096)
+            assert p.stats()["requests"] == 0
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(fresh_engines,
+                                                                         worker_class):
+    """A client that asks for a long stream and reads none of it: once the socket buffers
+    are full and a write makes no progress for --client-timeout, the turn ends, its place is
+    free and D's stream is closed. Before, both were held until the 900 s total deadline."""
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], worker_class=worker_class,
+                         client_timeout=1) as gateway:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", gateway.port))
+        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 30000,
+                           "messages": [{"role": "user", "content": "say a lot"}]})
+        try:
+            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                          f"\r\n\r\n{body}").encode())
+            wait_until(lambda: d.stats()["aborted_streams"] == 1, 60, "D's stream closed",
+                       gateway.process, gateway.log_path)
+            wait_until(lambda: gateway.status()["turns_in_flight"] == 0, 10, "the place free")
+            assert d.stats()["completed"] == 0
+        finally:
+            sock.close()
 
 
 # --- 7. the smaller ones ----------------------------------------------------------------------
