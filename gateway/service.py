@@ -7,10 +7,10 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 from . import logs, metrics
-from .admission import Admission
+from .admission import Admission, BodyBudget
 from .affinity import Affinity
 from .auth import ApiKeys
 from .config import Settings
@@ -58,6 +58,7 @@ class Gateway:
         self.affinity = Affinity(settings, self.upstream)
         self.admission = Admission(settings.turn_limit, settings.admission_queue,
                                    settings.admission_wait, settings.retry_after)
+        self.bodies = BodyBudget(settings.max_bodies_bytes, settings.retry_after)
         # A request relayed to the worker that owns its conversation holds, for its whole
         # stream, a thread here (gthread: counted with the turns, which need the same threads)
         # or a connection of the worker's pool (gevent: counted apart, within the pool).
@@ -83,21 +84,23 @@ class Gateway:
                              access_log=settings.access_log)
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
-                 environ: Mapping[str, object], request_id: str) -> Reply:
+                 environ: Mapping[str, object], request_id: str,
+                 body_held: Callable[[], None] | None = None) -> Reply:
         """Run one completion request whose whole body is `raw`; raises GatewayError.
 
         The body must be read before this call: bytes still unread in the socket would look to
         the disconnect watcher like a pipelined next request, and it would stop watching.
         The reply's `close` releases what the turn holds (the engine stream, D's in-flight
-        count, its admission place, the watcher): call it when the reply has ended or was
+        count, its admission place, the watcher, and `body_held`, the body's share of the
+        worker's body budget, which this call owns from its start): call it when the reply has ended or was
         dropped; a JSON reply comes released.
         """
-        request = parse(path, raw)            # CPU only: no watcher, no place taken yet
-        id_args = (request.body, headers, request.conversation_id)
-        owner = (self.affinity.forward_to(root_key(*id_args))
-                 if self.affinity.may_forward(environ) else None)
-        held: list = []        # what this call took, released after the reply's own
+        held: list = [body_held] if body_held else []  # released after the reply's own
         try:
+            request = parse(path, raw)        # CPU only: no watcher, no place taken yet
+            id_args = (request.body, headers, request.conversation_id)
+            owner = (self.affinity.forward_to(root_key(*id_args))
+                     if self.affinity.may_forward(environ) else None)
             # A place for this turn or its relay, or 429 with nothing started.
             self._admit(held, self.admission if owner is None else self.relays)
             total = self.settings.total_timeout
@@ -173,6 +176,7 @@ class Gateway:
                                for t in threading.enumerate()),
                 "watchers": Watch.live,
                 **self.admission.report(), "relays_in_flight": self.relays.inflight,
+                "body_bytes_held": self.bodies.held,
                 **self.store.report(), **pools,
                 **({"greenlets": _greenlets()} if debug else {})}
 

@@ -43,6 +43,24 @@ def _read_body(limit: int) -> bytes:
     return raw
 
 
+def _read_budgeted_body(gateway: Gateway) -> tuple[bytes, Callable[[], None]]:
+    """The body, and its share of the worker's body budget (taken before it is read when its
+    length is given, as it is read otherwise), to give back when its turn ends."""
+    limit = gateway.settings.max_body_bytes
+    declared = request.content_length
+    # A body declared over the limit is refused (413) without being read: it holds nothing.
+    held = gateway.bodies.take(declared if declared is not None and declared <= limit else 0)
+    try:
+        raw = _read_body(limit)
+        if declared is None:                      # chunked: counted once it is here
+            more = gateway.bodies.take(len(raw))
+            return raw, once(held, more)
+    except BaseException:
+        held()
+        raise
+    return raw, held
+
+
 def _stalled(exc: BaseException | None) -> bool:
     """A timeout, or an error raised while handling one (werkzeug reports a failed read of the
     body as ClientDisconnected)."""
@@ -115,8 +133,9 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         streaming = False
         try:
             gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
-            raw = _read_body(gateway.settings.max_body_bytes)   # whole, before the watcher
-            reply = gateway.complete(path, raw, request.headers, request.environ, request_id)
+            raw, body_held = _read_budgeted_body(gateway)   # whole, before the watcher
+            reply = gateway.complete(path, raw, request.headers, request.environ, request_id,
+                                     body_held)
             if reply.stream is None:
                 response = json_response(reply.body)
             else:

@@ -222,6 +222,43 @@ def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(fresh
             sock.close()
 
 
+# --- 4. bodies in flight within a budget, refused before they are read ----------------------
+
+def _headers_of(length: int) -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(fresh_engines,
+                                                                          worker_class):
+    """A worker holds at most --max-bodies-bytes of bodies: with one 150 KB body arriving (its
+    client slow), a 100 KB one gets 429 before a byte of it is sent; once the first is gone
+    the same request is served. Before, every body was read and parsed whatever the others."""
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], worker_class=worker_class,
+                         max_body_bytes=150_000, max_bodies_bytes=200_000) as gateway:
+        slow = socket.create_connection(("127.0.0.1", gateway.port))
+        slow.sendall(_headers_of(150_000) + b'{"model": "')        # and then nothing
+        try:
+            wait_until(lambda: gateway.status()["body_bytes_held"] == 150_000, 10,
+                       "the slow body counted")
+            second = socket.create_connection(("127.0.0.1", gateway.port))
+            second.sendall(_headers_of(100_000))                      # its body never sent
+            second.settimeout(30)
+            reply = second.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 429") and b"retry-after" in reply.lower()
+            second.close()
+        finally:
+            slow.close()
+        wait_until(lambda: gateway.status()["body_bytes_held"] == 0, 10, "the budget free")
+        padding = "x" * 99_000
+        served = requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": padding}]})
+        assert served.status_code == 200
+        assert gateway.metric("pd_gateway_admissions_total", result="rejected_bodies") == 1
+
+
 # --- 7. the smaller ones ----------------------------------------------------------------------
 
 def test_a_client_cannot_forge_a_line_of_the_text_log(fresh_engines, gateway_factory):
