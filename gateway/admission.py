@@ -68,10 +68,11 @@ class Admission:
 
 
 class BodyBudget:
-    """Bytes of request bodies one worker holds at once, from before the body is read until its
-    turn has ended (the body, what is parsed from it and the engine bodies built from it live
-    that long): beyond `limit`, 429 before the body is read. A body alone always fits (up to
-    --max-body-bytes), so no size is refused for good.
+    """Bytes of request bodies one worker holds at once, each counted as it arrives and held
+    until its turn has ended (the body, what is parsed from it and the engine bodies built from
+    it live that long): a body whose next bytes would go beyond `limit` gets 429 before it is
+    parsed. A body alone always fits (up to --max-body-bytes), so no size is refused for good,
+    and a client that sends slowly holds only what it has sent.
 
     Why: memory and CPU grow with a body, ~15 times its size in memory and up to ~50 ns a byte
     to parse and identify (a 32 MiB history of 900,000 short messages: 0.5 GB, 1.7 s). Admission
@@ -83,17 +84,29 @@ class BodyBudget:
         self.held = 0
         self._lock = threading.Lock()
 
-    def take(self, size: int):
-        """Hold `size` bytes, or raise `Overloaded`; call what it returns to give them back."""
-        with self._lock:
-            if self.held and self.held + size > self.limit:
-                metrics.ADMISSIONS.labels("rejected_bodies").inc()
-                raise Overloaded(f"The gateway holds {self.held} bytes of request bodies, at its "
-                                 f"limit of {self.limit}; retry after {self.retry_after} s",
-                                 retry_after=self.retry_after)
-            self.held += size
-        return lambda: self._give(size)
+    def hold(self) -> BodyHold:
+        return BodyHold(self)
 
-    def _give(self, size: int) -> None:
-        with self._lock:
-            self.held -= size
+
+class BodyHold:
+    """One body's bytes in the budget: `add` as they arrive, `release` (idempotent) at the end."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.size = 0
+
+    def add(self, size: int) -> None:
+        budget = self.budget
+        with budget._lock:
+            if budget.held > self.size and budget.held + size > budget.limit:
+                metrics.ADMISSIONS.labels("rejected_bodies").inc()
+                raise Overloaded(f"The gateway holds {budget.held} bytes of request bodies, at "
+                                 f"its limit of {budget.limit}; retry after "
+                                 f"{budget.retry_after} s", retry_after=budget.retry_after)
+            budget.held += size
+            self.size += size
+
+    def release(self) -> None:
+        with self.budget._lock:
+            self.budget.held -= self.size
+            self.size = 0

@@ -188,9 +188,10 @@ class Settings:
     max_body_bytes: int = option(32 * 1024 * 1024, positive(int),
                                  "Largest request body accepted; larger ones get 413.")
     max_bodies_bytes: int = option(64 * 1024 * 1024, positive(int), "Bytes of request bodies "
-                                   "one worker holds at once, each from before it is read until "
-                                   "its turn ends (memory: ~15 times that); beyond, 429 with "
-                                   "Retry-After before the body is read. One body always fits.")
+                                   "one worker holds at once, each counted as it arrives and "
+                                   "held until its turn ends (memory: ~15 times that); beyond, "
+                                   "429 with Retry-After before the body is parsed. One body "
+                                   "always fits.")
     # Read once, at import. Help and README show where it comes from, never the key itself.
     upstream_api_key: str = option(os.environ.get("OPENAI_API_KEY") or "", str,
                                    "Bearer key sent to the engines (default $OPENAI_API_KEY); "

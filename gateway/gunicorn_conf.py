@@ -29,6 +29,9 @@ SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"          # this worker's slot, set after for
 # host:port of slot 0's private listener (slot N listens on port + N); set after fork only when
 # the workers forward (several workers, local stores, affinity on).
 PRIVATE_ENV = "PD_GATEWAY_PRIVATE_BASE"
+# The threads of this worker when gunicorn runs a threaded one (gthread), unset under gevent:
+# a host's config chooses the worker, and the app sizes its turn limit and relay places by it.
+THREADS_ENV = "PD_GATEWAY_WORKER_THREADS"
 MAX_SLOTS = 256
 # Which slots own conversations now, shared with every worker (forked from the master, which
 # alone writes it): a worker stopped by TTOU or a smaller reload stops owning at once, so no
@@ -102,21 +105,22 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # left. A slot owns a share of conversations (gateway.affinity) and a private port.
         server.pd_slots = {}    # slot -> the worker holding it
         server.pd_private = _private_base(settings, server)
-        # slot -> its private listener. The master binds them and holds them as long as their
-        # slot lives, so a port is never free for another local user to take while its
-        # worker is away (a crash, a restart), and a forward to it waits in the backlog for
-        # the replacement. A worker inherits its own and accepts on it.
-        server.pd_listeners = {}
+        # slot -> the master's hold on its private port: a socket bound with SO_REUSEPORT and
+        # never listening, kept while the slot lives. Linux lets only sockets of the same uid
+        # share such a port, so no other local user can bind it while its worker is away (a
+        # crash, a restart), and with nobody listening a forward to it is refused at once,
+        # as before (the forwarder waits --owner-wait for the replacement, then serves).
+        server.pd_holds = {}
         server.pd_changes = _new_changes(None)
         # Every configured slot owns its share from the start: a request that reaches the first
         # worker up waits for its owner (owner_wait) rather than moving once all have started.
         for slot in range(min(server.num_workers, MAX_SLOTS)):
-            LIVE_SLOTS[slot] = server.pd_private is None or _listener(server, slot) is not None
+            LIVE_SLOTS[slot] = server.pd_private is None or _hold(server, slot)
 
     def on_reload(server):
         # SIGHUP: gunicorn starts a whole new set of workers, then stops the old set. The new
-        # set takes slots 0..n-1 again; new and old worker of a slot accept on its one private
-        # listener (the master's) until the old one has stopped.
+        # set takes slots 0..n-1 again; new and old worker of a slot share its private port
+        # (SO_REUSEPORT) until the old one has stopped.
         server.pd_slots = {}
         # Admin changes are reset with the settings: the new workers start from those alone.
         # Old workers notice their file was unlinked and stop reporting progress in APPLIED.
@@ -130,9 +134,8 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         if worker.pd_slot >= MAX_SLOTS:
             raise RuntimeError(f"pd-gateway supports at most {MAX_SLOTS} workers")
         server.pd_slots[worker.pd_slot] = worker
-        # A slot whose listener cannot be bound serves what it receives and owns nothing.
-        LIVE_SLOTS[worker.pd_slot] = (server.pd_private is None
-                                      or _listener(server, worker.pd_slot) is not None)
+        # A slot whose port is taken serves what it receives and owns nothing.
+        LIVE_SLOTS[worker.pd_slot] = server.pd_private is None or _hold(server, worker.pd_slot)
 
     def nworkers_changed(server, new_value, old_value):
         # TTOU (or TTIN): gunicorn's manage_workers stops the oldest workers beyond the new
@@ -145,23 +148,33 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
 
     def post_fork(server, worker):
         os.environ[SLOT_ENV] = str(worker.pd_slot)
+        if _is_gevent(type(worker)):
+            os.environ.pop(THREADS_ENV, None)
+        else:
+            os.environ[THREADS_ENV] = str(worker.cfg.threads)
         os.environ[CHANGES_ENV] = server.pd_changes
         os.environ.pop(PRIVATE_ENV, None)
         if server.pd_private is not None:
             host, base = server.pd_private
-            # Other slots' listeners are theirs alone: this process's copies closed, so a
-            # listener the master closes (its slot retired) is closed for good.
-            for slot, listener in server.pd_listeners.items():
-                if slot != worker.pd_slot:
-                    listener.close()
-            # Appended before the worker's accept loop starts, so gunicorn serves it like the
-            # public socket. The master's object stays referenced: gunicorn 20's gevent worker
-            # swaps its sockets for copies of their descriptors, and a dropped original would
-            # close the descriptor under the copy.
-            own = server.pd_listeners.get(worker.pd_slot)
-            if own is not None:
-                worker.sockets = [*worker.sockets, own]
+            for hold in server.pd_holds.values():     # the master's, not this worker's
+                hold.close()
             os.environ[PRIVATE_ENV] = f"{host}:{base}"
+            # Appended before the worker's accept loop starts, so gunicorn serves it like the
+            # public socket; only this process listens on it. The worker keeps the object too:
+            # gunicorn 20's gevent worker swaps its sockets for copies of their descriptors,
+            # and a dropped original would close the descriptor under the copy.
+            address = (host, base + worker.pd_slot)
+            if worker.pd_slot not in server.pd_holds:  # taken before the master got it
+                return
+            try:
+                worker.pd_private_socket = _PrivateSocket(address, worker.cfg, worker.log)
+            except OSError as exc:               # never a reason to halt the gateway
+                worker.log.error("pd-gateway: worker slot %d cannot listen on %s:%d (%s); it "
+                                 "serves without owning conversations", worker.pd_slot,
+                                 *address, exc)
+                LIVE_SLOTS[worker.pd_slot] = 0
+                return
+            worker.sockets = [*worker.sockets, worker.pd_private_socket]
 
     def child_exit(server, worker):
         holder = server.pd_slots.get(worker.pd_slot)
@@ -175,10 +188,10 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         refilled = set(itertools.islice(free, missing))
         if holder is None or (holder is worker and worker.pd_slot not in refilled):
             LIVE_SLOTS[worker.pd_slot] = 0
-            if worker.pd_slot not in server.pd_slots:        # nobody will accept on it
-                listener = getattr(server, "pd_listeners", {}).pop(worker.pd_slot, None)
-                if listener is not None:
-                    listener.close()
+            if worker.pd_slot not in server.pd_slots:        # a slot nobody will refill
+                hold = getattr(server, "pd_holds", {}).pop(worker.pd_slot, None)
+                if hold is not None:
+                    hold.close()
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
@@ -207,7 +220,8 @@ def _refuse_what_cannot_work(server) -> None:
         raise RuntimeError(
             "pd-gateway cannot run under gunicorn's sync worker: it kills a request at "
             "--timeout, mid-stream. Use worker_class = 'gateway.workers.GeventWorker' (gevent) "
-            "or 'gthread' with threads >= the concurrent streams per worker.")
+            "or 'gateway.workers.ThreadWorker' (gthread with client timeouts) with threads >= the "
+            "concurrent streams per worker.")
     replaced = [name for name in HOOKS if not getattr(getattr(server.cfg, name), _MARK, False)]
     if replaced:
         raise RuntimeError(
@@ -233,21 +247,25 @@ def _private_base(settings: Settings, server) -> tuple[str, int] | None:
     return settings.private_host, base
 
 
-def _listener(server, slot: int):
-    """The master's private listener for `slot`, bound now if it is not yet; None (logged) if
-    its port is taken: that worker then owns no conversations, and the gateway goes on."""
-    listener = server.pd_listeners.get(slot)
-    if listener is None:
-        host, base = server.pd_private
-        try:
-            listener = _PrivateSocket((host, base + slot), server.cfg, server.log)
-        except OSError as exc:
-            server.log.error("pd-gateway: worker slot %d cannot listen privately on %s:%d (%s); "
-                             "it serves without owning conversations", slot, host, base + slot,
-                             exc)
-            return None
-        server.pd_listeners[slot] = listener
-    return listener
+def _hold(server, slot: int) -> bool:
+    """Does the master hold `slot`'s private port (bound now if it was not)? False (logged) if
+    another process has it: that worker then owns no conversations, and the gateway goes on."""
+    if slot in server.pd_holds:
+        return True
+    host, base = server.pd_private
+    # Not SO_REUSEADDR: a socket of another uid with it could share a port whose other sockets
+    # all have it and none listens. Not inheritable: a re-exec'd master (USR2) binds its own.
+    hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        hold.bind((host, base + slot))
+    except OSError as exc:
+        hold.close()
+        server.log.error("pd-gateway: worker slot %d cannot have its private port %s:%d (%s); "
+                         "it serves without owning conversations", slot, host, base + slot, exc)
+        return False
+    server.pd_holds[slot] = hold
+    return True
 
 
 def _new_changes(old: str | None) -> str:
@@ -293,11 +311,8 @@ def _metrics_dir() -> None:
 
 class _PrivateSocket(TCPSocket):
     def set_options(self, sock, bound=False):
-        # For a USR2 upgrade, whose new master binds the same ports while the old one drains.
-        # Linux lets only sockets of the same effective uid share a port: no other user's.
+        # Beside the master's hold, and for the overlap of a reload (see on_reload); Linux
+        # shares the port with sockets of this uid only. The public socket keeps gunicorn's
+        # own setting.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock = super().set_options(sock, bound)
-        # Forked workers inherit it; a re-exec'd master must not (gunicorn marks its own
-        # inheritable): a copy nobody accepts on would take a share of the connections.
-        sock.set_inheritable(False)
-        return sock
+        return super().set_options(sock, bound)

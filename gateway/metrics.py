@@ -42,7 +42,7 @@ STORE_ERRORS = Counter("pd_gateway_store_errors", "Calls to a Redis store that f
 ADMISSIONS = Counter("pd_gateway_admissions", "Turns by admission (--max-turns): admitted at "
                      "once, queued (waited for a place, then admitted), rejected_queue_full and "
                      "rejected_waited (429 with Retry-After, no engine called), rejected_bodies "
-                     "(429 before the body was read: --max-bodies-bytes)", ["result"])
+                     "(429 before the body was parsed: --max-bodies-bytes)", ["result"])
 RESOLUTIONS = Counter("pd_gateway_resolutions", "Lookups of instance DNS names (--resolve-"
                       "interval): ok, or failed (an error or no address: the last set is kept)",
                       ["result"])

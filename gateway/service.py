@@ -19,6 +19,7 @@ from .disagg import Disagg
 from .errors import BadGateway, GatewayError
 from .exactness import Exactness
 from .fast_path import FastPath
+from .gunicorn_conf import THREADS_ENV
 from .instances import Instance, Policy, Pool, Prober
 from .membership import Membership
 from .parse import ClientRequest, parse
@@ -56,7 +57,13 @@ class Gateway:
                              settings.probe_interval)
         self.prefill.on_down = self.decode.on_down = self.prober.wake
         self.affinity = Affinity(settings, self.upstream)
-        self.admission = Admission(settings.turn_limit, settings.admission_queue,
+        # The running worker's threads, if gunicorn runs a threaded one (a host's config may
+        # choose it, whatever the app's settings say): turns take at most 3/4 of them.
+        threads = int(os.environ.get(THREADS_ENV, 0))
+        threaded = bool(threads) or settings.worker_class == "gthread"
+        limit = (max(1, threads * 3 // 4) if threads and not settings.max_turns
+                 else settings.turn_limit)
+        self.admission = Admission(limit, settings.admission_queue,
                                    settings.admission_wait, settings.retry_after)
         self.bodies = BodyBudget(settings.max_bodies_bytes, settings.retry_after)
         # A request relayed to the worker that owns its conversation holds, for its whole
@@ -64,9 +71,9 @@ class Gateway:
         # or a connection of the worker's pool (gevent: counted apart, within the pool).
         # Uncounted, relays filled every thread while the requests they waited for queued
         # behind them: a deadlock. Its owner admits the turn itself.
-        self.relays = (self.admission if settings.worker_class == "gthread" else
-                       Admission(settings.turn_limit, settings.admission_queue,
-                                 settings.admission_wait, settings.retry_after))
+        self.relays = (self.admission if threaded else
+                       Admission(limit, settings.admission_queue, settings.admission_wait,
+                                 settings.retry_after))
         self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file)
         # Tenants apart in the engines' prefix caches as well (auto: where tenants exist).
         self.salted = (settings.tenant_cache_salt == "on" or
@@ -107,6 +114,8 @@ class Gateway:
             held.append(Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
                               time.monotonic() + total if total else None).stop)
             reply = None if owner is None else self._forward(owner, environ, raw, headers)
+            if reply is not None and body_held:
+                body_held()     # relayed: the owner holds the body now, this worker only bytes
             if reply is None:
                 if owner is not None and self.relays is not self.admission:
                     self._admit(held, self.admission)    # its owner is away: served here
@@ -175,7 +184,9 @@ class Gateway:
                 "threads": sum(not t.name.startswith("ThreadPoolExecutor")
                                for t in threading.enumerate()),
                 "watchers": Watch.live,
-                **self.admission.report(), "relays_in_flight": self.relays.inflight,
+                **self.admission.report(),
+                **({"relays_in_flight": self.relays.inflight}
+                   if self.relays is not self.admission else {}),
                 "body_bytes_held": self.bodies.held,
                 **self.store.report(), **pools,
                 **({"greenlets": _greenlets()} if debug else {})}

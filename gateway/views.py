@@ -15,6 +15,7 @@ from werkzeug.exceptions import HTTPException
 
 from . import logs, metrics
 from .auth import check_admin
+from .admission import BodyHold
 from .errors import (BadRequest, ClientGone, GatewayError, Overloaded, PayloadTooLarge,
                      json_response)
 from .parse import CHAT, COMPLETIONS
@@ -25,11 +26,22 @@ log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-def _read_body(limit: int) -> bytes:
+READ_CHUNK = 1 << 16    # the body budget counts a body as it arrives, 64 KiB at a time
+
+
+def _read_body(limit: int, hold: BodyHold) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
     try:
-        raw = request.stream.read(limit + 1)
+        while size <= limit:
+            chunk = request.stream.read(min(READ_CHUNK, limit + 1 - size))
+            if not chunk:
+                break
+            hold.add(len(chunk))                 # 429 beyond the worker's body budget
+            chunks.append(chunk)
+            size += len(chunk)
     except (OSError, ValueError, HTTPException) as exc:
         if _stalled(exc):     # the client socket's timeout (gateway.workers), maybe wrapped
             raise GatewayError("The request body stopped arriving for longer than the "
@@ -38,27 +50,9 @@ def _read_body(limit: int) -> bytes:
             raise GatewayError.from_http(exc) from exc
         # gunicorn's NoMoreData, werkzeug's ClientDisconnected: a cut body
         raise BadRequest("Request body ended before it was complete") from exc
-    if len(raw) > limit:
+    if size > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
-    return raw
-
-
-def _read_budgeted_body(gateway: Gateway) -> tuple[bytes, Callable[[], None]]:
-    """The body, and its share of the worker's body budget (taken before it is read when its
-    length is given, as it is read otherwise), to give back when its turn ends."""
-    limit = gateway.settings.max_body_bytes
-    declared = request.content_length
-    # A body declared over the limit is refused (413) without being read: it holds nothing.
-    held = gateway.bodies.take(declared if declared is not None and declared <= limit else 0)
-    try:
-        raw = _read_body(limit)
-        if declared is None:                      # chunked: counted once it is here
-            more = gateway.bodies.take(len(raw))
-            return raw, once(held, more)
-    except BaseException:
-        held()
-        raise
-    return raw, held
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _stalled(exc: BaseException | None) -> bool:
@@ -133,9 +127,14 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         streaming = False
         try:
             gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
-            raw, body_held = _read_budgeted_body(gateway)   # whole, before the watcher
+            hold = gateway.bodies.hold()
+            try:
+                raw = _read_body(gateway.settings.max_body_bytes, hold)   # before the watcher
+            except BaseException:
+                hold.release()
+                raise
             reply = gateway.complete(path, raw, request.headers, request.environ, request_id,
-                                     body_held)
+                                     hold.release)
             if reply.stream is None:
                 response = json_response(reply.body)
             else:

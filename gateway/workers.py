@@ -5,8 +5,9 @@ A client that stops sending its request (headers or body) or stops taking its re
 serves it: a gthread thread (8 connections that sent half their headers blocked every thread
 of a worker, /health included, for as long as they stayed open), a gevent connection and the
 turn's admission place and D's stream. Each client socket here has a timeout while a request is
-served (`--client-timeout`): a read or a write that makes no progress for that long fails, the
-request ends (408 for a body that stopped coming) and everything it held is released.
+served (`--client-timeout`): a read that waits that long, or a write that takes that long (one
+reply event, or a whole JSON reply), fails, the request ends (408 for a body that stopped
+coming) and everything it held is released.
 
 On SIGTERM gunicorn's gevent worker stops accepting, then waits until every connection's
 greenlet has ended, and a connection idle between two requests ends only when its keep-alive
@@ -50,6 +51,7 @@ class GeventWorker(_GeventWorker):
     def handle(self, listener, client, addr) -> None:
         if type(client) is gevent.socket.socket:     # not TLS sockets, whose send differs
             client.__class__ = _ClientSocket
+        client.settimeout(self._client_timeout)       # off while it waits for a next request
         glet = gevent.getcurrent()
         self._clients[glet] = client
         try:
@@ -129,14 +131,18 @@ class ThreadWorker(_ThreadWorker):
         _THREAD_CLIENT_TIMEOUT = _client_timeout()
         super().init_process()
 
-    def handle(self, conn):  # type: ignore[no-untyped-def]
-        if type(conn.sock) is socket.socket:          # not TLS sockets (gunicorn wraps later)
+    def enqueue_req(self, conn):  # type: ignore[no-untyped-def]
+        # Before gunicorn makes the socket blocking for its thread (in `enqueue_req` up to
+        # gunicorn 23, in `handle` later). TLS sockets are left as they are (gunicorn wraps
+        # them in its own class): put a buffering proxy in front of a TLS gthread gateway.
+        if type(conn.sock) is socket.socket:
             conn.sock.__class__ = _ThreadClientSocket
-        return super().handle(conn)
+        return super().enqueue_req(conn)
 
 
 class _ThreadClientSocket(socket.socket):
-    """Blocking means: with a timeout. Half-closed by the server, it waits for nothing more:
+    """Blocking means: with a timeout (a read or a whole write that takes longer fails). Half-
+    closed by the server, it waits for nothing more:
     gunicorn 27 lingers on a closing connection for the client's own close, up to 2 s, in the
     main loop that accepts and dispatches every connection (a client that never closes held
     all of them up: 2 s per refused request of a burst)."""

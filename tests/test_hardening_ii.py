@@ -7,12 +7,11 @@ import os
 import selectors
 import signal
 import socket
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from emulator.process import free_port, wait_until
+from emulator.process import EmulatorProcess, free_port, wait_until
 from devtools import workload
 from tests.conftest import MODEL, gateway_process
 
@@ -98,6 +97,7 @@ def _another_user_binds(host: str, port: int) -> bool:
             if root:
                 os.setuid(65534)
             sock = socket.socket()                       # owned by the uid that makes it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if root:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
@@ -113,10 +113,11 @@ def _zombie(pid: int) -> bool:
 
 
 def test_a_private_port_stays_the_gateways_while_its_worker_is_away(fresh_engines):
-    """The master holds every slot's listener: with its worker killed and no replacement yet
-    (the master stopped), nobody else can bind the port, and a forward sent meanwhile waits
-    for the replacement instead of being refused. Before, the worker bound it and the port was
-    free until the replacement came: another user's listener got the forwarded requests."""
+    """The master holds every slot's private port (bound, never listening): with its worker
+    killed and no replacement yet (the master stopped), no other user can bind it, and a
+    forward is refused at once (the forwarder waits --owner-wait, then serves). Before, the
+    port was free until the replacement came: another user's listener got the forwarded
+    requests, with the clients' keys and prompts."""
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], workers=2) as gateway:
         private = gateway.port + 1                      # slot 0
@@ -126,12 +127,13 @@ def test_a_private_port_stays_the_gateways_while_its_worker_is_away(fresh_engine
             os.kill(victim, signal.SIGKILL)
             wait_until(lambda: _zombie(victim), 10, "the killed worker gone")
             assert not _another_user_binds("127.0.0.1", private)
-            waiting = ThreadPoolExecutor(1).submit(
-                requests.get, f"http://127.0.0.1:{private}/health", timeout=30)
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", private), timeout=10).close()
         finally:
             os.kill(gateway.process.pid, signal.SIGCONT)
-        assert waiting.result().status_code == 200      # served by the replacement
-        assert gateway.status(port=private)["pid"] != victim
+        replacement = wait_until(lambda: gateway.status(port=private)["pid"], 30,
+                                 "the replacement on the private port")
+        assert replacement != victim
 
 
 def test_a_slot_whose_port_is_taken_serves_and_the_gateway_goes_on(fresh_engines):
@@ -152,7 +154,7 @@ def test_a_slot_whose_port_is_taken_serves_and_the_gateway_goes_on(fresh_engines
             assert gateway.process.poll() is None
             with pytest.raises(BlockingIOError):
                 squatter.accept()
-            assert "cannot listen privately" in gateway.log()
+            assert "slot 1 cannot have its private port" in gateway.log()
     finally:
         squatter.close()
 
@@ -200,15 +202,19 @@ def test_clients_that_stall_their_request_cost_their_connections_not_the_worker(
 def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(fresh_engines,
                                                                          worker_class):
     """A client that asks for a long stream and reads none of it: once the socket buffers
-    are full and a write makes no progress for --client-timeout, the turn ends, its place is
-    free and D's stream is closed. Before, both were held until the 900 s total deadline."""
-    p, d = fresh_engines
-    with gateway_process([p.url], [d.url], worker_class=worker_class,
-                         client_timeout=1) as gateway:
+    are full and a write waits --client-timeout, the turn ends, its place is free and D's
+    stream is closed. Before, both were held until the 900 s total deadline. The reply (up
+    to 400,000 tokens, some 60 MB of events, as fast as D makes them) is far beyond what any
+    socket buffers hold; a D of its own, as that needs a long context."""
+    p, _ = fresh_engines
+    with EmulatorProcess("decode", host="127.0.0.9", itl_ms=0, max_model_len=500_000,
+                         kv_capacity_blocks=40_000) as d, \
+            gateway_process([p.url], [d.url], worker_class=worker_class,
+                            client_timeout=1) as gateway:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", gateway.port))
-        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 30000,
+        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 400_000,
                            "messages": [{"role": "user", "content": "say a lot"}]})
         try:
             sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -232,19 +238,21 @@ def _headers_of(length: int) -> bytes:
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
 def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(fresh_engines,
                                                                           worker_class):
-    """A worker holds at most --max-bodies-bytes of bodies: with one 150 KB body arriving (its
-    client slow), a 100 KB one gets 429 before a byte of it is sent; once the first is gone
-    the same request is served. Before, every body was read and parsed whatever the others."""
+    """A worker holds at most --max-bodies-bytes of bodies, counted as they arrive: with
+    150 KB of one body in (its client slow to send the last byte), a 100 KB one gets 429 before it
+    is parsed; once the first is gone the same request is served. Before, every body was read
+    and parsed whatever the others."""
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], worker_class=worker_class,
-                         max_body_bytes=150_000, max_bodies_bytes=200_000) as gateway:
+                         max_body_bytes=160_000, max_bodies_bytes=200_000) as gateway:
         slow = socket.create_connection(("127.0.0.1", gateway.port))
-        slow.sendall(_headers_of(150_000) + b'{"model": "')        # and then nothing
+        slow.sendall(_headers_of(150_001) + b"x" * 150_000)        # and then nothing
         try:
-            wait_until(lambda: gateway.status()["body_bytes_held"] == 150_000, 10,
+            # Counted as read, 64 KiB at a time: two reads in, the third waits for the rest.
+            wait_until(lambda: gateway.status()["body_bytes_held"] == 2 * 65536, 10,
                        "the slow body counted")
             second = socket.create_connection(("127.0.0.1", gateway.port))
-            second.sendall(_headers_of(100_000))                      # its body never sent
+            second.sendall(_headers_of(100_000) + b"y" * 100_000)
             second.settimeout(30)
             reply = second.recv(4096)
             assert reply.startswith(b"HTTP/1.1 429") and b"retry-after" in reply.lower()
