@@ -43,21 +43,30 @@ def _read_body(limit: int, hold: BodyHold) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
     except (OSError, ValueError, HTTPException) as exc:
-        if _stalled(exc):     # the client socket's timeout (gateway.workers), maybe wrapped
-            raise GatewayError("The request body stopped arriving for longer than the "
-                               "client timeout", status=408) from exc
+        if _stalled(exc):
+            raise _body_stalled() from exc
         if isinstance(exc, HTTPException):   # e.g. the host app's MAX_CONTENT_LENGTH
             raise GatewayError.from_http(exc) from exc
         # gunicorn's NoMoreData, werkzeug's ClientDisconnected: a cut body
         raise BadRequest("Request body ended before it was complete") from exc
+    if _stalled(None):
+        raise _body_stalled()
     if size > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def _body_stalled() -> GatewayError:
+    return GatewayError("The request body stopped arriving for longer than the client timeout",
+                        status=408)
+
+
 def _stalled(exc: BaseException | None) -> bool:
-    """A timeout, or an error raised while handling one (werkzeug reports a failed read of the
-    body as ClientDisconnected)."""
+    """Did the client stop sending for the client timeout? gateway.workers' sockets then read
+    as ended and say so (`pd_stalled`); others raise the timeout, maybe wrapped (werkzeug
+    reports a failed read of the body as ClientDisconnected)."""
+    if getattr(request.environ.get("gunicorn.socket"), "pd_stalled", False):
+        return True
     while exc is not None:
         if isinstance(exc, TimeoutError):
             return True

@@ -7,7 +7,9 @@ of a worker, /health included, for as long as they stayed open), a gevent connec
 turn's admission place and D's stream. Each client socket here has a timeout while a request is
 served (`--client-timeout`): a read that waits that long, or a write that takes that long (one
 reply event, or a whole JSON reply), fails, the request ends (408 for a body that stopped
-coming) and everything it held is released.
+coming) and everything it held is released, quietly: gunicorn logs a socket error with its
+traceback unless the socket was reset or its pipe broke, so a timeout reads as the end of the
+stream (then as a reset) and a write that timed out raises a broken pipe.
 
 On SIGTERM gunicorn's gevent worker stops accepting, then waits until every connection's
 greenlet has ended, and a connection idle between two requests ends only when its keep-alive
@@ -24,6 +26,7 @@ client sockets here try one plain send first and leave anything it did not take 
 """
 from __future__ import annotations
 
+import errno
 import socket
 
 import gevent
@@ -107,10 +110,21 @@ class _IdleWait:
         return self.timeout.__exit__(*exc)
 
 
+def _stalled_write() -> BrokenPipeError:
+    # gunicorn logs a socket error with its traceback unless it is a broken pipe or a reset; a
+    # client that stops taking its reply is neither our error nor worth a traceback (a client
+    # could fill the log with them), so it ends the request as a client that left.
+    return BrokenPipeError(errno.EPIPE, "the client took nothing for --client-timeout")
+
+
 class _ClientSocket(gevent.socket.socket):
-    """A gevent socket whose `sendall` tries one send on the OS socket before gevent's loop."""
+    """A gevent socket whose `sendall` tries one send on the OS socket before gevent's loop,
+    and whose timeouts (a stalled client) end the request quietly: a read then finds the end
+    of the stream (gunicorn: a client gone; the gateway's body read: 408, `pd_stalled`), a
+    write a broken pipe."""
 
     __slots__ = ()
+    pd_stalled = False
 
     def sendall(self, data, flags=0):  # type: ignore[no-untyped-def]
         try:
@@ -118,7 +132,37 @@ class _ClientSocket(gevent.socket.socket):
         except BlockingIOError:
             sent = 0
         if sent < len(data):
-            super().sendall(memoryview(data)[sent:], flags)
+            try:
+                super().sendall(memoryview(data)[sent:], flags)
+            except TimeoutError:
+                raise _stalled_write() from None
+
+    def recv(self, *args):  # type: ignore[no-untyped-def]
+        try:
+            return super().recv(*args)
+        except TimeoutError:
+            self.__class__ = _StalledClientSocket
+            return b""
+
+    def recv_into(self, *args):  # type: ignore[no-untyped-def]
+        try:
+            return super().recv_into(*args)
+        except TimeoutError:
+            self.__class__ = _StalledClientSocket
+            return 0
+
+
+class _StalledClientSocket(_ClientSocket):
+    """After the read that timed out (which found the end): the connection is done for, and
+    a reset is what gunicorn closes quietly (it drains a body before a next request)."""
+
+    __slots__ = ()
+    pd_stalled = True
+
+    def recv(self, *args):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError(errno.ECONNRESET, "the client stalled")
+
+    recv_into = recv
 
 
 class ThreadWorker(_ThreadWorker):
@@ -159,6 +203,56 @@ class _ThreadClientSocket(socket.socket):
         super().shutdown(how)
         if how == socket.SHUT_WR:
             self.__class__ = _ClosingSocket
+
+    # Timeouts end the request quietly, as for gevent (_ClientSocket). Only plain reads: the
+    # watcher's peek (MSG_PEEK) must see a timeout as what it is.
+    pd_stalled = False
+
+    def sendall(self, data, flags: int = 0) -> None:  # type: ignore[no-untyped-def]
+        try:
+            super().sendall(data, flags)
+        except TimeoutError:
+            raise _stalled_write() from None
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        try:
+            return super().recv(bufsize, flags)
+        except TimeoutError:
+            if flags:
+                raise
+            self.__class__ = _StalledThreadSocket
+            return b""
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[no-untyped-def]
+        try:
+            return super().recv_into(buffer, nbytes, flags)
+        except TimeoutError:
+            if flags:
+                raise
+            self.__class__ = _StalledThreadSocket
+            return 0
+
+
+class _StalledThreadSocket(_ThreadClientSocket):
+    """As _StalledClientSocket. gthread keeps a connection whose request ended well (a 408)
+    for a next request, in its poller: shut for reading, it turns readable at once, and
+    gunicorn closes it (the read is a reset) rather than keep it `--keepalive`."""
+
+    __slots__ = ()
+    pd_stalled = True
+
+    def setblocking(self, flag: bool) -> None:
+        super().setblocking(flag)
+        if not flag:
+            try:
+                socket.socket.shutdown(self, socket.SHUT_RD)
+            except OSError:
+                pass
+
+    def recv(self, *args):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError(errno.ECONNRESET, "the client stalled")
+
+    recv_into = recv
 
 
 class _ClosingSocket(socket.socket):
