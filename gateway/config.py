@@ -209,8 +209,8 @@ class Settings:
                             "places of their own); more wait "
                             "briefly, then get 429 with Retry-After before any engine is called. "
                             "0: three quarters of the threads with gthread (the rest answer "
-                            "refusals and probes), a quarter of the worker connections with "
-                            "gevent.")
+                            "refusals and probes; never more than threads - 1), a quarter of the "
+                            "worker connections with gevent.")
     admission_queue: int = option(32, bounded(int, 0), "Turns that may wait for a place when a "
                                   "worker is at --max-turns; beyond them a turn is refused at "
                                   "once.")
@@ -253,6 +253,12 @@ class Settings:
 
     def __post_init__(self) -> None:
         check(self)
+        if (self.worker_class == "gthread" and self.workers > 1 and self.forwards
+                and self.threads < 2):
+            # A relay holds the worker's only thread while its owner's request waits for one.
+            raise SettingsError("--threads must be 2 or more with gthread, several workers and "
+                                "affinity (a relayed turn holds a thread while its owner's "
+                                "request needs one)")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -63,6 +63,11 @@ class Gateway:
         threaded = bool(threads) or settings.worker_class == "gthread"
         limit = (max(1, threads * 3 // 4) if threads and not settings.max_turns
                  else settings.turn_limit)
+        threads = threads or (settings.threads if threaded else 0)
+        if threads > 1:
+            # A thread stays free whatever --max-turns says: a relayed turn holds one here
+            # while the turn it waits for may need one (a 429 if no place, never a deadlock).
+            limit = min(limit, threads - 1)
         self.admission = Admission(limit, settings.admission_queue,
                                    settings.admission_wait, settings.retry_after)
         self.bodies = BodyBudget(settings.max_bodies_bytes, settings.retry_after)

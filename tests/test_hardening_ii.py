@@ -311,3 +311,22 @@ def test_the_installed_gateway_holds_no_emulator_and_needs_no_tooling():
                 elif isinstance(node, ast.Import):
                     imported.update(alias.name.split(".")[0] for alias in node.names)
     assert not imported & {"emulator", "devtools", "bench", "tests", "openai"}
+
+
+def test_a_gthread_worker_always_keeps_a_thread_beyond_its_turns():
+    """Turns and relays share a gthread worker's threads: whatever --max-turns says, one thread
+    stays free for the requests relays wait on (and refusals, /health); one thread with
+    several forwarding workers is refused at start."""
+    from gateway.app import create_app
+    from gateway.config import Settings, SettingsError
+
+    for max_turns, limit in [(0, 6), (20, 7), (3, 3)]:
+        app = create_app(Settings(worker_class="gthread", threads=8, max_turns=max_turns,
+                                  release_rate=0))
+        try:
+            assert app.extensions["pd_gateway"].gateway.admission.limit == limit
+        finally:
+            app.extensions["pd_gateway"].close()
+    with pytest.raises(SettingsError, match="--threads must be 2"):
+        Settings(worker_class="gthread", threads=1, workers=2)
+    Settings(worker_class="gthread", threads=1, workers=2, affinity=False)   # nothing relayed
