@@ -330,3 +330,13 @@ def test_a_gthread_worker_always_keeps_a_thread_beyond_its_turns():
     with pytest.raises(SettingsError, match="--threads must be 2"):
         Settings(worker_class="gthread", threads=1, workers=2)
     Settings(worker_class="gthread", threads=1, workers=2, affinity=False)   # nothing relayed
+
+
+def test_health_answers_503_degraded_when_no_d_is_usable(app, client):
+    """What README promises load balancers: 200 ok, or 503 with status degraded."""
+    gateway = app.extensions["pd_gateway"].gateway
+    assert (client.get("/health").status_code, client.get("/health").get_json()) \
+        == (200, {"status": "ok"})
+    gateway.decode.instances[0].down = True          # as a failed connection marks it
+    reply = client.get("/health")
+    assert (reply.status_code, reply.get_json()) == (503, {"status": "degraded"})
