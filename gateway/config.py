@@ -285,16 +285,18 @@ class Settings:
             parser.error(str(exc))
         raise AssertionError("unreachable")
 
-    @property
-    def turn_limit(self) -> int:
-        """Turns in flight per worker (--max-turns, or what the worker can serve at once)."""
-        if self.max_turns:
-            return self.max_turns
-        if self.worker_class == "gthread":
-            # Beyond its threads gunicorn queues requests itself, unseen; a quarter of them
-            # stays free to answer refusals, /health and forwarded requests at once.
-            return max(1, self.threads * 3 // 4)
-        return max(1, self.worker_connections // 4)
+    def turn_limit(self, worker_threads: int = 0) -> int:
+        """Turns in flight per worker (--max-turns, or what the worker can serve at once).
+        `worker_threads`: the threads of the threaded worker gunicorn really runs (a host's
+        config may choose it, whatever these settings say); 0 for gevent, or unknown."""
+        threads = worker_threads or (self.threads if self.worker_class == "gthread" else 0)
+        if not threads:
+            return self.max_turns or max(1, self.worker_connections // 4)
+        # Beyond its threads gunicorn queues requests itself, unseen; a quarter of them stays
+        # free to answer refusals, /health and forwarded requests at once, and one at least
+        # whatever --max-turns says: a relayed turn holds a thread while the turn it waits for
+        # may need one (a 429 if no place, never a deadlock).
+        return max(1, min(self.max_turns or threads * 3 // 4, threads - 1))
 
     @property
     def forwards(self) -> bool:

@@ -58,16 +58,10 @@ class Gateway:
         self.prefill.on_down = self.decode.on_down = self.prober.wake
         self.affinity = Affinity(settings, self.upstream)
         # The running worker's threads, if gunicorn runs a threaded one (a host's config may
-        # choose it, whatever the app's settings say): turns take at most 3/4 of them.
+        # choose it, whatever the app's settings say).
         threads = int(os.environ.get(THREADS_ENV, 0))
         threaded = bool(threads) or settings.worker_class == "gthread"
-        limit = (max(1, threads * 3 // 4) if threads and not settings.max_turns
-                 else settings.turn_limit)
-        threads = threads or (settings.threads if threaded else 0)
-        if threads > 1:
-            # A thread stays free whatever --max-turns says: a relayed turn holds one here
-            # while the turn it waits for may need one (a 429 if no place, never a deadlock).
-            limit = min(limit, threads - 1)
+        limit = settings.turn_limit(threads)
         self.admission = Admission(limit, settings.admission_queue,
                                    settings.admission_wait, settings.retry_after)
         self.bodies = BodyBudget(settings.max_bodies_bytes, settings.retry_after)

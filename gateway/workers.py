@@ -110,49 +110,45 @@ class _IdleWait:
         return self.timeout.__exit__(*exc)
 
 
-def _stalled_write() -> BrokenPipeError:
-    # gunicorn logs a socket error with its traceback unless it is a broken pipe or a reset; a
-    # client that stops taking its reply is neither our error nor worth a traceback (a client
-    # could fill the log with them), so it ends the request as a client that left.
-    return BrokenPipeError(errno.EPIPE, "the client took nothing for --client-timeout")
-
-
-class _ClientSocket(gevent.socket.socket):
-    """A gevent socket whose `sendall` tries one send on the OS socket before gevent's loop,
-    and whose timeouts (a stalled client) end the request quietly: a read then finds the end
-    of the stream (gunicorn: a client gone; the gateway's body read: 408, `pd_stalled`), a
-    write a broken pipe."""
+class _QuietTimeouts:
+    """A client socket's timeouts (a stalled client) end its request quietly. gunicorn logs a
+    socket error with its traceback unless it is a broken pipe or a reset, and a client could
+    fill the log with stalls: a plain read that times out finds the end of the stream (gunicorn:
+    a client gone; the gateway's body read: 408, `pd_stalled`), and the socket becomes its
+    `_stalled` class; a write that times out is a broken pipe. A read with flags (the watcher's
+    peek) sees a timeout as what it is."""
 
     __slots__ = ()
     pd_stalled = False
+    _stalled: type          # each socket class's own, set with it
 
-    def sendall(self, data, flags=0):  # type: ignore[no-untyped-def]
+    def sendall(self, data, flags: int = 0) -> None:  # type: ignore[no-untyped-def]
         try:
-            sent = self._sock.send(data, flags)
-        except BlockingIOError:
-            sent = 0
-        if sent < len(data):
-            try:
-                super().sendall(memoryview(data)[sent:], flags)
-            except TimeoutError:
-                raise _stalled_write() from None
-
-    def recv(self, *args):  # type: ignore[no-untyped-def]
-        try:
-            return super().recv(*args)
+            super().sendall(data, flags)  # type: ignore[misc]
         except TimeoutError:
-            self.__class__ = _StalledClientSocket
+            raise BrokenPipeError(errno.EPIPE, "the client took nothing for --client-timeout") \
+                from None
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        try:
+            return super().recv(bufsize, flags)  # type: ignore[misc]
+        except TimeoutError:
+            if flags:
+                raise
+            self.__class__ = self._stalled
             return b""
 
-    def recv_into(self, *args):  # type: ignore[no-untyped-def]
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[no-untyped-def]
         try:
-            return super().recv_into(*args)
+            return super().recv_into(buffer, nbytes, flags)  # type: ignore[misc]
         except TimeoutError:
-            self.__class__ = _StalledClientSocket
+            if flags:
+                raise
+            self.__class__ = self._stalled
             return 0
 
 
-class _StalledClientSocket(_ClientSocket):
+class _Stalled:
     """After the read that timed out (which found the end): the connection is done for, and
     a reset is what gunicorn closes quietly (it drains a body before a next request)."""
 
@@ -163,6 +159,27 @@ class _StalledClientSocket(_ClientSocket):
         raise ConnectionResetError(errno.ECONNRESET, "the client stalled")
 
     recv_into = recv
+
+
+class _ClientSocket(_QuietTimeouts, gevent.socket.socket):
+    """A gevent socket whose `sendall` tries one send on the OS socket before gevent's loop."""
+
+    __slots__ = ()
+
+    def sendall(self, data, flags=0):  # type: ignore[no-untyped-def]
+        try:
+            sent = self._sock.send(data, flags)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            super().sendall(memoryview(data)[sent:], flags)
+
+
+class _StalledClientSocket(_Stalled, _ClientSocket):
+    __slots__ = ()
+
+
+_ClientSocket._stalled = _StalledClientSocket
 
 
 class ThreadWorker(_ThreadWorker):
@@ -184,7 +201,7 @@ class ThreadWorker(_ThreadWorker):
         return super().enqueue_req(conn)
 
 
-class _ThreadClientSocket(socket.socket):
+class _ThreadClientSocket(_QuietTimeouts, socket.socket):
     """Blocking means: with a timeout (a read or a whole write that takes longer fails). Half-
     closed by the server, it waits for nothing more:
     gunicorn 27 lingers on a closing connection for the client's own close, up to 2 s, in the
@@ -204,42 +221,13 @@ class _ThreadClientSocket(socket.socket):
         if how == socket.SHUT_WR:
             self.__class__ = _ClosingSocket
 
-    # Timeouts end the request quietly, as for gevent (_ClientSocket). Only plain reads: the
-    # watcher's peek (MSG_PEEK) must see a timeout as what it is.
-    pd_stalled = False
 
-    def sendall(self, data, flags: int = 0) -> None:  # type: ignore[no-untyped-def]
-        try:
-            super().sendall(data, flags)
-        except TimeoutError:
-            raise _stalled_write() from None
-
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        try:
-            return super().recv(bufsize, flags)
-        except TimeoutError:
-            if flags:
-                raise
-            self.__class__ = _StalledThreadSocket
-            return b""
-
-    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[no-untyped-def]
-        try:
-            return super().recv_into(buffer, nbytes, flags)
-        except TimeoutError:
-            if flags:
-                raise
-            self.__class__ = _StalledThreadSocket
-            return 0
-
-
-class _StalledThreadSocket(_ThreadClientSocket):
-    """As _StalledClientSocket. gthread keeps a connection whose request ended well (a 408)
-    for a next request, in its poller: shut for reading, it turns readable at once, and
-    gunicorn closes it (the read is a reset) rather than keep it `--keepalive`."""
+class _StalledThreadSocket(_Stalled, _ThreadClientSocket):
+    """gthread keeps a connection whose request ended well (a 408) for a next request, in its
+    poller: shut for reading, it turns readable at once, and gunicorn closes it (the read is a
+    reset) rather than keep it `--keepalive`."""
 
     __slots__ = ()
-    pd_stalled = True
 
     def setblocking(self, flag: bool) -> None:
         super().setblocking(flag)
@@ -249,10 +237,8 @@ class _StalledThreadSocket(_ThreadClientSocket):
             except OSError:
                 pass
 
-    def recv(self, *args):  # type: ignore[no-untyped-def]
-        raise ConnectionResetError(errno.ECONNRESET, "the client stalled")
 
-    recv_into = recv
+_ThreadClientSocket._stalled = _StalledThreadSocket
 
 
 class _ClosingSocket(socket.socket):
