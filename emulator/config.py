@@ -81,6 +81,11 @@ class EngineConfig:
                                      "running requests, blocks kept for a read and the prefix "
                                      "cache (vLLM sizes it from GPU memory; 20,000 blocks of 16 "
                                      "is an 8B model's cache on one 80 GB GPU)")
+    sliding_window: int = option(0, bounded(int, 0), "a hybrid model's sliding window in tokens "
+                                 "(Gemma 2/3 and gpt-oss alternate full and sliding-window "
+                                 "layers): > 0 gives two KV-cache groups, and the window's "
+                                 "exports hold only D's last cdiv(window, block size) + 1 blocks "
+                                 "(nixl/base_scheduler.py ~L141-154); 0: one full-attention group")
     enable_prefix_caching: bool = option(True, boolean, "vLLM's --enable-prefix-caching (on by "
                                          "default): finished blocks stay findable until evicted")
     enable_prompt_tokens_details: bool = option(False, boolean, "usage.prompt_tokens_details."

@@ -85,19 +85,20 @@ def _flag(params: dict, name: str) -> bool:
     return bool(params.get(name))
 
 
-def _remote_group(params: dict) -> list | None:
-    """The one KV-cache group of remote block ids to read from, or None if the params name no
-    readable blocks (vLLM needs remote_block_ids and the four remote fields:
-    nixl/pull_scheduler.py ~L67-80, ~L135-144)."""
+def _remote_groups(params: dict) -> list[list[int]] | None:
+    """The remote block ids to read from, one list per KV-cache group, or None if the params
+    name no readable blocks (vLLM needs remote_block_ids and the four remote fields:
+    nixl/pull_scheduler.py ~L67-80, ~L135-144). A flat list (very old vLLM) is one group."""
     ids = params.get("remote_block_ids")
     if not ids or any(params.get(k) is None for k in REMOTE_FIELDS):
         return None
     try:
-        flat = list(flat_block_ids(ids))
+        groups = ([list(flat_block_ids(g)) for g in ids] if all(isinstance(g, list) for g in ids)
+                  else [list(flat_block_ids(ids))])
         int(params["remote_port"])
     except (TypeError, ValueError):
         return None
-    return flat
+    return groups
 
 
 class Engine:
@@ -234,9 +235,9 @@ class Engine:
         self.stats.prefix_cache_queries += n
         self.stats.prefix_cache_hits += local
         p_node = _flag(params, "do_remote_decode")
-        group = _remote_group(params)
+        groups = _remote_groups(params)
         count = 0   # prompt tokens to load from the remote engine
-        if (p_node or _flag(params, "do_remote_prefill")) and group is None:
+        if (p_node or _flag(params, "do_remote_prefill")) and groups is None:
             if any(params.get(k) is not None for k in ("remote_block_ids", *REMOTE_FIELDS)):
                 log.warning("Got invalid KVTransferParams for %s: %s", turn.internal_id, params)
         elif p_node and not cfg.bidirectional_kv_xfer:
@@ -262,7 +263,7 @@ class Engine:
         # Every new request of an engine with a connector queries it (scheduler.py ~L1212-1214).
         self.stats.external_prefix_cache_queries += n - local
         if count > 0:
-            read_blocks, ok = self._read(turn, params, group, local, count)
+            read_blocks, ok = self._read(turn, params, groups, local, count)
             emulated_ms += read_blocks * cfg.pull_ms_per_block
             if ok:
                 # A whole prompt loaded still computes its last token (scheduler.py ~L3515).
@@ -286,20 +287,39 @@ class Engine:
         self.stats.computed_prompt_tokens += turn.computed
         self.stats.prefill_seconds += turn.prefill_s
 
-    def _read(self, turn: Turn, params: dict, group: list, local: int,
+    @property
+    def window_blocks(self) -> int:
+        """Blocks a sliding-window group keeps and exports: cdiv(window, block_size) + 1
+        (nixl/base_scheduler.py ~L141-154); 0 for a model without one."""
+        window = self.config.sliding_window
+        return cdiv(window, self.config.block_size) + 1 if window else 0
+
+    def _read(self, turn: Turn, params: dict, groups: list[list[int]], local: int,
               count: int) -> tuple[int, bool]:
         """Read the blocks for prompt tokens [local, local + count) as vLLM's worker maps them:
-        this request's new blocks take the *last* entries of the remote group (the suffix trim,
-        nixl/base_worker.py ~L3784-3793), which is right only when the remote sequence ends
-        where this read does. Returns the blocks read and whether they hold this prompt's tokens."""
-        bs = self.config.block_size
-        new_blocks = cdiv(local + count, bs) - local // bs
-        if len(group) < new_blocks:
-            # base_worker.py ~L3791: `assert num_decode_blocks <= len(prefill_group)`.
+        in each KV-cache group, this request's new blocks take the *last* entries of the remote
+        group (the suffix trim, nixl/base_worker.py ~L3786-3793), which is right only when the
+        remote sequence ends where this read does, or its list was cut there. A sliding-window
+        group's new blocks are only the read's last window (both sides clip to it,
+        nixl/base_scheduler.py ~L270-286). Returns the blocks read and whether each holds this
+        prompt's tokens at the position it is read into."""
+        bs, window = self.config.block_size, self.window_blocks
+        first, end = local // bs, cdiv(local + count, bs)
+        if len(groups) != 1 + bool(window):
             self.stats.kv_load_errors += 1
             raise KVLoadError(f"KV transfer failed for request {turn.internal_id}: "
-                              f"AssertionError: {new_blocks} blocks to read, the remote group "
-                              f"has {len(group)}")
+                              f"AssertionError: Number of KV cache groups must match "
+                              f"({len(groups)} remote, {1 + bool(window)} here)")
+        wanted: list[tuple[list[int], int]] = []      # (remote ids to read, first position)
+        for i, group in enumerate(groups):
+            new = end - first if i == 0 else min(end - first, window)
+            if len(group) < new:
+                # base_worker.py ~L3791: `assert num_decode_blocks <= len(prefill_group)`.
+                self.stats.kv_load_errors += 1
+                raise KVLoadError(f"KV transfer failed for request {turn.internal_id}: "
+                                  f"AssertionError: {new} blocks to read, the remote group "
+                                  f"has {len(group)}")
+            wanted.append((group[len(group) - new:], end - new))
         expiry = params.get("remote_blocks_expiry_time")
         # Same host, so D's time.monotonic and ours are one clock (vLLM converts with an offset).
         if isinstance(expiry, (int, float)) and self.clock() + EXPIRY_MARGIN_S >= expiry:
@@ -308,21 +328,25 @@ class Engine:
             self._pull_failed(turn, PullError("remote blocks expired", stale=True))
             return 0, False
         try:
-            got, got_salt = pull(self.session, params, group[len(group) - new_blocks:])
+            got, got_salt = pull(self.session, params, [i for ids, _ in wanted for i in ids])
         except PullError as exc:
             self._pull_failed(turn, exc)
             return 0, False
-        self.stats.pulled_blocks += new_blocks
+        read = sum(len(ids) for ids, _ in wanted)
+        self.stats.pulled_blocks += read
         self.stats.pulled_tokens += count
-        if got[:count] == turn.tokens[local:local + count] and got_salt == turn.salt:
-            return new_blocks, True
+        expected = [turn.tokens[b * bs:min((b + 1) * bs, local + count)]
+                    for ids, start in wanted for b in range(start, start + len(ids))]
+        if (len(got) == len(expected) and got_salt == turn.salt
+                and all(block[:len(want)] == want for block, want in zip(got, expected))):
+            return read, True
         # A real engine would attend over someone else's KV and emit garbage (or, across cache
         # salts, leak one tenant's cache to another).
         self.stats.wrong_reuse += 1
         log.warning("wrong reuse in %s: the blocks read do not hold this prompt's tokens%s; "
                     "recomputing", turn.internal_id,
                     "" if got_salt == turn.salt else " (another cache_salt)")
-        return new_blocks, False
+        return read, False
 
     def _count_path(self, params: dict, p_node: bool) -> None:
         if self.config.role != "decode" or p_node:
@@ -375,19 +399,22 @@ class Engine:
             ttl = None
             log.warning("%s: kv_transfer_params without do_remote_prefill or do_remote_decode; "
                         "its %d blocks will never be freed", turn.internal_id, len(turn.blocks))
-        lease = self.leases.put(turn.internal_id, kv_tokens, ttl, turn.salt, turn.blocks)
+        lease = self.leases.put(turn.internal_id, kv_tokens, ttl, turn.salt, turn.blocks,
+                                window=self.window_blocks)
         turn.blocks = None
         self.running -= 1
         out = {
             "do_remote_prefill": p_node, "do_remote_decode": not p_node,
-            "remote_block_ids": [list(lease.block_ids)], "remote_engine_id": self.engine_id,
+            "remote_block_ids": lease.groups, "remote_engine_id": self.engine_id,
             "remote_request_id": turn.internal_id, "remote_host": self.config.advertise_host,
             "remote_port": self.config.kv_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
             "remote_num_tokens": len(kv_tokens),
             # The scheduler stamps the deadline whether or not the worker will ever keep it.
             "remote_blocks_expiry_time": None if p_node else (
                 self.clock() + self.config.decoder_kv_blocks_ttl),
-            "transfer_mode": "pull"}
+            # Bumped when an engine registers its KV cache again (after a sleep); the
+            # emulator never does (nixl/pull_scheduler.py ~L291).
+            "remote_registration_generation": 0, "transfer_mode": "pull"}
         if p_node:
             # P's cache hits, for D to report as its own (v1/core/sched/scheduler.py ~L2476-2487).
             out["remote_prefill_cached_tokens"] = turn.cached_tokens

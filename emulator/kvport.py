@@ -1,7 +1,8 @@
 """The KV port: a tiny HTTP protocol standing in for NIXL reads, both the serving side and the reader.
 
 ``POST /kv/pull``    {"remote_engine_id", "remote_request_id", "block_ids": [ids to read, in order]}
-                     -> 200 {"engine_id", "request_id", "tokens": [...], "cache_salt", "num_blocks"};
+                     -> 200 {"engine_id", "request_id", "blocks": [[tokens of each]], "tokens":
+                     [...all of them], "cache_salt", "num_blocks"};
                      then the reader's notification frees the lease (a NIXL READ carries it).
 ``POST /kv/release`` {"remote_engine_id", "remote_request_id"} -> 200; the notification alone, as
                      vLLM's notify-only receive sends it (nothing to read, or a declined read).
@@ -69,7 +70,7 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
                           {"error": f"engine {engine_id} is not {wanted_engine}"})
         try:
             lease = leases.get(request_id)
-            tokens = lease.read(list(block_ids), bs)
+            blocks = lease.read_blocks(list(block_ids), bs)
         except LeaseGone:
             return _reply(start_response, "404 Not Found",
                           {"error": f"blocks of {request_id} were already read, released or expired"})
@@ -79,7 +80,8 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
         if path == "/kv/release":
             return _reply(start_response, "200 OK", {"released": 0 if freed is None else len(freed.blocks)})
         return _reply(start_response, "200 OK", {
-            "engine_id": engine_id, "request_id": request_id, "tokens": tokens,
+            "engine_id": engine_id, "request_id": request_id, "blocks": blocks,
+            "tokens": [t for block in blocks for t in block],
             "cache_salt": lease.salt, "num_blocks": len(block_ids)})
 
     return app
@@ -109,9 +111,9 @@ def _url(params: dict, path: str) -> str:
 
 
 def pull(session: requests.Session, params: dict,
-         block_ids: list[int]) -> tuple[list[str], str | None]:
+         block_ids: list[int]) -> tuple[list[list[str]], str | None]:
     """Read the given blocks of the lease named by kv_transfer_params (then the owner frees it):
-    the tokens they hold, in order, and the cache_salt they were computed under."""
+    the tokens each holds, in order, and the cache_salt they were computed under."""
     body = {"remote_engine_id": params["remote_engine_id"],
             "remote_request_id": params["remote_request_id"], "block_ids": block_ids}
     url = _url(params, "/kv/pull")
@@ -125,10 +127,10 @@ def pull(session: requests.Session, params: dict,
         raise PullError(f"pull from {url} got {response.status_code}: {response.text}")
     try:
         reply = response.json()
-        tokens, salt = reply["tokens"], reply.get("cache_salt")
+        blocks, salt = reply["blocks"], reply.get("cache_salt")
     except (ValueError, KeyError, TypeError) as exc:
         raise PullError(f"pull from {url} got a malformed reply") from exc
-    return tokens, salt
+    return blocks, salt
 
 
 def release(session: requests.Session, params: dict) -> None:

@@ -138,17 +138,32 @@ class Lease:
     expires_at: float | None          # None: untracked, never freed (see `LeaseStore.put`)
     salt: str | None = None           # the request's cache_salt
     blocks: Blocks = field(default_factory=Blocks, compare=False, repr=False)
+    # A hybrid model's sliding-window group: its ids for the sequence's last blocks only (the
+    # window's exports are clipped to them, nixl/base_scheduler.py ~L270-286). Their memory is
+    # not counted apart: the pool counts the full-attention group's blocks.
+    window_ids: tuple[int, ...] = ()
 
-    def read(self, block_ids: list[int], block_size: int) -> list[str]:
-        """The tokens the given blocks of this lease hold, in the order asked."""
+    @property
+    def groups(self) -> list[list[int]]:
+        """The block ids per KV-cache group, as the params export them."""
+        return [list(self.block_ids)] + ([list(self.window_ids)] if self.window_ids else [])
+
+    def read_blocks(self, block_ids: list[int], block_size: int) -> list[list[str]]:
+        """The tokens each of the given blocks (of any group) holds, in the order asked."""
         index = {block_id: i for i, block_id in enumerate(self.block_ids)}
-        tokens: list[str] = []
+        first_windowed = len(self.block_ids) - len(self.window_ids)
+        index.update((block_id, first_windowed + j) for j, block_id in enumerate(self.window_ids))
+        out: list[list[str]] = []
         for block_id in block_ids:
             if block_id not in index:
                 raise LeaseMismatch(f"{self.request_id} holds no block {block_id}")
             i = index[block_id]
-            tokens.extend(self.tokens[i * block_size:(i + 1) * block_size])
-        return tokens
+            out.append(list(self.tokens[i * block_size:(i + 1) * block_size]))
+        return out
+
+    def read(self, block_ids: list[int], block_size: int) -> list[str]:
+        """The tokens the given blocks of this lease hold, in the order asked."""
+        return [t for block in self.read_blocks(block_ids, block_size) for t in block]
 
 
 def _distinct(leases: list[Lease]) -> int:
@@ -203,16 +218,19 @@ class LeaseStore:
         self._on_free(lease)
 
     def put(self, request_id: str, tokens: tuple[str, ...], ttl: float | None,
-            salt: str | None = None, blocks: Blocks | None = None) -> Lease:
-        """Keep `blocks` for one read of `tokens`: for `ttl` seconds, or for good when None."""
+            salt: str | None = None, blocks: Blocks | None = None, window: int = 0) -> Lease:
+        """Keep `blocks` for one read of `tokens`: for `ttl` seconds, or for good when None;
+        `window`: the last blocks a sliding-window group exports (0: no such group). Ids start
+        at 1: 0 is vLLM's null block."""
         count = -(-len(tokens) // self.block_size)
         with self._lock:
             ids = tuple(next(self._ids) for _ in range(count))
+            windowed = tuple(next(self._ids) for _ in range(min(window, count)))
+            expires = None if ttl is None else self._clock() + ttl
+            lease = Lease(request_id, tokens, ids, expires, salt, blocks or Blocks(), windowed)
             if ttl is None:
-                lease = Lease(request_id, tokens, ids, None, salt, blocks or Blocks())
                 self._untracked[request_id] = lease
                 return lease
-            lease = Lease(request_id, tokens, ids, self._clock() + ttl, salt, blocks or Blocks())
             self._leases[request_id] = lease
         return lease
 

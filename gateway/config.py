@@ -143,6 +143,17 @@ class Settings:
                                "prove (reasoning, tool calls, templates that rewrite); always "
                                "token-verifies every reuse; off trusts digests and never reuses "
                                "reasoning or tool-call turns.", choices=("auto", "always", "off"))
+    partial_reuse_tokens: int = option(64, bounded(int, 0), "Partial reuse: where a turn's "
+                                       "prompt tokens share only a prefix of what D holds "
+                                       "(templates that drop reasoning or rewrite earlier text; "
+                                       "token-verified turns), P reads that prefix, cut to whole "
+                                       "blocks, when it is at least this many tokens (vLLM's "
+                                       "kv_recompute_threshold, 64); 0 turns it off "
+                                       "(docs/exactness.md).")
+    kv_block_size: int = option(16, positive(int), "The engines' KV block size (vLLM's "
+                                "--block-size, 16 by default; P and D must share it): partial "
+                                "reuse cuts D's block list at it, and cuts no entry whose list "
+                                "does not fit it.")
     fast_path_tokens: int = option(0, bounded(int, 0), "Decode-only fast path: a follow-up turn "
                                    "whose D holds its history (a stored entry; D up and not "
                                    "overloaded) and that adds fewer new prompt tokens than this "

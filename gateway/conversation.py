@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
@@ -115,6 +115,12 @@ class Identity:
     messages: tuple[bytes, ...] | None   # chained digests of each message prefix (chat)
     prompt: str | None                   # the prompt (completions)
     reusable: bool = True                # False: the request's prompt is not what it says
+    # For each assistant message that carries reasoning: the digest of the prefix ending with it,
+    # its reasoning left out. An entry whose reply reasoned is stored under that digest, so a
+    # client that does not echo reasoning finds it as well as one that does. The digest then
+    # proves nothing of the reasoning, and needs not: such an entry is never plain, so its
+    # reuse is always token-verified (gateway.exactness).
+    unreasoned: Mapping[int, bytes] = field(default_factory=dict)
 
     def lookups(self) -> list[str]:
         """Store keys to try, longest history first."""
@@ -127,13 +133,22 @@ class Identity:
         # Entries live under histories that end with an assistant reply; any of the most recent
         # LOOKUP_DEPTH prefixes may be one. Bounded: a store (Redis) is asked for every key in
         # one call, and a body of a million messages must not make that a million keys.
-        return [d.hex() for d in reversed(self.messages[-LOOKUP_DEPTH - 1:-1])]
+        first = max(0, len(self.messages) - LOOKUP_DEPTH - 1)
+        keys = []
+        for i in range(len(self.messages) - 2, first - 1, -1):
+            keys.append(self.messages[i].hex())
+            if i in self.unreasoned:
+                keys.append(self.unreasoned[i].hex())
+        return keys
 
     def extends(self, history_digest: str, history_len: int) -> bool:
         """Does this request's history strictly extend the history an entry's blocks hold?"""
         if self.messages is not None:
-            return (0 < history_len < len(self.messages)
-                    and self.messages[history_len - 1].hex() == history_digest)
+            if not 0 < history_len < len(self.messages):
+                return False
+            unreasoned = self.unreasoned.get(history_len - 1)
+            return (self.messages[history_len - 1].hex() == history_digest
+                    or (unreasoned is not None and unreasoned.hex() == history_digest))
         return (self.prompt is not None and 0 < history_len < len(self.prompt)
                 and _h(self.scope, self.prompt[:history_len].encode()).hex() == history_digest)
 
@@ -155,12 +170,34 @@ class Identity:
         if not self.reusable:
             return None, "", 0
         if self.messages is not None:
-            digest = _h(self.messages[-1], canonical_message(reply)).hex()
+            digest = _h(self.messages[-1], canonical_message(_unreasoned(reply))).hex()
             length = len(self.messages) + 1
             return (self.root if self.explicit else digest), digest, length
         text = (self.prompt or "") + str(reply)
         digest = _h(self.scope, text.encode()).hex()
         return (self.root if self.explicit else None), digest, len(text)
+
+
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _unreasoned(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The message without its reasoning (the same object if it has none)."""
+    if not any(message.get(name) for name in REASONING_FIELDS):
+        return message
+    return {k: v for k, v in message.items() if k not in REASONING_FIELDS}
+
+
+def _unreasoned_chain(messages: Sequence[Mapping[str, Any]],
+                      chain: Sequence[bytes], scope: bytes) -> dict[int, bytes]:
+    """Identity.unreasoned: only assistant messages with reasoning cost a digest."""
+    out = {}
+    for i, message in enumerate(messages):
+        if len(message) > 2 and message.get("role") == "assistant" and \
+                any(message.get(name) for name in REASONING_FIELDS):
+            previous = chain[i - 1] if i else scope
+            out[i] = next(_chain(previous, [_unreasoned(message)]))
+    return out
 
 
 def word_boundary(text: str, at: int) -> bool:
@@ -174,9 +211,11 @@ def identify(body: Mapping[str, Any], headers: Mapping[str, str],
     tenant, scope, explicit_id = _scope(body, headers, conversation_id)
     messages = tuple(_chain(scope, body["messages"])) if "messages" in body else None
     prompt = body.get("prompt") if messages is None and isinstance(body.get("prompt"), str) else None
+    unreasoned = _unreasoned_chain(body["messages"], messages, scope) if messages else {}
     return Identity(root=_root(body, tenant, scope, explicit_id, messages),
                     explicit=bool(explicit_id), scope=scope, messages=messages, prompt=prompt,
-                    reusable=all(body.get(name) is None for name in NO_REUSE))
+                    reusable=all(body.get(name) is None for name in NO_REUSE),
+                    unreasoned=unreasoned)
 
 
 def root_key(body: Mapping[str, Any], headers: Mapping[str, str],

@@ -8,7 +8,7 @@ from typing import Callable, TypeVar
 from . import metrics
 from .conversation import Identity
 from .errors import GatewayError, ServiceUnavailable
-from .exactness import Exactness, held_digest, plain_reply
+from .exactness import Exactness, Reuse, plain_reply
 from .fast_path import FastPath
 from .instances import Instance, Pool
 from .kv_params import clean_params, decode_body, prefill_body
@@ -25,7 +25,7 @@ access = logging.getLogger("gateway.access")
 T = TypeVar("T")
 
 
-def count_prefill(reply: dict, sent: dict | None) -> None:
+def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> None:
     """What P reports of its prompt: its tokens, those it did not compute (P's params carry
     `remote_prefill_cached_tokens` when vLLM logs stats, its default; or usage's
     `prompt_tokens_details.cached_tokens` with --enable-prompt-tokens-details), and, for a turn
@@ -55,6 +55,9 @@ def count_prefill(reply: dict, sent: dict | None) -> None:
     else:
         reach = min(held, prompt)
         result = "read" if cached == reach else "recomputed" if cached < reach else "own_cache"
+        if partial:
+            metrics.PARTIAL_TOKENS.labels("offered").inc(reach)
+            metrics.PARTIAL_TOKENS.labels("cached").inc(min(cached, reach))
     metrics.KV_READS.labels(result).inc()
 
 
@@ -183,7 +186,7 @@ class Disagg:
     def run(self, request: ClientRequest, identity: Identity, headers: dict) -> Reply:
         started = time.perf_counter()
         entry = self.take_entry(identity)
-        admitted: bool | None = None       # the entry's reuse, once decided
+        admitted: Reuse | None = None      # what P may read of the entry, once decided
         if entry is not None and self.decode.get(entry.decode_url) is None:
             # Its D has left the pool (removed, or its address gone from DNS): a miss, so P is
             # never sent to pull blocks from an engine that may no longer be there.
@@ -219,7 +222,8 @@ class Disagg:
                     entry, admitted, reason = None, None, "decode_failed"
         sent = Sent(entry, self.releaser)
 
-        def prefill_call(instance: Instance, failure: GatewayError | None) -> tuple[bool, dict]:
+        def prefill_call(instance: Instance,
+                         failure: GatewayError | None) -> tuple[Reuse | None, dict]:
             def tokenize(body: dict) -> list:
                 return self.upstream.tokenize(instance, body, headers)
 
@@ -228,30 +232,33 @@ class Disagg:
                 self.exactness.prepare(request, tokenize)
             # A retry never replays D's params: the failed P may already have read the blocks.
             # (After a refused connection it cannot have; one more miss keeps the rule simple.)
-            reuse = entry is not None and failure is None and (
-                admitted if admitted is not None
-                else self.exactness.admit(entry, request, identity, tokenize)[0])
-            if reuse:
-                sent.carried = True
+            reuse = None
+            if entry is not None and failure is None:
+                reuse = (admitted if admitted is not None
+                         else self.exactness.admit(entry, request, identity, tokenize))
+            if reuse is not None and reuse.entry is not None:
+                sent.carried = True       # whole or cut, P's notification frees D's request
             else:
+                reuse = None
                 sent.drop("unproven" if failure is None else "prefill_failed")
-            body = prefill_body(request.wire, entry if reuse else None)
+            body = prefill_body(request.wire, reuse.entry if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
         try:
-            prefill, (hit, prefill_reply) = self._attempt(self.prefill, identity.root, None,
-                                                          prefill_call)
+            prefill, (reuse, prefill_reply) = self._attempt(self.prefill, identity.root, None,
+                                                            prefill_call)
         except GatewayError as exc:
             sent.failed(exc)
             raise
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
-        count_prefill(prefill_reply, entry.params if hit and entry else None)
+        cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
+        count_prefill(prefill_reply, reuse.entry.params if reuse else None, cache == "partial")
         turn, d_body = self._decode_body(request, identity)
         with_blocks = decode_body(d_body, prefill_reply, prefill)
         return self._decode(request, identity, turn, headers,
                             lambda failure: with_blocks if replayable(failure) else d_body,
                             entry.decode_url if entry else None, started,
-                            "hit" if hit else "miss", ("two-stage", reason, prefill.name))
+                            cache, ("two-stage", reason, prefill.name))
 
     def _decode_body(self, request: ClientRequest, identity: Identity) -> tuple[Turn, dict]:
         """The turn to fold D's reply into, and the client's body as D gets it (before params).
@@ -356,12 +363,14 @@ class Disagg:
         key, digest, length = identity.after(reply)
         if key is None:
             return
-        held = held_digest(turn.prompt_ids, turn.output_ids, params.get("remote_num_tokens"))
+        held, prefixes = self.exactness.held(turn.prompt_ids, turn.output_ids,
+                                             params.get("remote_num_tokens"),
+                                             len(params["remote_block_ids"]) == 1)
         params["remote_host"] = decode.host
         self.store.put(key, Entry(params=params, decode_url=decode.url,
                                   history_digest=digest, history_len=length,
                                   plain=plain_reply(identity, turn, request.body),
-                                  token_digest=held))
+                                  token_digest=held, prefixes=prefixes))
         turn.kept = True
         metrics.ENTRIES.labels("stored").inc()
 

@@ -11,6 +11,9 @@ that the tokens follow depends on the chat template. Three proofs, cheapest firs
   keeps a digest of the tokens D holds, and the next turn's prompt is tokenized on P
   (`/tokenize`, the same fields the engine renders) and compared. Reasoning and tool-call turns
   need it: templates drop or re-render them.
+- **Partial reuse**: where the tokens differ, the largest block-aligned prefix the new prompt
+  still shares with D's tokens (`gateway.partial`), if it is at least `partial_tokens`: P reads
+  only those (D's params cut to them).
 - Otherwise: no reuse (a miss, never a wrong read).
 
 `verify_reuse`: `auto` (verify only what the digest cannot prove), `always` (verify every reuse),
@@ -21,12 +24,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from array import array
-from typing import Any, Callable, Sequence
+from dataclasses import replace
+from typing import Any, Callable, NamedTuple
 
 from cachetools import TTLCache
 
-from . import metrics
+from . import metrics, partial
 from .conversation import Identity, canonical_json, word_boundary
 from .errors import ClientGone, GatewayError
 from .parse import ClientRequest
@@ -54,24 +57,13 @@ PROBE_NEXT = {"role": "user", "content": "And a suffix?"}
 Tokenize = Callable[[dict], list]
 
 
-def token_digest(ids: Sequence[int]) -> str | None:
-    """A digest of a token-id sequence; the gateway keeps this, never the tokens."""
-    try:
-        return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
-    except (OverflowError, TypeError):
-        return None
+class Reuse(NamedTuple):
+    """What P is sent for a found entry, and why: the entry, its first K tokens (`partial`) or
+    nothing (a miss); the prompt's token count where it was tokenized; a REUSE_CHECKS label."""
 
-
-def held_digest(prompt_ids: list | None, output_ids: list | None, held: Any) -> str | None:
-    """The digest of the tokens D holds after a turn: prompt + output - 1 (`remote_num_tokens`;
-    the last sampled token has no KV). Only if D's ids are complete: vLLM before PR #29074 left
-    out the ids of tokens a reasoning or tool parser swallowed while streaming, so the count must
-    be exactly held + 1, or a gap could shift everything after it into place."""
-    if not isinstance(prompt_ids, list) or not isinstance(output_ids, list) or not isinstance(held, int):
-        return None
-    if len(prompt_ids) + len(output_ids) != held + 1:
-        return None
-    return token_digest((prompt_ids + output_ids)[:held])
+    entry: Entry | None
+    prompt_tokens: int | None
+    result: str
 
 
 def plain_reply(identity: Identity, turn, body: dict) -> bool:
@@ -177,10 +169,14 @@ class TemplateProbe:
 class Exactness:
     """Decides, per turn, whether an entry's blocks may be read and what D must report."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, partial_tokens: int = 0, block_size: int = 16) -> None:
         if mode not in MODES:
             raise ValueError(f"verify_reuse must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        # Partial reuse from this many shared tokens up (0: off), in blocks of the engines' size.
+        self.partial_tokens = partial_tokens
+        self.block_size = block_size
+        self._size_warned = False
         self.templates = TemplateProbe()
         self._reasoning_models: set = set()
 
@@ -206,16 +202,22 @@ class Exactness:
         return (bool(body.get("tools")) or body.get("model") in self._reasoning_models
                 or self.templates.known(body) is not True)
 
+    def held(self, prompt_ids: list | None, output_ids: list | None,
+             held: Any, single_group: bool) -> tuple[str | None, bytes | None]:
+        """The token digest of what D holds after a turn, and its partial-reuse checkpoints
+        (only for one KV group, the only kind partial reuse may cut)."""
+        size = self.block_size if self.partial_tokens and single_group else 0
+        return partial.held_digests(prompt_ids, output_ids, held, size)
+
     def admit(self, entry: Entry, request: ClientRequest, identity: Identity,
-              tokenize: Tokenize) -> tuple[bool, int | None, str]:
-        """May P read `entry`'s blocks for this request? Counts why not. Also the prompt's
-        token count, where it was tokenized, and the check's result (a REUSE_CHECKS label)."""
+              tokenize: Tokenize) -> Reuse:
+        """What P may read of `entry`'s blocks for this request. Counts why not."""
         proven = entry.plain and identity.at_boundary(entry.history_len)
         if self.mode == "off" or (self.mode == "auto" and proven and (
                 not request.is_chat or self.templates.known(request.body))):
             if proven:
                 metrics.REUSE_CHECKS.labels("digest").inc()
-                return True, None, "digest"
+                return Reuse(entry, None, "digest")
             return self._refuse("unproven")
         if entry.token_digest is None:
             return self._refuse("unverifiable")
@@ -230,11 +232,42 @@ class Exactness:
             log.warning("token verification failed: %s; miss", exc.message)
             return self._refuse("error")
         held = entry.params.get("remote_num_tokens")
+        if not isinstance(held, int):
+            return self._refuse("mismatch")
+        data = partial.ids_bytes(tokens)
         # P reads min(held, prompt - 1) tokens: the prompt must be longer than what D holds.
-        if isinstance(held, int) and len(tokens) > held and token_digest(tokens[:held]) == entry.token_digest:
+        if (data is not None and len(tokens) > held
+                and hashlib.blake2b(data[:held * 8], digest_size=16).hexdigest() == entry.token_digest):
             metrics.REUSE_CHECKS.labels("verified").inc()
-            return True, len(tokens), "verified"
+            return Reuse(entry, len(tokens), "verified")
+        cut = self._partial(entry, held, data)
+        if cut is not None:
+            metrics.REUSE_CHECKS.labels("partial").inc()
+            return Reuse(cut, len(tokens), "partial")
         return self._refuse("mismatch")
+
+    def _partial(self, entry: Entry, held: int, data: bytes | None) -> Entry | None:
+        """The entry cut to the longest block-aligned prefix of D's tokens the prompt shares
+        (`data`: its ids as int64), if that is `partial_tokens` or more and the cut is exact."""
+        if not (self.partial_tokens and entry.prefixes and data):
+            return None
+        shared = partial.shared_tokens(entry.prefixes, held, data, self.block_size)
+        if shared < self.partial_tokens:
+            return None
+        params = partial.cut(entry.params, shared, self.block_size)
+        if params is None:
+            self._warn_block_size(entry)
+            return None
+        return replace(entry, params=params)
+
+    def _warn_block_size(self, entry: Entry) -> None:
+        groups = entry.params.get("remote_block_ids") or [[]]
+        held = entry.params.get("remote_num_tokens")
+        if (not self._size_warned and len(groups) == 1 and isinstance(held, int)
+                and len(groups[0]) != -(-held // self.block_size)):
+            self._size_warned = True
+            log.warning("D's block list (%d ids for %d tokens) does not match --kv-block-size "
+                        "%d: no partial reuse", len(groups[0]), held, self.block_size)
 
     @staticmethod
     def tokenize_body(request: ClientRequest) -> dict | None:
@@ -252,6 +285,6 @@ class Exactness:
         return out
 
     @staticmethod
-    def _refuse(reason: str) -> tuple[bool, None, str]:
+    def _refuse(reason: str) -> Reuse:
         metrics.REUSE_CHECKS.labels(reason).inc()
-        return False, None, reason
+        return Reuse(None, None, reason)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .conversation import Identity, canonical_content
-from .exactness import Exactness
+from .exactness import Exactness, Reuse
 from .instances import Instance, Pool
 from .parse import ClientRequest
 from .store import Entry
@@ -31,7 +31,7 @@ class FastPath:
 
     def target(self, entry: Entry, request: ClientRequest, identity: Identity, decode: Pool,
                exactness: Exactness, tokenize: Callable[[Instance, dict], list]
-               ) -> tuple[Instance | None, str, bool | None]:
+               ) -> tuple[Instance | None, str, Reuse | None]:
         """The D for a decode-only turn, or None; why; and the entry's reuse if decided."""
         instance, state = decode.readiness(entry.decode_url)
         if instance is None:
@@ -45,16 +45,18 @@ class FastPath:
         # The same proof as the two-stage path: a decode-only turn never reuses what P would
         # not have been allowed to read.
         exactness.prepare(request, on_d)
-        reuse, prompt_tokens, result = exactness.admit(entry, request, identity, on_d)
-        if result == "error":
+        reuse = exactness.admit(entry, request, identity, on_d)
+        if reuse.result == "error":
             return None, "tokenize_failed", None    # D's /tokenize failed: P may still prove it
-        if not reuse:
-            return None, "unproven", False
+        if reuse.entry is None:
+            return None, "unproven", reuse
+        if reuse.result == "partial":
+            return None, "partial", reuse        # P reads what the prompt shares, computes the rest
         held = entry.params.get("remote_num_tokens")
-        if (prompt_tokens is not None and isinstance(held, int)
-                and prompt_tokens - held >= self.max_tokens):
-            return None, "long", True            # exact where the tokens were counted
-        return instance, "short", True
+        if (reuse.prompt_tokens is not None and isinstance(held, int)
+                and reuse.prompt_tokens - held >= self.max_tokens):
+            return None, "long", reuse           # exact where the tokens were counted
+        return instance, "short", reuse
 
     @staticmethod
     def estimate(request: ClientRequest, entry: Entry) -> int:

@@ -47,7 +47,11 @@ OPTIONAL_PARAMS = {"remote_host": _text, "tp_size": _int(1), "dcp_size": _int(1)
                    "remote_blocks_expiry_time": lambda v: v is None or (
                        isinstance(v, (int, float)) and not isinstance(v, bool)),
                    "transfer_mode": _text, "remote_control_host": _text,
-                   "remote_control_port": _int(1, 65535)}
+                   "remote_control_port": _int(1, 65535),
+                   # P re-handshakes with a D that registered its KV cache again (after a
+                   # sleep) only when it sees a newer generation (nixl/pull_worker.py
+                   # ~L145-151, vLLM 0.33): dropped, P would read the old registration.
+                   "remote_registration_generation": _int(0)}
 
 
 def clean_params(params: Any) -> dict | None:

@@ -25,7 +25,8 @@ ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored; foun
                   ["event"])
 REUSE_CHECKS = Counter("pd_gateway_reuse_checks", "Found entries, by the proof of reuse: digest "
                        "(plain turn, template keeps the prefix) and verified (tokens match) are "
-                       "read; mismatch (tokens differ), unverifiable (no token ids from D, or a "
+                       "read whole; partial (the prompt shares a block-aligned prefix of D's "
+                       "tokens: P reads that prefix); mismatch (tokens differ), unverifiable (no token ids from D, or a "
                        "request /tokenize cannot render), unproven (reasoning, tool calls; "
                        "verify_reuse off) and error (/tokenize failed) are misses", ["result"])
 TEMPLATE_PROBES = Counter("pd_gateway_template_probes", "Chat template checks (3 /tokenize calls "
@@ -68,6 +69,10 @@ KV_READS = Counter("pd_gateway_kv_reads", "Turns whose P was sent D's params, by
                    "number of blocks, possibly its own cache), recomputed (fewer: under "
                    "kv_recompute_threshold), own_cache (more: its own cache held them all), "
                    "unreported (P said nothing)", ["result"])
+PARTIAL_TOKENS = Counter("pd_gateway_partial_reuse_tokens", "Partial reuse (reuse_checks "
+                         "result partial): offered, the tokens of D's sequence P was sent to "
+                         "read (the shared prefix, whole blocks); cached, of those, what P "
+                         "reported not computing (read from D, or its own cache)", ["kind"])
 PREFILL_TOKENS = Counter("pd_gateway_prefill_tokens", "P's prompt tokens as P reports them: "
                          "prompt (usage.prompt_tokens) and cached (what P did not compute: its "
                          "own prefix cache plus what it read from D; only where P reports it)",

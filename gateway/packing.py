@@ -23,12 +23,16 @@ BLOCKS = "remote_block_ids"
 # other change needs a new _VERSION. A name not here goes in a trailing object.
 FIELDS = ("remote_engine_id", "remote_request_id", "remote_port", "remote_host", "tp_size",
           "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time",
-          "transfer_mode", "remote_control_host", "remote_control_port")
+          "transfer_mode", "remote_control_host", "remote_control_port",
+          "remote_registration_generation")
 _ABSENT = False          # no allowlisted value is a boolean: `false` means "not in the params"
 _VERSION = 1
+# Version 2 adds the partial-reuse checkpoints (gateway.partial) after the token digest; an entry
+# without them is still written as version 1, which hosts before version 2 read.
+_VERSION_PREFIXES = 2
 _HEAD = struct.Struct("<BBId")        # version, flags, history length, expiry
 _RUN = struct.Struct("<IHb")          # first id, length, step (+1 or -1)
-_PLAIN, _EXPIRES, _HISTORY_BYTES, _TOKENS_BYTES, _HAS_BLOCKS = 1, 2, 4, 8, 16
+_PLAIN, _EXPIRES, _HISTORY_BYTES, _TOKENS_BYTES, _HAS_BLOCKS, _PREFIXES = 1, 2, 4, 8, 16, 32
 _HEX = frozenset("0123456789abcdef")
 # The values are deflated (zlib, raw, a 512-byte window) against a preset dictionary of what
 # they hold: ids in hex, URLs, vLLM's request-id prefix. Measured: 191 -> 113 bytes for the
@@ -54,11 +58,13 @@ def digest_bytes(value: str | None) -> bytes | None:
 
 
 def pack(params: dict, decode_url: str, history_digest: str, history_len: int, plain: bool,
-         token_digest: str | None, expires_at: float | None) -> bytes:
+         token_digest: str | None, expires_at: float | None,
+         prefixes: bytes | None = None) -> bytes:
     history_bytes, tokens_bytes = digest_bytes(history_digest), digest_bytes(token_digest)
+    prefixes = prefixes if prefixes and len(prefixes) < 65536 else None
     flags = ((_PLAIN if plain else 0) | (_EXPIRES if expires_at is not None else 0)
              | (_HISTORY_BYTES if history_bytes else 0) | (_TOKENS_BYTES if tokens_bytes else 0)
-             | (_HAS_BLOCKS if BLOCKS in params else 0))
+             | (_HAS_BLOCKS if BLOCKS in params else 0) | (_PREFIXES if prefixes else 0))
     groups = params.get(BLOCKS) or []
     values = [decode_url, None if history_bytes else history_digest,
               None if tokens_bytes else token_digest,
@@ -66,8 +72,10 @@ def pack(params: dict, decode_url: str, history_digest: str, history_len: int, p
     extra = {k: v for k, v in params.items() if k != BLOCKS and k not in FIELDS}
     if extra:
         values.append(extra)
-    parts = [_HEAD.pack(_VERSION, flags, history_len, expires_at or 0.0),
+    version = _VERSION_PREFIXES if prefixes else _VERSION
+    parts = [_HEAD.pack(version, flags, history_len, expires_at or 0.0),
              history_bytes or b"", tokens_bytes or b"",
+             struct.pack("<H", len(prefixes)) + prefixes if prefixes else b"",
              struct.pack("<H", len(groups)), *(_pack_group(g) for g in groups),
              _deflate(jsonio.dumps(values))]
     return b"".join(parts)     # one exact-size object (orjson's own output keeps spare room)
@@ -78,11 +86,12 @@ def expiry(packed: bytes) -> float:
     return _HEAD.unpack_from(packed)[3]
 
 
-def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float | None]:
+def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float | None,
+                                   bytes | None]:
     """The fields `pack` took; ValueError if `packed` is not one of its outputs."""
     try:
         version, flags, history_len, expires = _HEAD.unpack_from(packed)
-        if version != _VERSION:
+        if version not in (_VERSION, _VERSION_PREFIXES):
             raise ValueError(f"entry version {version}")
         at = _HEAD.size
         history_digest = token_digest = None
@@ -90,6 +99,12 @@ def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float 
             history_digest, at = packed[at:at + 16].hex(), at + 16
         if flags & _TOKENS_BYTES:
             token_digest, at = packed[at:at + 16].hex(), at + 16
+        prefixes = None
+        if flags & _PREFIXES and version == _VERSION_PREFIXES:
+            (size,) = struct.unpack_from("<H", packed, at)
+            prefixes, at = packed[at + 2:at + 2 + size], at + 2 + size
+            if len(prefixes) != size:
+                raise IndexError("checkpoints cut short")
         (count,) = struct.unpack_from("<H", packed, at)
         at += 2
         groups = []
@@ -108,7 +123,7 @@ def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float 
     if not isinstance(decode_url, str) or not isinstance(history_digest, str):
         raise ValueError("not a conversation entry")
     return (params, decode_url, history_digest, history_len, bool(flags & _PLAIN),
-            token_digest or tokens_text, expires if flags & _EXPIRES else None)
+            token_digest or tokens_text, expires if flags & _EXPIRES else None, prefixes)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:

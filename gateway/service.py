@@ -85,7 +85,9 @@ class Gateway:
         self.releaser.start()
         self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
                              releaser=self.releaser, attempts=settings.attempts,
-                             exactness=Exactness(settings.verify_reuse),
+                             exactness=Exactness(settings.verify_reuse,
+                                                  settings.partial_reuse_tokens,
+                                                  settings.kv_block_size),
                              fast_path=FastPath(settings.fast_path_tokens),
                              access_log=settings.access_log)
 

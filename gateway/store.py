@@ -31,6 +31,9 @@ class Entry:
     # When D's blocks are gone, on the store's clock; set by the first put. D frees them at its
     # TTL whatever the gateway does, so an entry put back keeps it.
     expires_at: float | None = None
+    # Digests of D's tokens at a few block boundaries, to find how much of them a prompt that
+    # does not extend them all still shares (gateway.partial); only where D reported its ids.
+    prefixes: bytes | None = None
 
 
 class ConversationStore(Protocol):
@@ -63,7 +66,7 @@ class _Takes:
 def encode(entry: Entry) -> bytes:
     """The entry in a few hundred bytes (gateway.packing): Python objects would take kilobytes."""
     return pack(entry.params, entry.decode_url, entry.history_digest, entry.history_len,
-                entry.plain, entry.token_digest, entry.expires_at)
+                entry.plain, entry.token_digest, entry.expires_at, entry.prefixes)
 
 
 def decode(packed: bytes) -> Entry:

@@ -35,8 +35,14 @@ def test_no_template_makes_p_read_the_wrong_blocks(mode):
     checks = result["checks"]
     if mode in ("tools-verbatim", "reasoning-kept"):
         # Token verification brings reasoning and tool-call turns back where the template keeps
-        # them (a client that strips reasoning finds no entry: D's blocks hold the reasoning).
-        assert checks.get("verified", 0) > 0 and checks.get("mismatch", 0) == 0, checks
+        # them.
+        assert checks.get("verified", 0) > 0, checks
+    if mode == "tools-verbatim":
+        assert checks.get("mismatch", 0) == 0, checks
+    if mode == "reasoning-kept":
+        # A client that strips reasoning finds its entry too (stored without the reasoning);
+        # D's blocks hold the reasoning its prompt lacks: refused on tokens, never read whole.
+        assert checks.get("mismatch", 0) + checks.get("partial", 0) > 0, checks
     if mode in ("tools-rerendered", "reasoning-dropped"):
         # ...and keeps them out where it does not: the tokens were checked and differ.
         assert checks.get("mismatch", 0) > 0, checks

@@ -97,7 +97,7 @@ def test_prefill_stub_returns_prefill_params(make_api, stub):
         "remote_engine_id": api.engine.engine_id, "remote_request_id": params["remote_request_id"],
         "remote_host": "localhost", "remote_port": 19100, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
         "remote_num_tokens": N_PROMPT, "remote_blocks_expiry_time": None, "transfer_mode": "pull",
-        "remote_prefill_cached_tokens": 0}
+        "remote_registration_generation": 0, "remote_prefill_cached_tokens": 0}
     assert len(params["remote_block_ids"][0]) == -(-N_PROMPT // 16)
     assert params["remote_request_id"].startswith("chatcmpl-req-42-")
     assert len(params["remote_request_id"]) == len("chatcmpl-req-42-") + 8

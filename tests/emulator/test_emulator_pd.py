@@ -13,7 +13,7 @@ from devtools import sse as sse_client
 from emulator.process import EmulatorProcess, wait_until
 from emulator.tokens import render_chat
 
-from tests.emulator.conftest import STUB
+from tests.emulator.conftest import PD, STUB
 
 
 def fresh_history() -> list[dict]:
@@ -114,6 +114,48 @@ def test_p_maps_its_new_blocks_onto_the_last_entries_of_the_remote_group(pd):
     short = {**p_in, "remote_block_ids": [p_in["remote_block_ids"][0][:2]]}
     failed = pd.prefill(history2, short)
     assert failed.status_code == 500 and "AssertionError" in failed.json()["error"]["message"]
+
+
+def test_a_hybrid_models_window_group_is_read_right_only_whole():
+    """A hybrid model (full attention and a 64-token sliding window; not the emulator's default)
+    exports two groups, the window's holding only D's last cdiv(64, 16) + 1 = 5 blocks
+    (nixl/base_scheduler.py ~L141-154). A read of D's whole sequence maps both right; a read
+    cut to fewer tokens maps D's last window onto P's earlier positions: wrong reuse, whatever
+    is done to the lists. P's prefix cache is off (not vLLM's default) so every read happens."""
+    kw = dict(prefill_ms_per_token=0.01, itl_ms=1, bidirectional_kv_xfer=True, sliding_window=64)
+    with EmulatorProcess("prefill", host="127.0.0.2", port=18150, enable_prefix_caching=False,
+                         **kw) as p, \
+            EmulatorProcess("decode", host="127.0.0.3", port=18250, **kw) as d:
+        pd = PD(p, d)
+
+        def second_turn() -> tuple[list, dict]:
+            history = fresh_history()
+            reply, d1 = pd.turn(history, max_tokens=100)
+            history2 = history + [{"role": "assistant", "content": reply},
+                                  {"role": "user", "content": "next"}]
+            return history2, {**d1, "do_remote_decode": True, "do_remote_prefill": False,
+                              "remote_host": d.host}
+
+        history2, p_in = second_turn()
+        full, window = p_in["remote_block_ids"]
+        assert len(full) == -(-p_in["remote_num_tokens"] // 16) and len(window) == 5
+        assert pd.prefill(history2, p_in).status_code == 200
+        assert (p.stats()["hits"], p.stats()["wrong_reuse"]) == (1, 0)
+        assert p.stats()["reused_prompt_tokens"] == p_in["remote_num_tokens"]
+        for cut_window in (False, True):
+            history2, p_in = second_turn()
+            full, window = p_in["remote_block_ids"]
+            k = (p_in["remote_num_tokens"] - 40) // 16 * 16
+            cut = {**p_in, "remote_num_tokens": k,
+                   "remote_block_ids": [full[:k // 16], window[:k // 16] if cut_window else window]}
+            p.reset_stats()
+            assert pd.prefill(history2, cut).status_code == 200
+            assert (p.stats()["hits"], p.stats()["wrong_reuse"]) == (0, 1)
+        # One group where the model has two: vLLM's "Number of KV cache groups must match".
+        history2, p_in = second_turn()
+        failed = pd.prefill(history2, {**p_in, "remote_block_ids": p_in["remote_block_ids"][:1]})
+        assert failed.status_code == 500 and "AssertionError" in failed.json()["error"]["message"]
+        assert d.stats()["wrong_reuse"] == 0           # D's whole-prompt reads from P: right
 
 
 def test_a_request_waits_for_kv_memory_and_the_wait_is_part_of_its_ttft():
