@@ -150,7 +150,7 @@ class Settings:
                                        "blocks, when it is at least this many tokens (vLLM's "
                                        "kv_recompute_threshold, 64); 0 turns it off "
                                        "(docs/exactness.md).")
-    kv_block_size: int = option(16, positive(int), "The engines' KV block size (vLLM's "
+    kv_block_size: int = option(16, bounded(int, 1, 65535), "The engines' KV block size (vLLM's "
                                 "--block-size, 16 by default; P and D must share it): partial "
                                 "reuse cuts D's block list at it, and cuts no entry whose list "
                                 "does not fit it.")

@@ -118,8 +118,9 @@ class Identity:
     # For each assistant message that carries reasoning: the digest of the prefix ending with it,
     # its reasoning left out. An entry whose reply reasoned is stored under that digest, so a
     # client that does not echo reasoning finds it as well as one that does. The digest then
-    # proves nothing of the reasoning, and needs not: such an entry is never plain, so its
-    # reuse is always token-verified (gateway.exactness).
+    # proves nothing of the reasoning, and needs not: such an entry is never plain, and an entry
+    # found only through this digest (reasoning the reply did not have) is treated as not plain
+    # either (`reasoning_added`): its reuse is always token-verified (gateway.exactness).
     unreasoned: Mapping[int, bytes] = field(default_factory=dict)
 
     def lookups(self) -> list[str]:
@@ -151,6 +152,12 @@ class Identity:
                     or (unreasoned is not None and unreasoned.hex() == history_digest))
         return (self.prompt is not None and 0 < history_len < len(self.prompt)
                 and _h(self.scope, self.prompt[:history_len].encode()).hex() == history_digest)
+
+    def reasoning_added(self, history_digest: str, history_len: int) -> bool:
+        """Did this request's history reach the entry only with a reply's reasoning left out?
+        Then the digest cannot vouch for the tokens of what the client sent."""
+        return (self.messages is not None and 0 < history_len <= len(self.messages)
+                and self.messages[history_len - 1].hex() != history_digest)
 
     def at_boundary(self, history_len: int) -> bool:
         """Completions: does the prompt continue the entry's text at a token boundary?
@@ -193,8 +200,9 @@ def _unreasoned_chain(messages: Sequence[Mapping[str, Any]],
     """Identity.unreasoned: only assistant messages with reasoning cost a digest."""
     out = {}
     for i, message in enumerate(messages):
-        if len(message) > 2 and message.get("role") == "assistant" and \
-                any(message.get(name) for name in REASONING_FIELDS):
+        if len(message) == 2 and "content" in message:
+            continue                    # most messages: role and content, nothing to leave out
+        if message.get("role") == "assistant" and any(message.get(n) for n in REASONING_FIELDS):
             previous = chain[i - 1] if i else scope
             out[i] = next(_chain(previous, [_unreasoned(message)]))
     return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Callable, TypeVar
 
 from . import metrics
@@ -136,6 +137,8 @@ class Disagg:
         key, entry = found
         if identity.extends(entry.history_digest, entry.history_len):
             metrics.ENTRIES.labels("found").inc()
+            if entry.plain and identity.reasoning_added(entry.history_digest, entry.history_len):
+                return replace(entry, plain=False)     # only tokens can prove that reuse
             return entry
         # Edited history, a rewritten or stripped reply, or another conversation's id.
         metrics.ENTRIES.labels("mismatch").inc()

@@ -23,8 +23,9 @@ BLOCKS = "remote_block_ids"
 # other change needs a new _VERSION. A name not here goes in a trailing object.
 FIELDS = ("remote_engine_id", "remote_request_id", "remote_port", "remote_host", "tp_size",
           "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time",
-          "transfer_mode", "remote_control_host", "remote_control_port",
-          "remote_registration_generation")
+          "transfer_mode", "remote_control_host", "remote_control_port")
+# Allowlisted names added since (remote_registration_generation) go in the trailing object, which
+# every version-1 reader already takes: appending them here would break hosts not yet upgraded.
 _ABSENT = False          # no allowlisted value is a boolean: `false` means "not in the params"
 _VERSION = 1
 # Version 2 adds the partial-reuse checkpoints (gateway.partial) after the token digest; an entry

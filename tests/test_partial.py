@@ -125,3 +125,23 @@ def test_an_entry_whose_reply_reasoned_is_found_whether_or_not_the_client_echoes
         {"role": "assistant", "content": "since", "reasoning_content": "let me think"},
         {"role": "user", "content": "and"}]}, {}, None)
     assert key not in other.lookups() and not other.extends(digest, length)
+
+
+def test_reasoning_a_reply_never_had_makes_its_entry_need_a_token_check():
+    """An entry whose reply did not reason is plain; a request that echoes that reply with
+    reasoning added reaches it only through the digest without reasoning, so the digest cannot
+    vouch for its tokens: the entry comes out of the store as not plain (token-verified)."""
+    from gateway.disagg import Disagg
+    from gateway.store import LocalStore
+    history = [{"role": "user", "content": "why"}]
+    reply = {"role": "assistant", "content": "because"}
+    key, digest, length = identify({"model": "m", "messages": history}, {}, None).after(reply)
+    store = LocalStore(100, 60)
+    disagg = Disagg(store, None, None, None, releaser=object())
+    for echoed, plain in ((reply, True), ({**reply, "reasoning_content": "made up"}, False)):
+        store.put(key, Entry(d_params(100), "http://d", digest, length, plain=True))
+        follow = identify({"model": "m", "messages": history + [echoed, {"role": "user",
+                                                                          "content": "and"}]},
+                          {}, None)
+        found = disagg.take_entry(follow)
+        assert found is not None and found.plain is plain
