@@ -40,6 +40,8 @@ SYSTEMS = {
                            {"workers": 4, "worker_class": "gthread", **GTHREAD_X4}),
     "gw-redis-4": System("gw gevent x4, Redis store", "gateway", True,
                          {"workers": 4, "store": "redis"}),
+    "gw-redis-cluster-4": System("gw gevent x4, Redis Cluster", "gateway", True,
+                                 {"workers": 4, "store": "redis-cluster"}),
     "gw-noid-1": System("gw gevent x1, no ids", "gateway", False, {"workers": 1}),
     "gw-noid-4": System("gw gevent x4, no ids", "gateway", False, {"workers": 4}),
     "seed": System("seed", "seed", True),

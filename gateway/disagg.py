@@ -128,7 +128,7 @@ class Disagg:
     def take_entry(self, identity: Identity) -> Entry | None:
         """The previous turn's entry, if this request's history extends the history its blocks
         were computed for (whether its tokens do is `Exactness.admit`'s question)."""
-        found = self.store.take_first(identity.lookups())
+        found = self.store.take_first(identity.lookups(), identity.root)
         if found is None:
             # First turn, expired, evicted, taken by a concurrent request, or an echo that is
             # not canonical-equal to the reply (its digest leads nowhere).
@@ -145,7 +145,7 @@ class Disagg:
         log.debug("conversation %s: history does not extend its entry; miss", key[:12])
         if identity.explicit:
             # Someone else's history under this id: leave the entry to its conversation.
-            self.store.put(key, entry)
+            self.store.put(key, entry, identity.root)
         else:
             self.releaser.drop(entry, "mismatch")
         return None
@@ -373,7 +373,7 @@ class Disagg:
         self.store.put(key, Entry(params=params, decode_url=decode.url,
                                   history_digest=digest, history_len=length,
                                   plain=plain_reply(identity, turn, request.body),
-                                  token_digest=held, prefixes=prefixes))
+                                  token_digest=held, prefixes=prefixes), identity.root)
         turn.kept = True
         metrics.ENTRIES.labels("stored").inc()
 

@@ -39,7 +39,9 @@ RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", 
 FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",
                     ["result"])
 STORE_ERRORS = Counter("pd_gateway_store_errors", "Calls to a Redis store that failed (a take "
-                       "becomes a miss, a put leaves no entry)", ["operation"])
+                       "becomes a miss, a put leaves no entry; ledger: a Redis Cluster's count "
+                       "of a D's pinned blocks, on another node, missed one change)",
+                       ["operation"])
 ADMISSIONS = Counter("pd_gateway_admissions", "Turns by admission (--max-turns): admitted at "
                      "once, queued (waited for a place, then admitted), rejected_queue_full and "
                      "rejected_waited (429 with Retry-After, no engine called), rejected_bodies "

@@ -37,13 +37,15 @@ class Entry:
 
 
 class ConversationStore(Protocol):
-    def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
+    def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
         """Remove and return the entry under the first of `keys` that has one (keys are tried
-        in order, longest history first). D hands its blocks over once: entries are single use."""
+        in order, longest history first). D hands its blocks over once: entries are single use.
+        `tag` is the same for every key of one conversation (its root): a Redis Cluster keeps
+        them in one hash slot."""
 
-    def take(self, key: str) -> Entry | None: ...
+    def take(self, key: str, tag: str = "") -> Entry | None: ...
 
-    def put(self, key: str, entry: Entry) -> None:
+    def put(self, key: str, entry: Entry, tag: str = "") -> None:
         """Store the entry, replacing any older one for the key."""
 
     def report(self) -> dict:
@@ -58,8 +60,8 @@ class ConversationStore(Protocol):
 
 
 class _Takes:
-    def take(self, key: str) -> Entry | None:
-        found = self.take_first([key])
+    def take(self, key: str, tag: str = "") -> Entry | None:
+        found = self.take_first([key], tag)
         return None if found is None else found[1]
 
 
@@ -182,7 +184,7 @@ class LocalStore(_Takes):
         self._dropped: list[tuple[Entry, str]] = []   # under the lock; handed out after it
         self.on_drop: Callable[[Entry, str], None] = _ignore
 
-    def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
+    def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
         for key in keys:
             k = _key(key)
             with self._lock:       # one section: the ledger never counts an entry already gone
@@ -195,7 +197,7 @@ class LocalStore(_Takes):
                 return key, entry
         return None
 
-    def put(self, key: str, entry: Entry) -> None:
+    def put(self, key: str, entry: Entry, tag: str = "") -> None:
         now = self._timer()
         entry = stamped(entry, now, self._ttl)
         if entry.expires_at <= now:
@@ -337,9 +339,93 @@ return {old or false, over, total}
 """
 
 
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+def _nodes(netloc: str, default_port: int) -> list[tuple[str, int]]:
+    """host:port,host:port ([v6]:port) from a URL's host part, credentials removed."""
+    hosts = netloc.rpartition("@")[2]
+    nodes = []
+    for item in filter(None, hosts.split(",")):
+        if item.startswith("["):
+            host, _, port = item[1:].partition("]")
+            port = port.removeprefix(":")
+        else:
+            host, _, port = item.partition(":")
+        nodes.append((host, int(port) if port else default_port))
+    if not nodes:
+        raise ValueError("a Redis URL with no host")
+    return nodes
+
+
+def redis_client(url: str, timeout: float):  # type: ignore[no-untyped-def]
+    """(client, cluster?) for a store URL: `redis://` / `rediss://` / `unix://` (one primary),
+    `redis+cluster://host:port,host:port` (Redis or Valkey Cluster: any nodes as seeds), or
+    `redis+sentinel://host:port,host:port/primary-name[/db]` (Sentinel; the client asks the
+    sentinels for the primary again after a failover). `rediss+…` is TLS to Redis,
+    `user:password@` an ACL user. Every call gives up after `timeout` and is tried once more
+    only after a dropped connection, never after a timeout: a slow store makes misses, not waits."""
+    from urllib.parse import unquote, urlsplit
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
+    parts = urlsplit(url)
+    scheme = parts.scheme
+    if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        return redis.Redis.from_url(url, **common), False
+    auth = dict(username=unquote(parts.username) if parts.username else None,
+                password=unquote(parts.password) if parts.password else None)
+    tls = scheme.startswith("rediss")
+    if scheme in CLUSTER_SCHEMES:
+        from redis.cluster import ClusterNode
+        nodes = [ClusterNode(host, port) for host, port in _nodes(parts.netloc, 6379)]
+        return _LazyCluster(dict(startup_nodes=nodes, ssl=tls, **auth, **common)), True
+    from redis.sentinel import Sentinel
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ValueError("redis+sentinel:// needs the primary's name: .../mymaster[/db]")
+    sentinels = Sentinel(_nodes(parts.netloc, 26379),
+                         sentinel_kwargs=dict(socket_timeout=timeout,
+                                              socket_connect_timeout=timeout),
+                         **common)
+    db = int(path[1]) if len(path) > 1 else 0
+    return sentinels.master_for(path[0], db=db, ssl=tls, **auth, **common), False
+
+
+class _LazyCluster:
+    """A RedisCluster client made on first use, and made again after a failed try: made at once,
+    it connects, and a cluster down when a worker starts would stop the worker."""
+
+    def __init__(self, kwargs: dict) -> None:
+        self.kwargs = kwargs
+        self._client = None
+        self._lock = threading.Lock()
+
+    def get_encoder(self):  # type: ignore[no-untyped-def]
+        """What a script needs before any connection (redis-py's default encoding)."""
+        from redis.connection import Encoder
+        return Encoder("utf-8", "strict", False)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        client = self._client
+        if client is None:
+            from redis.cluster import RedisCluster
+            with self._lock:
+                if self._client is None:
+                    self._client = RedisCluster(**self.kwargs)
+                client = self._client
+        return getattr(client, name)
+
+
 class RedisStore(_Takes):
     """Entries in Redis (SET with expiry, GETDEL: Redis 6.2+ or Valkey), shared by every worker
-    and gateway host, so any of them can serve any turn.
+    and gateway host, so any of them can serve any turn: one primary (or one Sentinel follows);
+    a Redis Cluster is `RedisClusterStore`.
 
     Redis failing never fails a request: a take that fails is a miss, a put that fails leaves
     no entry; both are counted and logged.
@@ -350,21 +436,24 @@ class RedisStore(_Takes):
     def __init__(self, url: str, ttl: float, timeout: float, client=None,
                  pinned_budget: int = 0, timer: Callable[[], float] = time.time) -> None:
         import redis   # only a Redis-backed gateway needs the client
+        from redis.commands.core import Script
 
-        self._errors = (redis.RedisError, ValueError, TypeError)   # or a foreign value
-        self._redis = client if client is not None else redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        # A cluster unreachable when its client is made raises RedisClusterException, which
+        # is not a RedisError; ValueError and TypeError: a foreign value under our key.
+        self._errors = (redis.RedisError, redis.exceptions.RedisClusterException, ValueError,
+                        TypeError)
+        self._redis = client if client is not None else redis_client(url, timeout)[0]
         self._ttl_ms = int(ttl * 1000)
         self._budget = pinned_budget     # per D, across every host sharing the store
         self._timer = timer              # wall-clock seconds: every host reads the same expiry
         # One round trip however many history prefixes a request tries (a long conversation
         # whose entry expired tries them all), and one a put, the blocks each D keeps counted
         # on the way. Their keys must live on one node: no Cluster.
-        self._take_first = self._redis.register_script(_TAKE_FIRST)
-        self._put = self._redis.register_script(_PUT)
+        self._take_first = Script(self._redis, _TAKE_FIRST)
+        self._put = Script(self._redis, _PUT)
         self.on_drop: Callable[[Entry, str], None] = _ignore
 
-    def take_first(self, keys: Sequence[str]) -> tuple[str, Entry] | None:
+    def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
         if not keys:
             return None
         try:
@@ -376,14 +465,22 @@ class RedisStore(_Takes):
             self._failed("take", exc)
             return None
 
-    def put(self, key: str, entry: Entry) -> None:
-        # Wall-clock expiry (PXAT): every gateway host reads the same entry.
+    def _stamp(self, entry: Entry) -> tuple[Entry, float, int, str] | None:
+        """The entry with its wall-clock expiry (PXAT: every gateway host reads the same one),
+        now, that expiry in ms, and its D's id; None if it is already due."""
         now = self._timer()
         entry = stamped(entry, now, self._ttl_ms / 1000)
         expires_ms = int(entry.expires_at * 1000)
         if expires_ms <= now * 1000:
+            return None
+        return (entry, now, expires_ms,
+                hashlib.blake2b(entry.decode_url.encode(), digest_size=8).hexdigest())
+
+    def put(self, key: str, entry: Entry, tag: str = "") -> None:
+        stamp = self._stamp(entry)
+        if stamp is None:
             return
-        decode_id = hashlib.blake2b(entry.decode_url.encode(), digest_size=8).hexdigest()
+        entry, now, expires_ms, decode_id = stamp
         try:
             old, over, total = self._put(
                 keys=[self.PREFIX + key],
@@ -418,6 +515,186 @@ class RedisStore(_Takes):
         metrics.STORE_ERRORS.labels(operation).inc()
 
 
+# Redis Cluster: a script's keys must share a hash slot. A conversation's entry keys (and the
+# key naming each one's D) carry its root as a hash tag; each D's ledger carries its own. So
+# the take and the put are one script on the conversation's slot and one on its D's: the pieces
+# the single-primary scripts above do in one.
+_C_LEDGER = """
+local function unpin(keys, member)
+    local n = tonumber(redis.call('HGET', keys[2], member) or '0')
+    if n > 0 then redis.call('DECRBY', keys[3], n) end
+    redis.call('HDEL', keys[2], member)
+    redis.call('ZREM', keys[1], member)
+    return n
+end
+"""
+_C_TAKE = """
+local prefix = ARGV[1]
+for i, key in ipairs(KEYS) do
+    local value = redis.call('GETDEL', key)
+    if value then
+        local owner = prefix .. 'pinned-of:' .. string.sub(key, #prefix + 1)
+        local d = redis.call('GET', owner)
+        redis.call('DEL', owner)
+        return {i, value, d or false}
+    end
+end
+return false
+"""
+_C_UNPIN = _C_LEDGER + "return unpin(KEYS, ARGV[1])"
+# KEYS: the entry, its owner key; ARGV: packed entry, expiry (ms), D id.
+_C_PUT_ENTRY = """
+local old = redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2], 'GET')
+local owner = redis.call('GET', KEYS[2])
+redis.call('SET', KEYS[2], ARGV[3], 'PXAT', ARGV[2])
+return {old or false, owner or false}
+"""
+# KEYS: D's sorted set, blocks and total; ARGV: member, blocks, expiry (ms), now (ms), budget,
+# 1 if the member was on this D already. Returns the members over budget (oldest first, never
+# this one; the caller takes their entries) and D's total after.
+_C_PUT_LEDGER = _C_LEDGER + """
+local member, expiry = ARGV[1], tonumber(ARGV[3])
+if ARGV[6] == '1' then unpin(KEYS, member) end
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4], 'LIMIT', 0, 64)) do
+    unpin(KEYS, gone)
+end
+redis.call('ZADD', KEYS[1], expiry, member)
+redis.call('HSET', KEYS[2], member, ARGV[2])
+local total = redis.call('INCRBY', KEYS[3], ARGV[2])
+local budget = tonumber(ARGV[5])
+local over = {}
+for _ = 1, 256 do
+    if budget <= 0 or total <= budget then break end
+    local oldest = nil
+    for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, 1)) do
+        if m ~= member then oldest = m; break end
+    end
+    if not oldest then
+        total = tonumber(ARGV[2])
+        redis.call('SET', KEYS[3], total)
+        break
+    end
+    total = total - unpin(KEYS, oldest)
+    table.insert(over, oldest)
+end
+local keep_until = expiry + 60000
+for _, key in ipairs(KEYS) do
+    local left = redis.call('PTTL', key)
+    if left < 0 or tonumber(ARGV[4]) + left < keep_until then
+        redis.call('PEXPIREAT', key, keep_until)
+    end
+end
+return {over, total}
+"""
+# KEYS: an entry over its D's budget, its owner key; ARGV: the D id.
+_C_DROP = """
+local value = redis.call('GETDEL', KEYS[1])
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return value or false
+"""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisClusterStore(RedisStore):
+    """Entries in a Redis or Valkey Cluster: a conversation's keys in its root's hash slot, each
+    D's ledger of pinned blocks in its own. A take is one script (two on a hit: its D's ledger),
+    a put two (more only to drop entries over a D's budget)."""
+
+    def __init__(self, url: str, ttl: float, timeout: float, client=None,
+                 pinned_budget: int = 0, timer: Callable[[], float] = time.time) -> None:
+        super().__init__(url, ttl, timeout, client, pinned_budget, timer)
+        from redis.commands.core import Script
+
+        def register(text: str) -> Script:
+            return Script(self._redis, text)
+
+        self._take_first = register(_C_TAKE)
+        self._unpin = register(_C_UNPIN)
+        self._put_entry = register(_C_PUT_ENTRY)
+        self._put_ledger = register(_C_PUT_LEDGER)
+        self._drop = register(_C_DROP)
+
+    @staticmethod
+    def member(key: str, tag: str) -> str:
+        """The key's name in Redis (after the prefix), hash-tagged by its conversation."""
+        return "{%s}:%s" % (tag or key, key)
+
+    def _ledger(self, decode_id: str) -> list[str]:
+        base = "%s{d:%s}:" % (self.PREFIX, decode_id)
+        return [base + "pinned", base + "pinned-blocks", base + "pinned-total"]
+
+    def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
+        if not tag and len(keys) > 1:       # untagged keys live in slots of their own
+            return next(filter(None, (self.take_first([key]) for key in keys)), None)
+        if not keys:
+            return None
+        try:
+            found = self._take_first(keys=[self.PREFIX + self.member(k, tag) for k in keys],
+                                     args=[self.PREFIX])
+            if not found:
+                return None
+            index, packed, decode_id = found
+            taken = keys[index - 1], decode(packed)
+        except self._errors as exc:
+            self._failed("take", exc)
+            return None
+        if decode_id:
+            self._unpin_on(_text(decode_id), self.member(taken[0], tag))
+        return taken
+
+    def _unpin_on(self, decode_id: str, member: str) -> None:
+        """Uncount a member on its D's ledger, which may live on another node: if that node is
+        failing over, the entry still goes its way (the ledger mends at the member's expiry)."""
+        try:
+            self._unpin(keys=self._ledger(decode_id), args=[member])
+        except self._errors as exc:
+            self._failed("ledger", exc)
+
+    def put(self, key: str, entry: Entry, tag: str = "") -> None:
+        stamp = self._stamp(entry)
+        if stamp is None:
+            return
+        entry, now, expires_ms, decode_id = stamp
+        member = self.member(key, tag)
+        try:
+            old, owner = self._put_entry(keys=[self.PREFIX + member,
+                                               self.PREFIX + "pinned-of:" + member],
+                                         args=[encode(entry), expires_ms, decode_id])
+        except self._errors as exc:
+            self._failed("put", exc)
+            return
+        owner = _text(owner) if owner else None
+        dropped: list[tuple[bytes, str]] = [(old, "replaced")] if old else []
+        if owner and owner != decode_id:          # the entry it replaced was on another D
+            self._unpin_on(owner, member)
+        # The entry is stored; its D's ledger (on another node, perhaps failing over) is
+        # counted on the way, and entries over D's budget taken out of their own slots.
+        try:
+            over, total = self._put_ledger(
+                keys=self._ledger(decode_id),
+                args=[member, pinned_blocks(entry), expires_ms, int(now * 1000), self._budget,
+                      1 if owner == decode_id else 0])
+            metrics.SHARED_PINNED_BLOCKS.labels(public_url(entry.decode_url)).set(total)
+            for gone in map(_text, over):
+                value = self._drop(keys=[self.PREFIX + gone, self.PREFIX + "pinned-of:" + gone],
+                                   args=[decode_id])
+                if value:
+                    dropped.append((value, "budget"))
+        except self._errors as exc:
+            self._failed("ledger", exc)
+        for packed, why in dropped:
+            try:
+                self.on_drop(decode(packed), why)
+            except ValueError:              # a foreign value under our key
+                continue
+
+    def report(self) -> dict:
+        return {**super().report(), "store": "redis-cluster"}
+
+
 def create_store(settings) -> ConversationStore:
     if settings.store == "local":
         # Each worker holds its own share of the conversations, so its share of the budget.
@@ -425,5 +702,7 @@ def create_store(settings) -> ConversationStore:
         return LocalStore(settings.store_size, settings.store_ttl,
                           pinned_budget=max(1, share) if settings.pinned_blocks else 0)
     # One budget for every worker and host sharing the store.
-    return RedisStore(settings.store, settings.store_ttl, settings.store_timeout,
-                      pinned_budget=settings.pinned_blocks)
+    cluster = settings.store.startswith(tuple(s + "://" for s in CLUSTER_SCHEMES))
+    return (RedisClusterStore if cluster else RedisStore)(
+        settings.store, settings.store_ttl, settings.store_timeout,
+        pinned_budget=settings.pinned_blocks)
