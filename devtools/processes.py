@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,8 +181,8 @@ class RedisClusterProcesses:
                 port = _cluster_port(host)
                 self.nodes[port] = RedisProcess(host, (
                     "--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
-                    "--cluster-config-file", os.path.join(self.dir, f"nodes-{port}.conf"),
-                    "--dir", self.dir), port=port)
+                    "--cluster-config-file", f"nodes-{port}.conf",
+                    "--dbfilename", f"dump-{port}.rdb", "--dir", self.dir), port=port)
             subprocess.run([_redis_cli(), "--cluster", "create",
                             *(f"{host}:{p}" for p in self.nodes), "--cluster-replicas", "1",
                             "--cluster-yes"], check=True, capture_output=True, timeout=60)
@@ -208,7 +209,7 @@ class RedisClusterProcesses:
         wait_until(lambda: all(self._ok(n) for n in self.live()), timeout, "the cluster")
 
     def primary(self) -> RedisProcess:
-        """A live primary that has a live replica."""
+        """A live primary (each was made with a replica)."""
         lines = self.live()[0].client.execute_command("CLUSTER", "NODES")
         text = lines.decode() if isinstance(lines, bytes) else str(lines)
         for line in text.splitlines():
@@ -222,6 +223,7 @@ class RedisClusterProcesses:
     def stop(self) -> None:
         for node in self.nodes.values():
             node.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class RedisSentinelProcesses:
@@ -232,10 +234,13 @@ class RedisSentinelProcesses:
 
     def __init__(self, host: str = "127.0.0.1", down_after_ms: int = 1000) -> None:
         self.dir = tempfile.mkdtemp(prefix="pd-gateway-sentinel-")
-        self.primary = RedisProcess(host)
-        self.replica = RedisProcess(host, ("--replicaof", host, str(self.primary.port)))
         self.sentinels: list[RedisProcess] = []
+        self.primary = self.replica = None
         try:
+            # A replica's sync writes a dump: into this run's directory, never the caller's.
+            self.primary = RedisProcess(host, ("--dir", self.dir, "--dbfilename", "primary.rdb"))
+            self.replica = RedisProcess(host, ("--replicaof", host, str(self.primary.port),
+                                               "--dir", self.dir, "--dbfilename", "replica.rdb"))
             for i in range(3):
                 path = os.path.join(self.dir, f"sentinel-{i}.conf")
                 with open(path, "w") as config:
@@ -264,4 +269,6 @@ class RedisSentinelProcesses:
 
     def stop(self) -> None:
         for process in [*self.sentinels, self.replica, self.primary]:
-            process.stop()
+            if process is not None:
+                process.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

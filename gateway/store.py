@@ -363,16 +363,18 @@ def redis_client(url: str, timeout: float):  # type: ignore[no-untyped-def]
     """(client, cluster?) for a store URL: `redis://` / `rediss://` / `unix://` (one primary),
     `redis+cluster://host:port,host:port` (Redis or Valkey Cluster: any nodes as seeds), or
     `redis+sentinel://host:port,host:port/primary-name[/db]` (Sentinel; the client asks the
-    sentinels for the primary again after a failover). `rediss+…` is TLS to Redis,
-    `user:password@` an ACL user. Every call gives up after `timeout` and is tried once more
-    only after a dropped connection, never after a timeout: a slow store makes misses, not waits."""
+    sentinels for the primary again after a failover). `rediss+…` is TLS to Redis (to the
+    primary only, with Sentinel), `user:password@` an ACL user. Every call gives up after
+    `timeout` and is never retried: a slow store makes misses, not waits, and a script the
+    server may have run already (its reply lost) is never run twice (a put run again would
+    report its own entry as replaced, and its blocks would be released)."""
     from urllib.parse import unquote, urlsplit
 
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    retry = Retry(NoBackoff(), 0)
     common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
     parts = urlsplit(url)
     scheme = parts.scheme
@@ -401,10 +403,13 @@ class _LazyCluster:
     """A RedisCluster client made on first use, and made again after a failed try: made at once,
     it connects, and a cluster down when a worker starts would stop the worker."""
 
+    RETRY_SECONDS = 1.0    # after a failed try, calls fail at once for this long
+
     def __init__(self, kwargs: dict) -> None:
         self.kwargs = kwargs
         self._client = None
         self._lock = threading.Lock()
+        self._failed_at = -float("inf")
 
     def get_encoder(self):  # type: ignore[no-untyped-def]
         """What a script needs before any connection (redis-py's default encoding)."""
@@ -414,12 +419,27 @@ class _LazyCluster:
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         client = self._client
         if client is None:
-            from redis.cluster import RedisCluster
-            with self._lock:
-                if self._client is None:
-                    self._client = RedisCluster(**self.kwargs)
-                client = self._client
+            client = self._make()
         return getattr(client, name)
+
+    def _make(self):  # type: ignore[no-untyped-def]
+        """One caller tries (the seeds, each up to the timeout); the others wait for it up to
+        one timeout, and for RETRY_SECONDS after a failed try every caller fails at once: a
+        cluster down costs a turn at most one timeout."""
+        from redis.cluster import RedisCluster
+        from redis.exceptions import RedisClusterException
+        if (time.monotonic() - self._failed_at < self.RETRY_SECONDS
+                or not self._lock.acquire(timeout=self.kwargs.get("socket_timeout") or 1.0)):
+            raise RedisClusterException("the cluster client is not made yet")
+        try:
+            if self._client is None:
+                self._client = RedisCluster(**self.kwargs)
+            return self._client
+        except BaseException:
+            self._failed_at = time.monotonic()
+            raise
+        finally:
+            self._lock.release()
 
 
 class RedisStore(_Takes):
@@ -481,10 +501,11 @@ class RedisStore(_Takes):
         if stamp is None:
             return
         entry, now, expires_ms, decode_id = stamp
+        packed_entry = encode(entry)
         try:
             old, over, total = self._put(
                 keys=[self.PREFIX + key],
-                args=[encode(entry), expires_ms, int(now * 1000), key, pinned_blocks(entry),
+                args=[packed_entry, expires_ms, int(now * 1000), key, pinned_blocks(entry),
                       self._budget, decode_id, self.PREFIX])
         except self._errors as exc:
             self._failed("put", exc)
@@ -492,7 +513,9 @@ class RedisStore(_Takes):
         metrics.SHARED_PINNED_BLOCKS.labels(public_url(entry.decode_url)).set(total)
         # The entry this one replaced (a regenerated turn), and those over D's budget: their
         # blocks no P will read.
-        for packed, why in ([(old, "replaced")] if old else []) + [(v, "budget") for v in over]:
+        # Its own entry back is not a replaced one (a script run twice): never released.
+        for packed, why in ([(old, "replaced")] if old and old != packed_entry else []) + [
+                (v, "budget") for v in over]:
             try:
                 dropped = decode(packed)
             except ValueError:          # a foreign value under our key: nothing to release
@@ -595,7 +618,8 @@ return value or false
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    """A name Redis gave back (a foreign value under our key must not raise)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 class RedisClusterStore(RedisStore):
@@ -659,32 +683,39 @@ class RedisClusterStore(RedisStore):
             return
         entry, now, expires_ms, decode_id = stamp
         member = self.member(key, tag)
+        packed = encode(entry)
         try:
             old, owner = self._put_entry(keys=[self.PREFIX + member,
                                                self.PREFIX + "pinned-of:" + member],
-                                         args=[encode(entry), expires_ms, decode_id])
+                                         args=[packed, expires_ms, decode_id])
         except self._errors as exc:
             self._failed("put", exc)
             return
         owner = _text(owner) if owner else None
-        dropped: list[tuple[bytes, str]] = [(old, "replaced")] if old else []
+        # Its own entry back is not a replaced one (a script run twice): never released.
+        dropped: list[tuple[bytes, str]] = [(old, "replaced")] if old and old != packed else []
         if owner and owner != decode_id:          # the entry it replaced was on another D
             self._unpin_on(owner, member)
         # The entry is stored; its D's ledger (on another node, perhaps failing over) is
         # counted on the way, and entries over D's budget taken out of their own slots.
+        over: list = []
         try:
             over, total = self._put_ledger(
                 keys=self._ledger(decode_id),
                 args=[member, pinned_blocks(entry), expires_ms, int(now * 1000), self._budget,
                       1 if owner == decode_id else 0])
             metrics.SHARED_PINNED_BLOCKS.labels(public_url(entry.decode_url)).set(total)
-            for gone in map(_text, over):
-                value = self._drop(keys=[self.PREFIX + gone, self.PREFIX + "pinned-of:" + gone],
-                                   args=[decode_id])
-                if value:
-                    dropped.append((value, "budget"))
         except self._errors as exc:
             self._failed("ledger", exc)
+        for gone in map(_text, over):       # uncounted now: each taken out of its own slot
+            try:
+                value = self._drop(keys=[self.PREFIX + gone, self.PREFIX + "pinned-of:" + gone],
+                                   args=[decode_id])
+            except self._errors as exc:
+                self._failed("ledger", exc)
+                continue
+            if value:
+                dropped.append((value, "budget"))
         for packed, why in dropped:
             try:
                 self.on_drop(decode(packed), why)
@@ -692,7 +723,12 @@ class RedisClusterStore(RedisStore):
                 continue
 
     def report(self) -> dict:
-        return {**super().report(), "store": "redis-cluster"}
+        from redis.cluster import RedisCluster
+        try:   # the primaries (a failed replica is not the store failing)
+            return {"store": "redis-cluster",
+                    "reachable": bool(self._redis.ping(target_nodes=RedisCluster.PRIMARIES))}
+        except self._errors:
+            return {"store": "redis-cluster", "reachable": False}
 
 
 def create_store(settings) -> ConversationStore:
