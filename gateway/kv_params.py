@@ -1,6 +1,6 @@
 """D's kv_transfer_params as the gateway speaks them: the stub P gets on a miss, the allowlist
 kept for the next turn, and the P and D bodies that carry them.
-(vLLM's wire format: docs/architecture.md, "The P/D protocol".)"""
+(The contract, field by field with its vLLM sources: docs/pd-protocol.md.)"""
 from __future__ import annotations
 
 from typing import Any, Callable
