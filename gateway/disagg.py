@@ -244,7 +244,7 @@ class Disagg:
             else:
                 reuse = None
                 sent.drop("unproven" if failure is None else "prefill_failed")
-            body = prefill_body(request.wire, reuse.entry if reuse else None)
+            body = prefill_body(request.wire, reuse.entry.params if reuse else None)
             return reuse, self.upstream.post_json(instance, request.path, body, headers)
 
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .instances import Instance
-from .store import Entry
 
 # What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -69,13 +68,14 @@ def clean_params(params: Any) -> dict | None:
     return clean
 
 
-def prefill_body(body: dict, entry: Entry | None) -> dict:
+def prefill_body(body: dict, params: dict | None) -> dict:
+    """P's body: one token, not streamed, and D's `params` to read (a hit) or vLLM's stub."""
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
     out.update(stream=False, max_tokens=1)
-    if entry is None:
+    if params is None:
         out["kv_transfer_params"] = dict(MISS_PARAMS)
     else:
-        out["kv_transfer_params"] = {**entry.params, "do_remote_decode": True,
+        out["kv_transfer_params"] = {**params, "do_remote_decode": True,
                                      "do_remote_prefill": False}
     return out
 
