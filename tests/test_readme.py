@@ -41,3 +41,26 @@ def test_embedding_doc_shows_the_tested_service_whole():
     doc = root.joinpath("docs", "embedding.md").read_text()
     for name in ("legacy_app.py", "gunicorn.conf.py"):
         assert root.joinpath("tests", "embedding", name).read_text().rstrip("\n") in doc, name
+
+
+def test_no_module_imports_one_above_it_in_the_architecture_table():
+    """docs/architecture.md's room table is ordered so that modules import only rooms below
+    their own: read the order from the doc, the imports from the code."""
+    import ast
+    import re
+    root = Path(__file__).resolve().parent.parent
+    doc = root.joinpath("docs", "architecture.md").read_text()
+    order = [name[:-3] for row in re.findall(r"^\| (`[^|]+`) \|", doc, re.M)
+             for name in re.findall(r"`([a-z_]+\.py)`", row)]
+    position = {module: i for i, module in enumerate(order)}
+    modules = {p.stem for p in root.joinpath("gateway").glob("*.py")} - {"__init__"}
+    assert modules <= set(position), f"rooms missing from the table: {modules - set(position)}"
+    upward = []
+    for module in modules:
+        tree = ast.parse(root.joinpath("gateway", module + ".py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                upward += [(module, n.split(".")[0]) for n in names
+                           if position.get(n.split(".")[0], len(order)) < position[module]]
+    assert upward == []
