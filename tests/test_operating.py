@@ -98,8 +98,8 @@ def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.44", itl_ms=100) as d, \
             gateway_process([p.url], [d.url], workers=2, max_turns=1, admission_queue=0) as gw:
         with ThreadPoolExecutor(1) as pool:
-            # The owner's one place, held for 40 x 100 ms.
-            held = pool.submit(lambda: _events(_chat(gw, 0, max_tokens=40)))
+            # The owner's one place, held for 150 x 100 ms (40 ran out under a loaded CI run).
+            held = pool.submit(lambda: _events(_chat(gw, 0, max_tokens=150)))
             wait_until(lambda: d.stats()["streams_in_flight"] == 1, 10, "the stream open")
             before = metric(gw, "pd_gateway_forwarded_total", result="sent")
             # Each try is a new connection and the kernel picks the worker that accepts it, so
