@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import requests
 
@@ -43,6 +45,7 @@ class GatewayProcess:
         self.admin_token = str(settings.setdefault("admin_token", secrets.token_hex(8)))
         # The gateway's workers listen privately on the ports right after it.
         workers = mount.workers if mount else int(settings.get("workers", 1))
+        self.workers = workers
         self.port = port or free_port(host, 1 + workers)
         self.prefix = mount.prefix if mount else ""
         self.url = f"http://{host}:{self.port}{self.prefix}"
@@ -85,6 +88,39 @@ class GatewayProcess:
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
+    def owner_port(self, body: dict, headers: dict | None = None) -> int:
+        """The private port of the worker that owns `body`'s conversation (every slot live)."""
+        from gateway.affinity import owner
+        from gateway.conversation import root_key
+        body = dict(body)
+        conversation_id = body.pop("conversation_id", None)     # as gateway.parse does
+        return self.port + 1 + owner(root_key(body, headers or {}, conversation_id),
+                                     self.workers)
+
+    @contextmanager
+    def forwarded(self, body: dict, headers: dict | None = None) -> Iterator[Callable[[], None]]:
+        """Make the next request for `body`'s conversation arrive at a worker that does not own
+        it, whatever the kernel would pick: the owner is stopped (SIGSTOP), so only the others
+        accept. Send the request, then call what this yields: it waits until the forwarded
+        request is at the owner's private port, unread, and lets the owner run again."""
+        port = self.owner_port(body, headers)
+        pid = self.status(port)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = [pid]
+
+        def arrived() -> None:
+            try:
+                wait_until(lambda: unread_bytes_at(port) > 0, 10,
+                           "the forwarded request at the stopped owner")
+            finally:
+                while stopped:
+                    os.kill(stopped.pop(), signal.SIGCONT)
+        try:
+            yield arrived
+        finally:
+            while stopped:
+                os.kill(stopped.pop(), signal.SIGCONT)
+
     def stop(self, timeout: float = 30) -> int | None:
         """SIGTERM (graceful), then SIGKILL if it outlives `timeout`; returns the exit code."""
         if self.process.poll() is None:
@@ -106,6 +142,15 @@ class GatewayProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def unread_bytes_at(port: int) -> int:
+    """Bytes the kernel holds, unread by any process, on IPv4 connections to local `port`
+    (/proc/net/tcp's rx_queue; a connection still in the listen queue counts too)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(int(row[4].split(":")[1], 16) for row in rows
+               if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == "01")
 
 
 class RedisProcess:

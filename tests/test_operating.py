@@ -22,10 +22,13 @@ from tests.test_disagg_payloads import CHAT, MESSAGES, chat_events, d_params, p_
 from tests.test_hardening import metric
 
 
+def _body(n: int, **extra) -> dict:
+    return {"model": MODEL, "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": f"turn {n}"}], **extra}
+
+
 def _chat(gateway, n: int, **extra) -> requests.Response:
-    return requests.post(gateway.url + CHAT, timeout=20, json={
-        "model": MODEL, "stream": True, "max_tokens": 8,
-        "messages": [{"role": "user", "content": f"turn {n}"}], **extra})
+    return requests.post(gateway.url + CHAT, timeout=20, json=_body(n, **extra))
 
 
 def _events(response: requests.Response) -> list:
@@ -97,24 +100,21 @@ def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.43", itl_ms=1) as p, \
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.44", itl_ms=100) as d, \
             gateway_process([p.url], [d.url], workers=2, max_turns=1, admission_queue=0) as gw:
-        with ThreadPoolExecutor(1) as pool:
-            # The owner's one place, held for 150 x 100 ms (40 ran out under a loaded CI run).
-            held = pool.submit(lambda: _events(_chat(gw, 0, max_tokens=150)))
+        with ThreadPoolExecutor(2) as pool:
+            # The owner's one place, held for 60 x 100 ms.
+            held = pool.submit(lambda: _events(_chat(gw, 0, max_tokens=60)))
             wait_until(lambda: d.stats()["streams_in_flight"] == 1, 10, "the stream open")
             before = metric(gw, "pd_gateway_forwarded_total", result="sent")
-            # Each try is a new connection and the kernel picks the worker that accepts it, so
-            # which tries are forwarded is chance: send until one was, 100 at most.
-            tries = 0
-            while tries < 100 and metric(gw, "pd_gateway_forwarded_total", result="sent") == before:
-                tries += 1
-                refused = _chat(gw, 0)
-                assert refused.status_code == 429
-                assert refused.headers["Retry-After"] == "1"
-                assert refused.json()["error"]["code"] == 429
-                assert d.stats()["streams_in_flight"] == 1, "the held stream ended too soon"
+            with gw.forwarded(_body(0)) as arrived:
+                try_ = pool.submit(_chat, gw, 0)
+                arrived()
+            refused = try_.result()
+            assert refused.status_code == 429
+            assert refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["code"] == 429
+            assert d.stats()["streams_in_flight"] == 1, "the held stream ended too soon"
+            assert metric(gw, "pd_gateway_forwarded_total", result="sent") == before + 1
             assert held.result()[-1] == b"[DONE]"
-        assert metric(gw, "pd_gateway_forwarded_total", result="sent") > before, \
-            f"none of {tries} tries was forwarded: the test shows nothing"
 
 
 # --- the one cleanup a reply owes -------------------------------------------------------------

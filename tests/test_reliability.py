@@ -261,9 +261,15 @@ def test_sigterm_does_not_wait_out_idle_keep_alive_connections(fresh_engines, wo
     with gateway_process([p.url], [d.url], worker_class=worker_class, workers=2,
                          keepalive=75, graceful_timeout=60) as gateway, \
             requests.Session() as client:
-        # New connections per conversation land on either worker: some are forwarded,
-        # which leaves the forwarding worker's connection to its peer idle in its pool.
-        for n in range(16):
+        # A forwarded turn leaves the forwarding worker's connection to its peer idle in its
+        # pool.
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "idle"}]}
+        with gateway.forwarded(body) as arrived, ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(requests.post, gateway.url + "/v1/chat/completions", json=body,
+                               timeout=10)
+            arrived()
+            assert turn.result().status_code == 200
+        for n in range(4):
             with requests.post(gateway.url + "/v1/chat/completions", timeout=10,
                                json={"model": MODEL, "messages": [
                                    {"role": "user", "content": f"idle {n}"}]}) as response:
