@@ -52,7 +52,8 @@ class GatewayProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
         if mount is None:
             args = [sys.executable, "-m", "gateway.cli", "--host", host, "--port", str(self.port),
-                    "--prefill", *prefill, "--decode", *decode]
+                    *(["--prefill", *prefill] if prefill else []),
+                    *(["--decode", *decode] if decode else [])]
             for name, value in settings.items():
                 args += ["--" + name.replace("_", "-"), str(value)]
         else:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
@@ -59,6 +60,90 @@ def _keys_file(value: Any) -> str:
     return path
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model's engines: clients name it `name` (vLLM's --served-model-name), one of
+    `aliases` (sent to the engines as `name`) or one of `adapters` (LoRA adapters the engines
+    serve, sent as they are). The single pool of --prefill/--decode has the name "" and serves
+    whatever model a request names."""
+
+    name: str
+    prefill: list[str]
+    decode: list[str]
+    aliases: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases, *self.adapters]
+
+
+_SPEC_KEYS = ("prefill", "decode", "aliases", "adapters")
+
+
+def _model_spec(spec: Mapping[str, Any], where: str) -> ModelSpec:
+    unknown = sorted(set(spec) - {"name", *_SPEC_KEYS})
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (name, "
+                         f"{', '.join(_SPEC_KEYS)})")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"{where}: a model needs a name (a string without surrounding spaces)")
+    lists = {}
+    for key in _SPEC_KEYS:
+        value = spec.get(key, [])
+        if isinstance(value, str):
+            value = value.replace(",", " ").split()
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"{where}: {key} must be a list of strings")
+        lists[key] = _url_list(value) if key in ("prefill", "decode") else list(value)
+        if key in ("prefill", "decode") and not lists[key]:
+            raise ValueError(f"{where}: model {name!r} needs at least one {key} URL")
+    return ModelSpec(name, **lists)
+
+
+def _model_list(value: Any) -> list[str]:
+    """Models as flags: 'NAME;prefill=URL,URL;decode=URL[;aliases=A,B][;adapters=L]', one
+    argument each (space separated in GATEWAY_MODELS)."""
+    items = value.split() if isinstance(value, str) else [str(v) for v in value]
+    for item in items:
+        parse_model_flag(item)
+    return items
+
+
+def parse_model_flag(item: str) -> ModelSpec:
+    name, *pairs = item.split(";")
+    spec: dict[str, Any] = {"name": name}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ValueError(f"{item!r}: {pair!r} is not key=value")
+        spec[key.strip()] = value
+    return _model_spec(spec, f"model {name!r}")
+
+
+def read_models_file(path: str) -> list[ModelSpec]:
+    """A TOML file of [[model]] tables (docs/operating.md, "Several models")."""
+    with open(path, "rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+    models = data.get("model", [])
+    unknown = sorted(set(data) - {"model"})
+    if unknown or not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise ValueError(f"{path}: expected [[model]] tables only"
+                         + (f" (found {', '.join(unknown)})" if unknown else ""))
+    return [_model_spec(m, f"{path}, model {i + 1}") for i, m in enumerate(models)]
+
+
+def _models_file(value: Any) -> str:
+    path = _keys_file(value)
+    if path:
+        read_models_file(path)
+    return path
+
+
 _STORE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",
                   "redis+sentinel://", "rediss+sentinel://")
 
@@ -105,6 +190,15 @@ class Settings:
                                 "Prefill (P) instance URLs, space or comma separated.", nargs="+")
     decode: list[str] = option(["http://127.0.0.1:8200"], _url_list,
                                "Decode (D) instance URLs, space or comma separated.", nargs="+")
+    models: list[str] = option([], _model_list, "Several models, each with its own engines: "
+                               "'NAME;prefill=URL,URL;decode=URL[;aliases=A,B][;adapters=L]', "
+                               "one argument per model (GATEWAY_MODELS: space separated). A "
+                               "request names its model; an unknown one gets 404. Replaces "
+                               "--prefill and --decode (docs/operating.md, \"Several models\").",
+                               nargs="+", show="empty: one pool, --prefill and --decode")
+    models_file: str = option("", _models_file, "A TOML file of [[model]] tables (name, "
+                              "prefill, decode, aliases, adapters), read at start; with "
+                              "--models, both are served.")
     workers: int = option(1, positive(int), "Number of gunicorn worker processes.")
     worker_class: str = option("gevent", str, "gunicorn worker class; never sync, which kills "
                                "long streams.", choices=("gevent", "gthread"))
@@ -176,6 +270,18 @@ class Settings:
     overload_factor: float = option(2.0, positive(float), "An instance is overloaded when its "
                                     "in-flight count exceeds this factor times (the least "
                                     "loaded's + 1); affinity then yields to load.")
+    engine_metrics_interval: float = option(1.0, bounded(float, 0.0), "Seconds between reads "
+                                            "of each engine's /metrics (vLLM's "
+                                            "num_requests_waiting and kv_cache_usage_perc), once "
+                                            "per host for all its workers; the choice of P and D "
+                                            "passes over engines busy by their own report. 0: "
+                                            "in-flight counts alone (docs/operating.md).")
+    engine_queue_limit: int = option(0, bounded(int, 0), "An engine with more requests waiting "
+                                     "than this (vllm:num_requests_waiting) is busy: new "
+                                     "conversations go elsewhere, and a conversation leaves the "
+                                     "D that holds it (a miss) rather than queue there.")
+    engine_kv_full: float = option(0.95, bounded(float, 0.0, 1.0), "KV cache usage "
+                                   "(vllm:kv_cache_usage_perc) from which an engine is busy too.")
     attempts: int = option(2, positive(int), "Instances tried per stage for one request "
                            "(failures before the first byte).")
     breaker_failures: int = option(3, positive(int),
@@ -272,6 +378,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         check(self)
+        self.model_specs()      # names unique, no engine in two models
         if (self.worker_class == "gthread" and self.workers > 1 and self.forwards
                 and self.threads < 2):
             # A relay holds the worker's only thread while its owner's request waits for one.
@@ -303,6 +410,31 @@ class Settings:
         except SettingsError as exc:
             parser.error(str(exc))
         raise AssertionError("unreachable")
+
+    def model_specs(self) -> list[ModelSpec]:
+        """The models and their engines: --models-file's, then --models', or the one pool of
+        --prefill and --decode (named "": any model)."""
+        specs = [*(read_models_file(self.models_file) if self.models_file else []),
+                 *(parse_model_flag(item) for item in self.models)]
+        if not specs:
+            return [ModelSpec("", self.prefill, self.decode)]
+        names: dict[str, str] = {}
+        engines: dict[str, str] = {}
+        for spec in specs:
+            for name in spec.names:
+                if name in names:
+                    raise SettingsError(f"the model name {name!r} is given twice "
+                                        f"({names[name]!r} and {spec.name!r})")
+                names[name] = spec.name
+            for url in {*spec.prefill, *spec.decode}:
+                if engines.setdefault(url, spec.name) != spec.name:
+                    raise SettingsError(f"{url} serves two models ({engines[url]!r} and "
+                                        f"{spec.name!r}): an engine serves one model")
+        return specs
+
+    def engine_urls(self) -> list[str]:
+        """Every engine URL the settings name, whichever model."""
+        return [url for spec in self.model_specs() for url in (*spec.prefill, *spec.decode)]
 
     def turn_limit(self, worker_threads: int = 0) -> int:
         """Turns in flight per worker (--max-turns, or what the worker can serve at once).

@@ -119,7 +119,7 @@ class Disagg:
         self.prefill = prefill
         self.decode = decode
         # Entries dropped unread: their D is told to free the blocks (off: rate 0).
-        self.releaser = releaser or Releaser(upstream, prefill, rate=0)
+        self.releaser = releaser or Releaser(upstream, lambda entry: prefill, rate=0)
         self.attempts = attempts
         self.exactness = exactness or Exactness("auto")
         self.fast_path = fast_path

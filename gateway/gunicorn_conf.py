@@ -44,6 +44,12 @@ LIVE_SLOTS = multiprocessing.RawArray("b", MAX_SLOTS)
 # until every live worker has its change.
 CHANGES_ENV = "PD_GATEWAY_CHANGES"
 APPLIED = multiprocessing.RawArray("q", MAX_SLOTS)
+# What each engine reports of its own load (gateway.engine_load), shared by a host's workers so
+# each engine's /metrics is read once per interval per host, not once per worker: a row per
+# engine URL, keyed by its digest (0: free), values as gateway.engine_load.FIELDS.
+LOAD_ROWS = 1024
+LOAD_KEYS = multiprocessing.RawArray("q", LOAD_ROWS)
+LOAD_VALUES = multiprocessing.RawArray("d", LOAD_ROWS * 5)
 
 # prometheus_client's own variable; it reads it once, when first imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

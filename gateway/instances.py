@@ -52,6 +52,7 @@ class Instance:
     role: str
     index: int
     origin: str = "settings"
+    model: str = ""             # with several models, its model's name (in `name`)
     host: str = field(init=False)
     base_path: str = field(init=False)      # the URL's own path, before the API's (usually "")
     credentials: tuple[str, str] | None = field(init=False)   # user:password in the URL
@@ -71,7 +72,8 @@ class Instance:
 
     @property
     def name(self) -> str:
-        return f"{self.role}[{self.index}]"
+        own = f"{self.role}[{self.index}]"
+        return f"{self.model}/{own}" if self.model else own
 
     @property
     def public_url(self) -> str:
@@ -104,8 +106,9 @@ class Pool:
     """
 
     def __init__(self, role: str, urls: list[str], policy: Policy = Policy(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, model: str = "") -> None:
         self.role = role
+        self.model = model
         self.policy = policy
         self.instances: list[Instance] = []
         self._by_url: dict[str, Instance] = {}
@@ -114,6 +117,10 @@ class Pool:
         self._lock = threading.Lock()
         self._clock = clock
         self.on_down: Callable[[], None] | None = None   # wakes the prober
+        # Is an instance queueing or full by its own report (gateway.engine_load)? None: no
+        # reports, in-flight counts alone.
+        self.busy: Callable[[Instance], bool] | None = None
+        self.reported: Callable[[Instance], object] | None = None     # for report()
         for url in urls:
             self.add(url)
 
@@ -123,7 +130,7 @@ class Pool:
             found = self._by_url.get(url)
             if found is not None:
                 return found, False
-            instance = Instance(url, self.role, next(self._numbers), origin)
+            instance = Instance(url, self.role, next(self._numbers), origin, self.model)
             self._by_url[url] = instance
             self.instances = [*self.instances, instance]
         # Run-time changes are news; the settings' own instances are not.
@@ -184,11 +191,15 @@ class Pool:
                         self._turn = (self._turn + step + 1) % len(instances)
                         return chosen
             limit = self._limit(candidates)
+            busy = self.busy
             preferred = self._by_url.get(prefer) if prefer else None
-            if preferred in candidates and preferred.inflight <= limit:
+            if (preferred in candidates and preferred.inflight <= limit
+                    and not (busy and busy(preferred))):
                 return preferred
             raw = key.encode()
             ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
+            if busy is not None:     # all busy: the choice of in-flight counts alone
+                ranked = [i for i in ranked if not busy(i)] or ranked
             return next((i for i in ranked if i.inflight <= limit), ranked[0])
 
     def _limit(self, candidates: list[Instance]) -> float:
@@ -207,6 +218,8 @@ class Pool:
                 return None, "down"
             if instance.inflight > self._limit([i for i in self.instances if i.available(now)]):
                 return None, "overloaded"
+            if self.busy is not None and self.busy(instance):
+                return None, "busy"
             return instance, "ready"
 
     def acquire(self, instance: Instance) -> None:
@@ -240,9 +253,10 @@ class Pool:
 
     def report(self) -> list[dict]:
         now = self._clock()
+        reported = self.reported or (lambda i: None)
         return [{"name": i.name, "url": i.public_url, "origin": public_url(i.origin),
                  "state": i.state(now), "inflight": i.inflight,
-                 "consecutive_failures": i.failures}
+                 "consecutive_failures": i.failures, "reported": reported(i)}
                 for i in self.instances]
 
 

@@ -104,18 +104,19 @@ class Allowed:
 class Membership:
     """Fills the pools from the settings (names resolved), then keeps them current."""
 
-    def __init__(self, settings: Settings, pools: dict[str, Pool],
+    def __init__(self, settings: Settings, pools: dict[str, dict[str, Pool]],
                  environ=os.environ) -> None:
-        self.pools = pools
+        """`pools`: each model's ("" for the one pool of --prefill/--decode) by role."""
+        self.models = pools
         self.slot = int(environ.get(SLOT_ENV, "-1"))
         self.interval = settings.resolve_interval
         self.discovery = Discovery(Resolver(settings.resolve_nameserver),
                                    enabled=self.interval > 0)
-        for role, pool in pools.items():
-            self.discovery.seed(pool, getattr(settings, role))
+        for spec in settings.model_specs():
+            for role, pool in pools[spec.name].items():
+                self.discovery.seed(pool, getattr(spec, role))
         self.allowed = Allowed(settings.admin_instance_hosts or
-                               [urlsplit(url).hostname or "" for url in
-                                (*settings.prefill, *settings.decode)])
+                               [urlsplit(url).hostname or "" for url in settings.engine_urls()])
         self.changes = ChangeLog(environ.get(CHANGES_ENV))
         self._lock = threading.Lock()       # one applier at a time: the file's order holds
         self.apply_pending()               # a worker that (re)starts catches up with the rest
@@ -128,21 +129,21 @@ class Membership:
 
     # --- the admin endpoint's calls ----------------------------------------------------------
 
-    def add(self, role: str, url: str) -> tuple[dict, bool]:
+    def add(self, role: object, url: object, model: object = None) -> tuple[dict, bool]:
         """Add an instance in every worker: (its report and which workers have it, new?)."""
-        pool, url = self._pool(role), self._url(url)
+        pool, url = self._pool(role, model), self._url(url)
         if not self.allowed(url):
             raise BadRequest(f"{public_url(url)} is not on a host --admin-instance-hosts allows",
                              param="url", status=403)
         if pool.get(url) is not None:
             return self._confirmed(pool, url), False
-        self.changes.append({"op": "add", "role": role, "url": url})
+        self.changes.append({"op": "add", "role": role, "url": url, **self._tag(pool)})
         self.apply_pending()
         return self._confirmed(pool, url), True
 
-    def remove(self, role: str, url: str) -> dict:
+    def remove(self, role: object, url: object, model: object = None) -> dict:
         """Remove an instance in every worker; what runs on it finishes there."""
-        pool, url = self._pool(role), self._url(url)
+        pool, url = self._pool(role, model), self._url(url)
         instance = pool.get(url)
         if instance is None:
             raise NotFound(f"no {role} instance at {public_url(url)}")
@@ -152,19 +153,37 @@ class Membership:
                              status=409)
         if len(pool.instances) == 1:
             raise BadRequest(f"{instance.name} is the last {role} instance", status=409)
-        self.changes.append({"op": "remove", "role": role, "url": url})
+        self.changes.append({"op": "remove", "role": role, "url": url, **self._tag(pool)})
         self.apply_pending()
         return {**self._confirmed(pool, url), "name": instance.name,
                 "inflight": instance.inflight}
 
     def report(self) -> dict:
-        return {"worker": self.slot, "shared": self.changes.shared,
-                **{role: pool.report() for role, pool in self.pools.items()}}
+        out = {"worker": self.slot, "shared": self.changes.shared}
+        if "" in self.models:           # one pool: as before there were models
+            return {**out, **{role: pool.report() for role, pool in self.models[""].items()}}
+        return {**out, "models": {name: {role: pool.report() for role, pool in pools.items()}
+                                  for name, pools in self.models.items()}}
 
-    def _pool(self, role: object) -> Pool:
-        if role not in self.pools:
-            raise BadRequest(f"role must be one of {', '.join(self.pools)}", param="role")
-        return self.pools[role]       # type: ignore[index]
+    def _pool(self, role: object, model: object) -> Pool:
+        if "" in self.models:
+            if model is not None:
+                raise BadRequest("this gateway has one pool (--prefill, --decode): name no model",
+                                 param="model")
+            pools = self.models[""]
+        elif model is None:
+            raise BadRequest(f"model is required: one of {', '.join(self.models)}", param="model")
+        elif model not in self.models:
+            raise NotFound(f"no model {model!r} (one of {', '.join(self.models)})")
+        else:
+            pools = self.models[model]     # type: ignore[index]
+        if role not in pools:
+            raise BadRequest(f"role must be one of {', '.join(pools)}", param="role")
+        return pools[role]       # type: ignore[index]
+
+    @staticmethod
+    def _tag(pool: Pool) -> dict:
+        return {"model": pool.model} if pool.model else {}
 
     @staticmethod
     def _url(url: object) -> str:
@@ -185,8 +204,8 @@ class Membership:
             time.sleep(0.05)
             pending = self._pending(target)
         instance = pool.get(url)
-        return {"role": pool.role, "url": public_url(url), "name": instance.name if instance else None,
-                "workers_pending": pending}
+        return {**self._tag(pool), "role": pool.role, "url": public_url(url),
+                "name": instance.name if instance else None, "workers_pending": pending}
 
     def _pending(self, target: int) -> list[int]:
         if not self.changes.shared or self.slot < 0:
@@ -206,7 +225,7 @@ class Membership:
                 APPLIED[self.slot] = self.changes.offset
 
     def _apply(self, change: dict) -> None:
-        pool = self.pools.get(change.get("role"))
+        pool = self.models.get(change.get("model", ""), {}).get(change.get("role"))
         if pool is None:
             return
         url = change.get("url", "")

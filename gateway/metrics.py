@@ -35,6 +35,9 @@ TURN_PATHS = Counter("pd_gateway_turn_paths", "Turns by path and why: decode-onl
                      "the history: no P call) or two-stage (no_entry, off, long, unproven, "
                      "decode_down, decode_overloaded, decode_gone, decode_failed, tokenize_failed)",
                      ["path", "reason"])
+ENGINE_METRICS_READS = Counter("pd_gateway_engine_metrics_reads", "Reads of engines' /metrics "
+                               "(--engine-metrics-interval), once per host: read, or failed "
+                               "(down, slow, no vLLM gauges)", ["role", "result"])
 RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"])
 FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",
                     ["result"])

@@ -52,10 +52,11 @@ def release_body(params: dict) -> dict:
 class Releaser:
     """Sends the release of each dropped entry to a P, in the background, bounded in rate."""
 
-    def __init__(self, upstream: Upstream, prefill: Pool, rate: float,
-                 sweep: Callable[[], None] = lambda: None, backlog: int = BACKLOG) -> None:
+    def __init__(self, upstream: Upstream, prefill_for: Callable[[Entry], Pool | None],
+                 rate: float, sweep: Callable[[], None] = lambda: None,
+                 backlog: int = BACKLOG) -> None:
         self.upstream = upstream
-        self.prefill = prefill
+        self.prefill_for = prefill_for      # the P pool of the entry's model (None: no D there)
         self.rate = rate
         self.sweep = sweep                  # the store's expiry, run while the queue is idle
         self._jobs: queue.Queue[tuple[Entry, str]] = queue.Queue(backlog)
@@ -113,19 +114,23 @@ class Releaser:
             log.exception("sweeping expired entries failed")
 
     def release(self, entry: Entry, reason: str) -> bool:
-        """Ask a P to notify `entry`'s D, now; True if P answered. Any P will do: a random key
-        spreads the releases over them (each keeps a block of its own for 30 s), skipping those
-        down or overloaded."""
+        """Ask a P to notify `entry`'s D, now; True if P answered. Any P of the entry's model
+        will do: a random key spreads the releases over them (each keeps a block of its own for
+        30 s), skipping those down or overloaded."""
         request_id = f"release-{uuid.uuid4().hex}"
+        prefill = self.prefill_for(entry)
+        if prefill is None:     # its D left every model's pool: no P of its model is known
+            metrics.RELEASES.labels(reason, "skipped").inc()
+            return False
         try:
-            instance = self.prefill.choose(request_id)
-            self.prefill.acquire(instance)
+            instance = prefill.choose(request_id)
+            prefill.acquire(instance)
             try:
                 headers = self.upstream.headers(request_id, None)
                 self.upstream.post_json(instance, PATH, release_body(entry.params), headers,
                                         read_timeout=READ_TIMEOUT)
             finally:
-                self.prefill.release(instance)
+                prefill.release(instance)
         except GatewayError as exc:
             log.info("release of a %s entry failed: %s", reason, exc.message)
             metrics.RELEASES.labels(reason, "failed").inc()

@@ -16,12 +16,14 @@ from .auth import ApiKeys
 from .config import Settings
 from .conversation import identify, root_key, tenant_salt
 from .disagg import Disagg
+from .engine_load import EngineLoad
 from .errors import BadGateway, GatewayError
 from .exactness import Exactness
 from .fast_path import FastPath
 from .gunicorn_conf import THREADS_ENV
 from .instances import Instance, Policy, Pool, Prober
 from .membership import Membership
+from .model_pools import ModelPool, ModelPools
 from .parse import ClientRequest, parse
 from .release import Releaser
 from .reply import Reply, once
@@ -44,18 +46,26 @@ class Gateway:
                        else settings.worker_connections)
         self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
                                  pool_size=concurrency, api_key=settings.upstream_api_key,
-                                 hosts=len(settings.prefill) + len(settings.decode)
+                                 hosts=len(settings.engine_urls())
                                  + settings.workers + 36)   # room for engines added later
         policy = Policy(routing=settings.routing, overload_factor=settings.overload_factor,
                         breaker_failures=settings.breaker_failures,
                         breaker_cooldown=settings.breaker_cooldown)
-        self.prefill = Pool("prefill", [], policy)
-        self.decode = Pool("decode", [], policy)
-        # Filled from the settings (DNS names resolved), then kept current (gateway.membership).
-        self.membership = Membership(settings, {"prefill": self.prefill, "decode": self.decode})
-        self.prober = Prober(self.upstream.probe, [self.prefill, self.decode],
-                             settings.probe_interval)
-        self.prefill.on_down = self.decode.on_down = self.prober.wake
+        # Each model its own P and D pools (one pool, named "", without --models). Filled from
+        # the settings (DNS names resolved), then kept current (gateway.membership).
+        specs = settings.model_specs()
+        roles = {spec.name: {role: Pool(role, [], policy, model=spec.name)
+                             for role in ("prefill", "decode")} for spec in specs}
+        self.membership = Membership(settings, roles)
+        every_pool = [pool for pools in roles.values() for pool in pools.values()]
+        self.prober = Prober(self.upstream.probe, every_pool, settings.probe_interval)
+        for pool in every_pool:
+            pool.on_down = self.prober.wake
+        self.engine_load = EngineLoad(
+            lambda instance, timeout: self.upstream.get_bytes(instance, "/metrics", timeout),
+            every_pool, settings.engine_metrics_interval, settings.engine_queue_limit,
+            settings.engine_kv_full)
+        self.engine_load.start()
         self.affinity = Affinity(settings, self.upstream)
         # The running worker's threads, if gunicorn runs a threaded one (a host's config may
         # choose it, whatever the app's settings say).
@@ -79,17 +89,30 @@ class Gateway:
                        (settings.tenant_cache_salt == "auto" and self.api_keys.enabled))
         # Entries the store drops unread (replaced, evicted, expired, over budget) and those a
         # turn drops: their D is told to free the blocks, in the background (gateway.release).
-        self.releaser = Releaser(self.upstream, self.prefill, settings.release_rate,
+        self.releaser = Releaser(self.upstream, self._prefill_for, settings.release_rate,
                                  sweep=getattr(self.store, "sweep", lambda: None))
         self.store.on_drop = self.releaser.drop
         self.releaser.start()
-        self.disagg = Disagg(self.store, self.upstream, self.prefill, self.decode,
+        exactness = Exactness(settings.verify_reuse, settings.partial_reuse_tokens,
+                              settings.kv_block_size)
+        fast_path = FastPath(settings.fast_path_tokens)
+        self.pools = ModelPools([
+            ModelPool(spec, pools["prefill"], pools["decode"],
+                      Disagg(self.store, self.upstream, pools["prefill"], pools["decode"],
                              releaser=self.releaser, attempts=settings.attempts,
-                             exactness=Exactness(settings.verify_reuse,
-                                                  settings.partial_reuse_tokens,
-                                                  settings.kv_block_size),
-                             fast_path=FastPath(settings.fast_path_tokens),
-                             access_log=settings.access_log)
+                             exactness=exactness, fast_path=fast_path,
+                             access_log=settings.access_log))
+            for spec, pools in zip(specs, roles.values())])
+        # The first model's (the only one's, without --models): for embedders and tests.
+        first = self.pools.default
+        self.prefill, self.decode, self.disagg = first.prefill, first.decode, first.disagg
+
+    def _prefill_for(self, entry) -> Pool | None:
+        """The P pool that can release `entry`: its model's (any P, with one pool)."""
+        if self.pools.single:
+            return self.prefill
+        pool = self.pools.of_decode(entry.decode_url)
+        return pool.prefill if pool is not None else None
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
                  environ: Mapping[str, object], request_id: str,
@@ -106,6 +129,7 @@ class Gateway:
         held: list = [body_held] if body_held else []  # released after the reply's own
         try:
             request = parse(path, raw)        # CPU only: no watcher, no place taken yet
+            pool, request = self.pools.route(request)     # an unknown model: 404 here
             id_args = (request.body, headers, request.conversation_id)
             owner = (self.affinity.forward_to(root_key(*id_args))
                      if self.affinity.may_forward(environ) else None)
@@ -120,7 +144,7 @@ class Gateway:
             if reply is None:
                 if owner is not None and self.relays is not self.admission:
                     self._admit(held, self.admission)    # its owner is away: served here
-                reply = self._serve(request, id_args, headers, request_id)
+                reply = self._serve(pool, request, id_args, headers, request_id)
         except BaseException:
             _release(once(*reversed(held)))      # the error the client sees is the first one
             raise
@@ -145,8 +169,8 @@ class Gateway:
         metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
         return forwarded
 
-    def _serve(self, request: ClientRequest, id_args: tuple, headers: Mapping[str, str],
-               request_id: str) -> Reply:
+    def _serve(self, pool: ModelPool, request: ClientRequest, id_args: tuple,
+               headers: Mapping[str, str], request_id: str) -> Reply:
         identity = identify(*id_args)
         own_salt = request.body.get("cache_salt")
         if self.salted and (own_salt is None or isinstance(own_salt, str)):
@@ -158,27 +182,43 @@ class Gateway:
         engine_headers = self.upstream.headers(request_id, client_credential,
                                                logs.traceparent(headers.get("traceparent")),
                                                headers.get("tracestate"))
-        return self.disagg.run(request, identity, engine_headers)
+        return pool.disagg.run(request, identity, engine_headers)
 
     def models(self) -> dict:
-        """The model list of the first D that answers, healthy ones first."""
+        """/v1/models: with one pool, the list of the first D that answers, healthy ones first;
+        with several models, every model's (gateway.model_pools)."""
+        if self.pools.single:
+            answer = self._ask_models(self.decode)
+            if answer is None:
+                raise BadGateway("no decode instance answered /v1/models")
+            return answer
+        return self.pools.listing(self._ask_models)
+
+    def _ask_models(self, pool: Pool) -> dict | None:
         now = time.monotonic()
-        for instance in sorted(self.decode.instances, key=lambda i: not i.available(now)):
+        for instance in sorted(pool.instances, key=lambda i: not i.available(now)):
             try:
                 return self.upstream.get_json(instance, "/v1/models",
                                               min(self.MODELS_TIMEOUT, self.settings.read_timeout))
             except GatewayError:
                 continue
-        raise BadGateway("no decode instance answered /v1/models")
+        return None
 
     def healthy(self) -> bool:
-        """Can this worker serve a turn: some P and some D not marked down?"""
-        return all(any(not i.down for i in pool.instances) for pool in (self.prefill, self.decode))
+        """Can this worker serve a turn of some model: its P and D not all marked down?"""
+        return any(pool.healthy() for pool in self.pools.pools)
+
+    def health(self) -> str:
+        """"ok": every model can be served; "degraded": some model (the only one) cannot."""
+        return "ok" if all(pool.healthy() for pool in self.pools.pools) else "degraded"
 
     def status(self, debug: bool = False) -> dict:
         """The detailed report (GET /admin/status): engines, breakers, store, this worker."""
-        pools = {pool.role: pool.report() for pool in (self.prefill, self.decode)}
-        return {"status": "ok" if self.healthy() else "degraded", "worker": self.affinity.slot,
+        pools = ({pool.role: pool.report() for pool in (self.prefill, self.decode)}
+                 if self.pools.single else
+                 {"models": {m.name: {"healthy": m.healthy(), "prefill": m.prefill.report(),
+                                      "decode": m.decode.report()} for m in self.pools.pools}})
+        return {"status": self.health(), "worker": self.affinity.slot,
                 "pid": os.getpid(), "affinity": self.affinity.enabled,
                 # Besides gthread's request pool (which grows with concurrency and stays):
                 # the main thread, the prober, request watchers. Under gevent, greenlets.
@@ -196,6 +236,7 @@ class Gateway:
         """Stop the background prober and membership loop, and close pooled engine connections (for embedders and
         tests; a gunicorn worker just exits)."""
         self.prober.stop()
+        self.engine_load.stop()
         self.membership.stop()
         self.releaser.stop()
         self.upstream.session.close()

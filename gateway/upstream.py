@@ -303,6 +303,12 @@ class Upstream:
         except requests.RequestException:
             return False
 
+    def get_bytes(self, instance: Instance, path: str, timeout: float) -> bytes:
+        """GET `path`'s body (raises requests' errors; for background reads, not requests)."""
+        with self.session.get(instance.url + path, timeout=timeout) as response:
+            response.raise_for_status()
+            return response.content
+
     def get_json(self, instance: Instance, path: str, read_timeout: float | None = None) -> dict:
         try:
             response = self.session.get(instance.url + path, timeout=(

@@ -115,13 +115,13 @@ def _failed(exc: GatewayError, request_id: str) -> Response:
     return exc.response(request_id)
 
 
-def _instance_args() -> tuple[object, object]:
+def _instance_args() -> tuple[object, object, object]:
     body = request.get_json(silent=True) if request.content_length else None
     if body is None:
         body = request.args
     elif not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object with role and url")
-    return body.get("role"), body.get("url")
+        raise BadRequest("the body must be a JSON object with role and url (and model)")
+    return body.get("role"), body.get("url"), body.get("model")
 
 
 def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
@@ -190,9 +190,11 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
 
     @bp.get("/health")
     def health() -> Response:
-        """For load balancers and Kubernetes probes: status only, nothing about the engines."""
-        ok = current().healthy()
-        return json_response({"status": "ok" if ok else "degraded"}, 200 if ok else 503)
+        """For load balancers and Kubernetes probes: status only, nothing about the engines.
+        503 when no model can be served; with several models, "degraded" and 200 while some
+        can (taking the gateway out would not help the others)."""
+        gateway = current()
+        return json_response({"status": gateway.health()}, 200 if gateway.healthy() else 503)
 
     def admin() -> Gateway:
         """This process's Gateway, for a caller with the admin token (404 when none is set)."""
@@ -206,7 +208,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         gateway = admin()
         # debug=1 walks the heap for live greenlets: only for the operator who asked.
         report = gateway.status(debug=request.args.get("debug") == "1")
-        return json_response(report, 200 if report["status"] == "ok" else 503)
+        return json_response(report, 200 if gateway.healthy() else 503)
 
     # Engines added and removed at run time, in every worker (gateway.membership says how).
     # {"role": "prefill"|"decode", "url": "http://host:port"}, as JSON (or query arguments).
@@ -217,8 +219,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
     @bp.post("/admin/instances")
     def add_instance() -> Response:
         membership = admin().membership
-        role, url = _instance_args()
-        report, new = membership.add(role, url)
+        report, new = membership.add(*_instance_args())
         return json_response(report, 201 if new else 200)
 
     @bp.delete("/admin/instances")

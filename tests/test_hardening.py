@@ -165,7 +165,7 @@ def test_an_unexpected_exception_never_leaks_an_in_flight_count():
 def test_the_connection_pools_cover_every_engine_and_worker():
     from gateway.service import Gateway
     from gateway.config import Settings
-    gateway = Gateway(Settings(prefill=[f"http://10.0.0.{i}:8100" for i in range(12)],
+    gateway = Gateway(Settings(engine_metrics_interval=0, prefill=[f"http://10.0.0.{i}:8100" for i in range(12)],
                                decode=[f"http://10.0.1.{i}:8200" for i in range(12)], workers=8))
     try:
         adapter = gateway.upstream.session.get_adapter("http://10.0.0.1:8100")
@@ -199,7 +199,7 @@ def test_failures_are_classified_by_type_not_by_message():
 def test_models_asks_healthy_instances_first_with_a_short_timeout():
     from gateway.service import Gateway
     from gateway.config import Settings
-    gateway = Gateway(Settings(prefill=["http://10.9.0.1:8100"],
+    gateway = Gateway(Settings(engine_metrics_interval=0, prefill=["http://10.9.0.1:8100"],
                                decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"]))
     try:
         gateway.decode.failed(gateway.decode.instances[0], unreachable=True)

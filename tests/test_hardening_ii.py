@@ -321,7 +321,7 @@ def test_a_gthread_worker_always_keeps_a_thread_beyond_its_turns():
     from gateway.config import Settings, SettingsError
 
     for max_turns, limit in [(0, 6), (20, 7), (3, 3)]:
-        app = create_app(Settings(worker_class="gthread", threads=8, max_turns=max_turns,
+        app = create_app(Settings(engine_metrics_interval=0, worker_class="gthread", threads=8, max_turns=max_turns,
                                   release_rate=0))
         try:
             assert app.extensions["pd_gateway"].gateway.admission.limit == limit

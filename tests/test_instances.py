@@ -115,10 +115,10 @@ def test_a_settings_name_that_cannot_be_resolved_is_kept_as_given():
     from devtools.dns import LoopbackDNS
     url = "http://decode.test:8200"
     with LoopbackDNS() as dns:             # knows no name: NXDOMAIN
-        settings = Settings(prefill=[P_URL], decode=[url], resolve_interval=30,
+        settings = Settings(engine_metrics_interval=0, prefill=[P_URL], decode=[url], resolve_interval=30,
                             resolve_nameserver=dns.nameserver)
         pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
-        membership = Membership(settings, pools, environ={})
+        membership = Membership(settings, {"": pools}, environ={})
         try:
             # The URL stays as it was, for connections to resolve, until the name has addresses.
             assert [i.url for i in pools["decode"].instances] == [url]
@@ -145,11 +145,11 @@ def test_a_settings_name_that_cannot_be_resolved_is_kept_as_given():
 def test_admin_changes_reach_every_member_of_the_file_in_order(tmp_path):
     path = tmp_path / "changes.jsonl"
     path.touch()
-    settings = Settings(prefill=[P_URL], decode=[D_URL], admin_instance_hosts=["10.9.0.0/24"])
+    settings = Settings(engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], admin_instance_hosts=["10.9.0.0/24"])
 
     def worker():
         pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
-        return Membership(settings, pools, environ={"PD_GATEWAY_CHANGES": str(path)}), pools
+        return Membership(settings, {"": pools}, environ={"PD_GATEWAY_CHANGES": str(path)}), pools
 
     (one, one_pools), (two, two_pools) = worker(), worker()
     try:
@@ -192,7 +192,7 @@ def test_a_change_log_of_its_own_outside_gunicorn():
 @pytest.fixture
 def two_d_client(store):
     from gateway.app import create_app
-    app = create_app(Settings(release_rate=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
                               verify_reuse="off", fast_path_tokens=64, admin_token="t",
                               admin_instance_hosts=["10.9.0.0/24"]),
                      store=store)
@@ -268,7 +268,7 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
     """With the admin token, /admin/instances could point the gateway at any address it reaches
     and read answers back through /v1/models; it takes only hosts the settings allow."""
     from gateway.app import create_app
-    app = create_app(Settings(release_rate=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
                               admin_instance_hosts=allowed))
     try:
         reply = app.test_client().post("/admin/instances", json={"role": "decode", "url": url},

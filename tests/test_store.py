@@ -166,7 +166,7 @@ def test_take_first_takes_only_the_first_key_that_has_an_entry(either_store):
 def test_closing_a_gateway_stops_its_prober():
     from gateway.service import Gateway
     from gateway.config import Settings
-    gateway = Gateway(Settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+    gateway = Gateway(Settings(engine_metrics_interval=0, prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                probe_interval=0.05))
     gateway.prefill.failed(gateway.prefill.instances[0], unreachable=True)   # wakes the prober
     thread = gateway.prober._thread

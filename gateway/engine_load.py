@@ -1,0 +1,210 @@
+"""What each engine reports of its own load, for the choice of P and D.
+
+A worker's in-flight counts see its own share of an engine's load only: with several workers and
+several gateway hosts, none sees the whole, and none sees what vLLM itself knows. vLLM's
+`/metrics` says it (vLLM 0.33.0, `vllm/v1/metrics/loggers.py` ~L520-560): requests waiting to be
+scheduled (`vllm:num_requests_waiting`: no room in the batch or no KV memory for them) and the KV
+cache in use (`vllm:kv_cache_usage_perc`: blocks held by running requests and by those kept for a
+remote read, 1.0 full). llm-d's scheduler scores engines on the same two.
+
+An engine is **busy** when more than `--engine-queue-limit` requests wait there, or its KV cache
+is at least `--engine-kv-full` used: a new conversation goes to another engine, and a
+conversation leaves the D that holds it (one miss) rather than queue there. Reports older than
+three intervals, or missing, count as nothing: the choice is in-flight counts alone, as without.
+
+Each engine's `/metrics` is read once per interval per host, not per worker: the rows live in
+memory the gunicorn master shares with its workers (gunicorn_conf.LOAD_*), and a worker reads an
+engine only when no other worker has claimed it within the interval. Outside gunicorn the table
+is the process's own.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import metrics
+from .gunicorn_conf import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
+from .instances import Instance, Pool
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("waiting", "running", "kv_usage", "read_at", "claimed_at")
+_WAITING, _RUNNING, _KV, _READ_AT, _CLAIMED_AT = range(len(FIELDS))
+_WIDTH = len(FIELDS)
+_PROBES = 16            # rows looked at from a key's own before the table counts as full
+# The three gauges, by the name each sample line starts with.
+_GAUGES = {b"vllm:num_requests_waiting": _WAITING, b"vllm:num_requests_running": _RUNNING,
+           b"vllm:kv_cache_usage_perc": _KV}
+
+
+@dataclass(frozen=True)
+class Reported:
+    waiting: float
+    running: float
+    kv_usage: float
+    age: float          # seconds since it was read
+
+
+def parse(text: bytes) -> list[float] | None:
+    """The three gauges out of a /metrics page: waiting and running summed over the engine's
+    label sets (data-parallel ranks, models), KV usage the highest. None if any is missing.
+
+    Hand-written: a vLLM page is tens of KB of histograms, and prometheus_client's parser
+    parses every sample of it; these are three lines, found by their first bytes."""
+    found = [0.0, 0.0, 0.0]
+    seen = set()
+    for line in text.splitlines():
+        if not line.startswith(b"vllm:"):
+            continue
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        index = _GAUGES.get(name)
+        if index is None:
+            continue
+        try:
+            value = float(line.rsplit(b" ", 1)[1])
+        except (IndexError, ValueError):
+            return None
+        found[index] = max(found[index], value) if index == _KV else found[index] + value
+        seen.add(index)
+    return found if len(seen) == len(found) else None
+
+
+class LoadTable:
+    """The rows of engine reports, by engine URL (shared memory under gunicorn's hooks)."""
+
+    def __init__(self, keys=LOAD_KEYS, values=LOAD_VALUES, rows: int = LOAD_ROWS) -> None:
+        self.keys, self.values, self.rows = keys, values, rows
+
+    @staticmethod
+    def key(url: str) -> int:
+        return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(),
+                              "little", signed=True) or 1
+
+    def row(self, url: str, make: bool = False) -> int | None:
+        """The row of `url` (taken if `make` and it has none); None if it has none."""
+        key = self.key(url)
+        start = key % self.rows
+        for step in range(_PROBES):
+            row = (start + step) % self.rows
+            held = self.keys[row]
+            if held == key:
+                return row
+            if held == 0:
+                if not make:
+                    return None
+                self.keys[row] = key        # two workers taking one row: the next read mends it
+                return row
+        return None
+
+    def claim(self, url: str, now: float, interval: float) -> int | None:
+        """The row to read `url` into, unless another worker claimed it within `interval`."""
+        row = self.row(url, make=True)
+        if row is None:
+            return None
+        base = row * _WIDTH
+        if now - self.values[base + _CLAIMED_AT] < interval * 0.9:
+            return None
+        self.values[base + _CLAIMED_AT] = now
+        return row
+
+    def write(self, row: int, gauges: list[float], now: float) -> None:
+        base = row * _WIDTH
+        self.values[base + _WAITING:base + _KV + 1] = gauges
+        self.values[base + _READ_AT] = now
+
+    def read(self, url: str, now: float, stale: float) -> Reported | None:
+        row = self.row(url)
+        if row is None:
+            return None
+        base = row * _WIDTH
+        waiting, running, kv, read_at = self.values[base:base + _READ_AT + 1]
+        if read_at <= 0 or now - read_at > stale:
+            return None
+        return Reported(waiting, running, kv, now - read_at)
+
+
+class EngineLoad:
+    """Reads every engine's /metrics on an interval (a background thread, a greenlet under
+    gevent) and tells a pool which engines are busy."""
+
+    def __init__(self, get: Callable[[Instance, float], bytes], pools: Iterable[Pool],
+                 interval: float, queue_limit: int, kv_full: float,
+                 table: LoadTable | None = None, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.get = get              # GET instance's /metrics within a timeout: its body
+        self.pools = list(pools)
+        self.interval = interval
+        self.queue_limit = queue_limit
+        self.kv_full = kv_full
+        self.table = table or LoadTable()
+        self.clock = clock          # CLOCK_MONOTONIC: one clock for every process of the host
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    def start(self) -> None:
+        if self.enabled and self._thread is None:
+            for pool in self.pools:
+                pool.busy, pool.reported = self.busy, self.report
+            self._thread = threading.Thread(target=self._run, name="pd-gateway-engine-load",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.interval + 2)
+
+    def reported(self, instance: Instance) -> Reported | None:
+        return self.table.read(instance.url, self.clock(), 3 * self.interval)
+
+    def report(self, instance: Instance) -> dict | None:
+        """What /admin/status shows: the engine's last report, if fresh."""
+        found = self.reported(instance)
+        return None if found is None else {
+            "waiting": found.waiting, "running": found.running,
+            "kv_cache_usage": round(found.kv_usage, 4), "age_seconds": round(found.age, 2),
+            "busy": self.busy(instance)}
+
+    def busy(self, instance: Instance) -> bool:
+        """Queueing or full by its own report (a stale or missing report: not busy)."""
+        report = self.reported(instance)
+        return report is not None and (report.waiting > self.queue_limit
+                                       or report.kv_usage >= self.kv_full)
+
+    def read_all(self) -> None:
+        """One round: each engine no other worker has read within the interval."""
+        for pool in self.pools:
+            for instance in pool.instances:
+                if self._stop.is_set():
+                    return
+                now = self.clock()
+                row = self.table.claim(instance.url, now, self.interval)
+                if row is None:
+                    continue
+                try:
+                    gauges = parse(self.get(instance, min(self.interval, 2.0)))
+                except Exception as exc:      # down, slow, not vLLM: its report goes stale
+                    log.debug("%s /metrics: %r", instance.name, exc)
+                    gauges = None
+                if gauges is None:
+                    metrics.ENGINE_METRICS_READS.labels(pool.role, "failed").inc()
+                    continue
+                self.table.write(row, gauges, self.clock())
+                metrics.ENGINE_METRICS_READS.labels(pool.role, "read").inc()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = self.clock()
+            try:
+                self.read_all()
+            except Exception:          # a bug must not end the loop
+                log.exception("reading the engines' /metrics failed")
+            self._stop.wait(max(0.05, self.interval - (self.clock() - started)))
