@@ -132,6 +132,7 @@ class Engine:
         # the first waiting request it cannot allocate (v1/core/sched/scheduler.py ~L1454-1461).
         self._waiting: deque[Event] = deque()
         self.running = 0
+        self.deferred = 0        # waiting for a remote KV load (vLLM's "deferred" waiting)
 
     def start(self, req: CompletionRequest, internal_id: str, fault: Fault, arrival: float,
               gone: Callable[[], bool] = lambda: False) -> Turn:
@@ -259,12 +260,20 @@ class Engine:
         elif _flag(params, "do_remote_prefill"):
             count = n - local     # D loads the whole prompt it lacks, no threshold (~L59-65)
         ready = local
-        emulated_ms = 0.0
         # Every new request of an engine with a connector queries it (scheduler.py ~L1212-1214).
         self.stats.external_prefix_cache_queries += n - local
         if count > 0:
-            read_blocks, ok = self._read(turn, params, groups, local, count)
-            emulated_ms += read_blocks * cfg.pull_ms_per_block
+            # While it loads remote KV a request waits in WAITING_FOR_REMOTE_KVS: vLLM counts it
+            # as a deferred waiting request, not a running one (v1/core/sched/scheduler.py
+            # ~L2705-2712 and ~L3288-3292; v1/metrics/loggers.py ~L1150-1160).
+            self.running -= 1
+            self.deferred += 1
+            try:
+                read_blocks, ok = self._read(turn, params, groups, local, count)
+                self.sleep(read_blocks * cfg.pull_ms_per_block / 1000.0)
+            finally:
+                self.deferred -= 1
+                self.running += 1
             if ok:
                 # A whole prompt loaded still computes its last token (scheduler.py ~L3515).
                 ready = min(local + count, n - 1)
@@ -279,7 +288,7 @@ class Engine:
         self.busy_until = max(now, self.busy_until) + compute_s
         if cfg.role == "decode":
             self.stats.decode_stall_seconds += compute_s
-        self.sleep(emulated_ms / 1000.0 + self.busy_until - now)
+        self.sleep(self.busy_until - now)
         self._count_path(params, p_node)
         self.pool.commit(turn.blocks, hashes)
         turn.prefill_s = self.clock() - started
@@ -449,5 +458,8 @@ class Engine:
                 **held, "kv_blocks_used": self.pool.used, "kv_capacity_blocks": self.pool.capacity,
                 "kv_cache_usage": round(self.pool.usage(), 6),
                 "prefix_cache_blocks": self.pool.cached,
-                "requests_running": self.running, "requests_waiting": len(self._waiting),
+                "requests_running": self.running,
+                "requests_waiting": len(self._waiting) + self.deferred,
+                "requests_waiting_capacity": len(self._waiting),
+                "requests_waiting_deferred": self.deferred,
                 "fault": self.faults.current.mode}

@@ -47,6 +47,16 @@ class _Collector:
                 metric = family(name, text, labels=LABELS)
                 metric.add_metric(self._labels, snap[key])
                 yield metric
+        # The two reasons sum to vllm:num_requests_waiting (loggers.py ~L547-560, ~L1150-1160):
+        # capacity (no room: here, no KV memory) and deferred (here, loading remote KV).
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason. "
+            "Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred "
+            "by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all "
+            "reasons equals vllm:num_requests_waiting.", labels=(*LABELS, "reason"))
+        for reason in ("capacity", "deferred"):
+            by_reason.add_metric([*self._labels, reason], snap["requests_waiting_" + reason])
+        yield by_reason
 
 
 def exposition(snapshot, model: str) -> bytes:

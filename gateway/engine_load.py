@@ -7,7 +7,9 @@ scheduled (`vllm:num_requests_waiting`: no room in the batch or no KV memory for
 cache in use (`vllm:kv_cache_usage_perc`: blocks held by running requests and by those kept for a
 remote read, 1.0 full). llm-d's scheduler scores engines on the same two.
 
-An engine is **busy** when more than `--engine-queue-limit` requests wait there, or its KV cache
+An engine is **busy** when more than `--engine-queue-limit` requests wait there for capacity
+(`vllm:num_requests_waiting_by_reason{reason="capacity"}` where it exists: the total also counts
+requests loading remote KV, which a D always has), or its KV cache
 is at least `--engine-kv-full` used: a new conversation goes to another engine, and a
 conversation leaves the D that holds it (one miss) rather than queue there. Reports older than
 three intervals, or missing, count as nothing: the choice is in-flight counts alone, as without.
@@ -39,6 +41,7 @@ _PROBES = 16            # rows looked at from a key's own before the table count
 # The three gauges, by the name each sample line starts with.
 _GAUGES = {b"vllm:num_requests_waiting": _WAITING, b"vllm:num_requests_running": _RUNNING,
            b"vllm:kv_cache_usage_perc": _KV}
+_BY_REASON = b"vllm:num_requests_waiting_by_reason"
 
 
 @dataclass(frozen=True)
@@ -50,27 +53,41 @@ class Reported:
 
 
 def parse(text: bytes) -> list[float] | None:
-    """The three gauges out of a /metrics page: waiting and running summed over the engine's
-    label sets (data-parallel ranks, models), KV usage the highest. None if any is missing.
+    """[waiting, running, KV usage] out of a /metrics page, summed over the engine's label sets
+    (data-parallel ranks), KV usage the highest; None if a gauge is missing. Waiting is those
+    waiting for capacity (`vllm:num_requests_waiting_by_reason{reason="capacity"}`) where the
+    engine says: its total also counts requests loading remote KV ("deferred"), which every D
+    has while P's blocks arrive (vLLM 0.33.0 `v1/metrics/loggers.py` ~L1150-1160).
 
     Hand-written: a vLLM page is tens of KB of histograms, and prometheus_client's parser
-    parses every sample of it; these are three lines, found by their first bytes."""
+    parses every sample of it; these are a few lines, found by their names."""
     found = [0.0, 0.0, 0.0]
     seen = set()
+    capacity = None
     for line in text.splitlines():
         if not line.startswith(b"vllm:"):
             continue
         name = line.split(b"{", 1)[0].split(b" ", 1)[0]
         index = _GAUGES.get(name)
-        if index is None:
+        by_reason = name == _BY_REASON and b'reason="capacity"' in line
+        if index is None and not by_reason:
             continue
         try:
             value = float(line.rsplit(b" ", 1)[1])
         except (IndexError, ValueError):
             return None
-        found[index] = max(found[index], value) if index == _KV else found[index] + value
+        if by_reason:
+            capacity = (capacity or 0.0) + value
+        elif index == _KV:
+            found[index] = max(found[index], value)
+        else:
+            found[index] += value
         seen.add(index)
-    return found if len(seen) == len(found) else None
+    if len(seen - {None}) < len(found):
+        return None
+    if capacity is not None:
+        found[_WAITING] = capacity
+    return found
 
 
 class LoadTable:
@@ -78,6 +95,7 @@ class LoadTable:
 
     def __init__(self, keys=LOAD_KEYS, values=LOAD_VALUES, rows: int = LOAD_ROWS) -> None:
         self.keys, self.values, self.rows = keys, values, rows
+        self._found: dict[str, tuple[int, int]] = {}    # url -> (key, row), checked each read
 
     @staticmethod
     def key(url: str) -> int:
@@ -86,18 +104,23 @@ class LoadTable:
 
     def row(self, url: str, make: bool = False) -> int | None:
         """The row of `url` (taken if `make` and it has none); None if it has none."""
+        found = self._found.get(url)
+        if found is not None and self.keys[found[1]] == found[0]:
+            return found[1]
         key = self.key(url)
         start = key % self.rows
         for step in range(_PROBES):
             row = (start + step) % self.rows
             held = self.keys[row]
-            if held == key:
-                return row
             if held == 0:
                 if not make:
                     return None
                 self.keys[row] = key        # two workers taking one row: the next read mends it
-                return row
+            elif held != key:
+                continue
+            if len(self._found) < self.rows:
+                self._found[url] = (key, row)
+            return row
         return None
 
     def claim(self, url: str, now: float, interval: float) -> int | None:

@@ -198,7 +198,11 @@ class Pool:
                 return preferred
             raw = key.encode()
             ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
-            if busy is not None:     # all busy: the choice of in-flight counts alone
+            if busy is not None:
+                chosen = next((i for i in ranked if i.inflight <= limit and not busy(i)), None)
+                if chosen is not None:
+                    return chosen
+                # Busy or overloaded, every one: not busy first; all busy, in-flight counts alone.
                 ranked = [i for i in ranked if not busy(i)] or ranked
             return next((i for i in ranked if i.inflight <= limit), ranked[0])
 

@@ -186,6 +186,30 @@ def test_a_request_waits_for_kv_memory_and_the_wait_is_part_of_its_ttft():
         assert p.recent_requests()[-1]["kv_wait_ms"] > 0
 
 
+def test_a_request_loading_remote_kv_waits_deferred_not_running():
+    """vLLM holds a request whose KV is still arriving in WAITING_FOR_REMOTE_KVS: a deferred
+    waiting request, not a running one and not one waiting for capacity (scheduler.py
+    ~L2705-2712, ~L3288-3292; loggers.py ~L1150-1160)."""
+    with EmulatorProcess("prefill", host="127.0.0.4", itl_ms=1) as p, \
+            EmulatorProcess("decode", host="127.0.0.5", itl_ms=1, pull_ms_per_block=200) as d:
+        pd = PD(p, d)
+        history = fresh_history()
+        p_params = {**pd.prefill(history).json()["kv_transfer_params"], "remote_host": p.host}
+        with ThreadPoolExecutor(1) as pool:
+            decoding = pool.submit(pd.decode, history, p_params, stream=False)
+            wait_until(lambda: d.stats()["requests_waiting_deferred"] == 1, 10, "the load")
+            stats = d.stats()
+            assert (stats["requests_waiting"], stats["requests_waiting_capacity"],
+                    stats["requests_running"]) == (1, 0, 0)
+            page = requests.get(d.url + "/metrics", timeout=5).text.splitlines()
+            labels = 'engine="0",model_name="emulated-model"'
+            assert f'vllm:num_requests_waiting{{{labels}}} 1.0' in page
+            assert f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 1.0' in page
+            assert f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} 0.0' in page
+            assert decoding.result(timeout=30).status_code == 200
+        assert d.stats()["requests_waiting"] == 0 and d.stats()["pulled_blocks"] > 0
+
+
 def test_remote_host_must_be_rewritten(pd, sse):
     history = fresh_history()
     p_params = pd.prefill(history).json()["kv_transfer_params"]

@@ -1,0 +1,197 @@
+"""Engine-reported load (gateway/engine_load.py): each engine's /metrics read once per interval
+per host, and the choice of P and D passing over an engine that is queueing or full by its own
+report."""
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from emulator.metrics import exposition
+from emulator.process import EmulatorProcess, wait_until
+from gateway.engine_load import EngineLoad, LoadTable, parse
+from gateway.instances import Pool
+from tests.conftest import MODEL, gateway_process
+
+VLLM_PAGE = b"""\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:num_requests_running{engine="1",model_name="m"} 5.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 3.0
+vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="capacity"} 0.0
+vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="deferred"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.875
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 12.0
+"""
+
+
+# --- reading a page --------------------------------------------------------------------------
+
+def test_a_vllm_page_gives_capacity_waiting_running_and_the_fullest_cache():
+    # Two data-parallel ranks: counts summed, the fuller cache; deferred (loading remote KV)
+    # is not a queue.
+    assert parse(VLLM_PAGE) == [1.0, 12.0, 0.875]
+
+
+def test_a_page_without_waiting_by_reason_counts_every_waiting_request():
+    older = b"\n".join(line for line in VLLM_PAGE.splitlines() if b"by_reason" not in line)
+    assert parse(older) == [6.0, 12.0, 0.875]
+
+
+def test_a_page_without_the_gauges_is_no_report():
+    assert parse(b"# nothing here\nprocess_cpu_seconds_total 3.0\n") is None
+    no_kv = b"\n".join(line for line in VLLM_PAGE.splitlines() if b"kv_cache" not in line)
+    assert parse(no_kv) is None
+    assert parse(VLLM_PAGE.replace(b"} 7.0", b"} seven")) is None
+
+
+def test_the_emulators_page_reads_as_vllms():
+    snapshot = {"requests_running": 3, "requests_waiting": 5, "requests_waiting_capacity": 2,
+                "requests_waiting_deferred": 3, "kv_cache_usage": 0.5, "kv_lease_blocks": 0,
+                "leaked_blocks": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                "external_prefix_cache_queries": 0, "external_prefix_cache_hits": 0}
+    assert parse(exposition(lambda: snapshot, "m")) == [2.0, 3.0, 0.5]
+
+
+# --- one read per interval per host ----------------------------------------------------------
+
+def _tables(rows: int = 64) -> tuple[LoadTable, LoadTable]:
+    """Two workers' views of one shared table (as forked from the master)."""
+    keys = multiprocessing.RawArray("q", rows)
+    values = multiprocessing.RawArray("d", rows * 5)
+    return LoadTable(keys, values, rows), LoadTable(keys, values, rows)
+
+
+def test_an_engine_claimed_by_one_worker_is_not_read_by_another_within_the_interval():
+    one, other = _tables()
+    row = one.claim("http://d:1", now=100.0, interval=1.0)
+    assert row is not None
+    assert other.claim("http://d:1", now=100.5, interval=1.0) is None
+    one.write(row, [2.0, 3.0, 0.5], now=100.1)
+    report = other.read("http://d:1", now=100.6, stale=3.0)
+    assert (report.waiting, report.running, report.kv_usage) == (2.0, 3.0, 0.5)
+    assert other.claim("http://d:1", now=101.0, interval=1.0) == row     # its turn now
+    assert other.read("http://d:1", now=103.2, stale=3.0) is None        # stale: no report
+    assert other.read("http://never:1", now=100.0, stale=3.0) is None
+
+
+def test_engines_whose_rows_collide_keep_their_own():
+    one, other = _tables(rows=2)
+    urls = [f"http://d:{port}" for port in range(2)]
+    rows = [one.claim(url, 10.0, 1.0) for url in urls]
+    assert sorted(rows) == [0, 1]
+    for url, row, waiting in zip(urls, rows, (1.0, 2.0)):
+        one.write(row, [waiting, 0.0, 0.0], 10.0)
+    assert [other.read(url, 10.5, 3.0).waiting for url in urls] == [1.0, 2.0]
+    assert other.claim("http://d:3", 10.0, 1.0) is None      # full: that one goes unread
+
+
+def test_every_engine_of_every_pool_is_read_once_a_round():
+    pools = [Pool("prefill", ["http://p:1"]), Pool("decode", ["http://d:1", "http://d:2"])]
+    pages = {"http://p:1": VLLM_PAGE, "http://d:1": VLLM_PAGE, "http://d:2": b"not vllm"}
+    asked = []
+
+    def get(instance, timeout):
+        asked.append(instance.url)
+        return pages[instance.url]
+
+    table, _ = _tables()
+    clock = iter([float(t) for t in range(100, 200)])
+    load = EngineLoad(get, pools, interval=1.0, queue_limit=0, kv_full=0.95, table=table,
+                      clock=lambda: next(clock))
+    load.read_all()
+    assert asked == ["http://p:1", "http://d:1", "http://d:2"]
+    # d:1 waits for capacity (1 > 0): busy; d:2's page is no report: not busy.
+    assert [load.busy(i) for i in pools[1].instances] == [True, False]
+
+
+# --- the choice ------------------------------------------------------------------------------
+
+def _pool_with(busy: set[str]) -> Pool:
+    pool = Pool("decode", ["http://d:1", "http://d:2", "http://d:3"])
+    pool.busy = lambda instance: instance.url in busy
+    return pool
+
+
+def test_a_conversation_leaves_the_d_that_holds_it_when_that_d_is_busy():
+    pool = _pool_with(busy={"http://d:1"})
+    assert pool.choose("c", prefer="http://d:2").url == "http://d:2"
+    assert pool.choose("c", prefer="http://d:1").url != "http://d:1"
+    assert pool.readiness("http://d:1") == (None, "busy")
+
+
+def test_new_conversations_pass_over_busy_engines():
+    pool = _pool_with(busy={"http://d:1", "http://d:2"})
+    assert {pool.choose(f"c{n}").url for n in range(50)} == {"http://d:3"}
+
+
+def test_when_every_engine_is_busy_the_choice_is_in_flight_counts_alone():
+    everyone = _pool_with(busy={"http://d:1", "http://d:2", "http://d:3"})
+    nobody = _pool_with(busy=set())
+    for n in range(50):
+        assert everyone.choose(f"c{n}").url == nobody.choose(f"c{n}").url
+
+
+# --- end to end: a D whose KV memory is full -------------------------------------------------
+
+@pytest.fixture
+def full_d():
+    """P, a roomy D1 and a D2 of 100 blocks that one long request fills, so the next waits
+    there for KV memory (vLLM's waiting for capacity)."""
+    with EmulatorProcess("prefill", host="127.0.0.64", itl_ms=1, bidirectional_kv_xfer=True) as p, \
+            EmulatorProcess("decode", host="127.0.0.65", itl_ms=1, bidirectional_kv_xfer=True) as d1, \
+            EmulatorProcess("decode", host="127.0.0.66", itl_ms=50, bidirectional_kv_xfer=True,
+                            kv_capacity_blocks=100, max_model_len=1600) as d2:
+        yield p, d1, d2
+
+
+def _fill(d2, pool: ThreadPoolExecutor) -> list:
+    """A long request that takes ~94 of D2's 100 blocks for 10 s, and one that waits for them."""
+    def send(word: str, words: int, max_tokens: int):
+        return requests.post(d2.url + "/v1/completions", stream=True, timeout=30, json={
+            "model": MODEL, "prompt": word * words, "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True})
+    held = [pool.submit(send, "w ", 1300, 200)]
+    wait_until(lambda: d2.stats()["streams_in_flight"] == 1, 10, "D2's long stream")
+    held.append(pool.submit(send, "x ", 200, 10))     # other words: no prefix of the first
+    wait_until(lambda: d2.stats()["requests_waiting_capacity"] == 1, 10, "a request waiting")
+    return held
+
+
+@pytest.mark.parametrize("interval", [0.2, 0])
+def test_new_conversations_go_to_the_d_that_is_not_full(full_d, interval):
+    """Reading the engines, none of 16 new conversations goes to the D that is full; without
+    (interval 0: in-flight counts alone, which see nothing there), some do and wait."""
+    p, d1, d2 = full_d
+    with gateway_process([p.url], [d1.url, d2.url], workers=2,
+                         engine_metrics_interval=interval) as gateway, \
+            ThreadPoolExecutor(4) as pool:
+        held = _fill(d2, pool)
+        if interval:
+            for port in (gateway.port + 1, gateway.port + 2):    # each worker sees it busy
+                wait_until(lambda port=port: next(
+                    i for i in gateway.status(port)["decode"] if i["url"] == d2.url
+                )["reported"]["busy"], 10, "D2 reported busy")
+        before = d2.stats()["requests"]
+        turns = [pool.submit(requests.post, gateway.url + "/v1/chat/completions", timeout=30,
+                             json={"model": MODEL, "max_tokens": 2, "messages": [
+                                 {"role": "user", "content": f"conversation {n}"}]})
+                 for n in range(16)]
+        if interval:
+            assert all(turn.result().status_code == 200 for turn in turns)
+            assert d2.stats()["requests"] == before
+        else:
+            wait_until(lambda: d2.stats()["requests"] > before, 20, "a turn sent to D2")
+        for response in held:
+            response.result().close()
+        assert all(turn.result().status_code == 200 for turn in turns)
