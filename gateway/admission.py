@@ -13,49 +13,131 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from . import metrics
 from .errors import Overloaded
 
 
-class Admission:
-    """At most `limit` turns at once; up to `queue` more wait at most `wait` seconds each."""
+# A tenant that sent a turn this recently keeps a claim to its share of places.
+ACTIVE_SECONDS = 10.0
 
-    def __init__(self, limit: int, queue: int, wait: float, retry_after: int) -> None:
+
+class _Tenant:
+    __slots__ = ("inflight", "waiting", "weight", "demand", "seen")
+
+    def __init__(self, weight: float) -> None:
+        self.inflight = self.waiting = self.demand = 0
+        self.weight = weight
+        self.seen = 0.0
+
+
+class Admission:
+    """At most `limit` turns at once; up to `queue` more wait at most `wait` seconds each.
+
+    Places are shared between tenants (client keys) by weight, not first come: each tenant
+    active in the last ACTIVE_SECONDS is entitled to `limit x weight / the active tenants'
+    weights`, and the places it is entitled to and may need (up to the most it has had at
+    once) stay free for it: another tenant takes them only within its own share. A waiting
+    turn gets a freed place in weighted-fair order (the tenant with the fewest turns for its
+    weight first). One tenant (no client keys) is first come, as before."""
+
+    def __init__(self, limit: int, queue: int, wait: float, retry_after: int,
+                 clock=time.monotonic) -> None:
         self.limit = limit
         self.queue = queue
         self.wait = wait
         self.retry_after = retry_after
         self.inflight = 0
         self.waiting = 0
+        self.clock = clock
+        self.tenants: dict[str, _Tenant] = {}
         self._ready = threading.Condition(threading.Lock())
 
-    def enter(self) -> None:
-        """Take a place for one turn, or raise `Overloaded`; call `leave` when the turn ends."""
+    def enter(self, tenant: str = "", weight: float = 1.0, turns: int = 0) -> Callable[[], None]:
+        """Take a place for one of `tenant`'s turns (at most `turns` at once, 0: no bound), or
+        raise `Overloaded`; returns what gives it back when the turn ends."""
         with self._ready:
-            if self.inflight < self.limit:
-                self.inflight += 1
+            now = self.clock()
+            own = self._tenant(tenant, weight, now)
+            if turns and own.inflight >= turns:
+                metrics.ADMISSIONS.labels("rejected_key_turns").inc()
+                raise Overloaded(f"This key has its limit of {turns} turns at once in flight; "
+                                 f"retry after {self.retry_after} s",
+                                 retry_after=self.retry_after)
+            own.demand = max(own.demand, own.inflight + 1)
+            if not self.waiting and self._may_take(own):
+                self._take(own)
                 metrics.ADMISSIONS.labels("admitted").inc()
-                return
+                return lambda: self._leave(own)
             if self.waiting >= self.queue:
                 self._refuse("queue_full")
             self.waiting += 1
-            deadline = time.monotonic() + self.wait
+            own.waiting += 1
+            deadline = now + self.wait
             try:
-                while self.inflight >= self.limit:
-                    left = deadline - time.monotonic()
+                while not (self._may_take(own) and self._next_in_line() is own):
+                    left = deadline - self.clock()
                     if left <= 0:
                         self._refuse("waited")
                     self._ready.wait(left)
             finally:
                 self.waiting -= 1
-            self.inflight += 1
+                own.waiting -= 1
+                self._ready.notify_all()      # the next in line may be another tenant
+            self._take(own)
             metrics.ADMISSIONS.labels("queued").inc()
+            return lambda: self._leave(own)
 
     def leave(self) -> None:
+        """Give back a place of the one tenant (no client keys): `enter()`'s own."""
+        self._leave(self.tenants[""])
+
+    def _tenant(self, name: str, weight: float, now: float) -> _Tenant:
+        own = self.tenants.get(name)
+        if own is None:
+            if len(self.tenants) > 64:       # forget those gone quiet (bounded work, amortized)
+                for gone in [k for k, t in self.tenants.items() if not self._active(t, now)]:
+                    del self.tenants[gone]
+            own = self.tenants[name] = _Tenant(weight)
+        elif not self._active(own, now):
+            own.demand = 0                   # back after a pause: its need starts again
+        own.weight, own.seen = weight, now
+        return own
+
+    @staticmethod
+    def _active(t: _Tenant, now: float) -> bool:
+        return t.inflight > 0 or t.waiting > 0 or now - t.seen < ACTIVE_SECONDS
+
+    def _may_take(self, own: _Tenant) -> bool:
+        if self.inflight >= self.limit:
+            return False
+        if len(self.tenants) == 1:
+            return True
+        now = self.clock()
+        active = [t for t in self.tenants.values() if t is own or self._active(t, now)]
+        total = sum(t.weight for t in active)
+        reserved = sum(max(0, min(self.limit * t.weight / total, t.demand) - t.inflight)
+                       for t in active if t is not own)
+        return (self.inflight + reserved < self.limit
+                or own.inflight < self.limit * own.weight / total)
+
+    def _next_in_line(self) -> _Tenant | None:
+        """Of the waiting tenants that may take a place, the one with the fewest turns for its
+        weight."""
+        return min((t for t in self.tenants.values() if t.waiting and self._may_take(t)),
+                   key=lambda t: t.inflight / t.weight, default=None)
+
+    def _take(self, own: _Tenant) -> None:
+        self.inflight += 1
+        own.inflight += 1
+
+    def _leave(self, own: _Tenant) -> None:
         with self._ready:
             self.inflight -= 1
-            self._ready.notify()
+            own.inflight -= 1
+            own.seen = self.clock()
+            self._ready.notify_all()
 
     def _refuse(self, why: str) -> None:
         metrics.ADMISSIONS.labels(f"rejected_{why}").inc()

@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from .errors import NotFound, Unauthorized
+from .tenants import KeyLimits
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,12 @@ def _matches(given: str, digests: list[bytes]) -> bool:
     return found
 
 
-def read_keys(path: str) -> list[str]:
-    """One key a line; blank lines and lines starting with # are skipped."""
+def read_keys(path: str) -> list[tuple[str, list[str]]]:
+    """One key a line, then its limits if any (`KEY rpm=600 tpm=200000 turns=8 weight=2`,
+    gateway.tenants); blank lines and lines starting with # are skipped."""
     with open(path, encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    return [(words[0], words[1:]) for words in lines]
 
 
 class ApiKeys:
@@ -49,12 +52,15 @@ class ApiKeys:
     CHECK_SECONDS = 1.0   # how often the file's stat is looked at (on the request path)
 
     def __init__(self, keys: list[str], path: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 defaults: KeyLimits = KeyLimits()) -> None:
         self._given = [_digest(k) for k in keys]
         self.path = path
         self._clock = clock
+        self.defaults = defaults
         self._lock = threading.Lock()
         self._from_file: list[bytes] = []
+        self._limits: dict[bytes, KeyLimits] = {}     # the file's keys with limits of their own
         self._stamp: tuple | None = None
         self._checked = float("-inf")
         if path:
@@ -76,6 +82,12 @@ class ApiKeys:
         if not _matches(given, self._given + self._from_file):
             raise Unauthorized("Incorrect API key provided")
 
+    def limits_of(self, authorization: str | None) -> KeyLimits:
+        """The limits of an accepted key: its own line's, else the defaults."""
+        if not self._limits:
+            return self.defaults
+        return self._limits.get(_digest(bearer(authorization)), self.defaults)
+
     def _reload(self) -> None:
         """Re-read the file if it changed. Revocation fails closed: an empty, comments-only,
         deleted or unreadable file accepts none of its keys (the settings' own still work);
@@ -89,17 +101,20 @@ class ApiKeys:
                 stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
                 if stamp == self._stamp:
                     return
-                keys = read_keys(self.path)
-            except (OSError, ValueError) as exc:     # ValueError: not UTF-8
+                lines = read_keys(self.path)
+                limits = {_digest(key): KeyLimits.parse(options, self.defaults)
+                          for key, options in lines if options}
+            except (OSError, ValueError) as exc:     # ValueError: not UTF-8, a bad limit
                 if self._stamp is not None or self._from_file:
                     log.error("API keys file %s: %s; none of its keys is accepted until it can "
                               "be read", self.path, getattr(exc, "strerror", None) or exc)
-                self._from_file, self._stamp = [], None
+                self._from_file, self._limits, self._stamp = [], {}, None
                 return
+            keys = [key for key, _ in lines]
             if not keys:
                 log.warning("API keys file %s holds no key: none of its keys is accepted",
                             self.path)
-            self._from_file, self._stamp = [_digest(k) for k in keys], stamp
+            self._from_file, self._limits, self._stamp = [_digest(k) for k in keys], limits, stamp
             log.info("API keys file %s: %d keys", self.path, len(keys))
         finally:
             self._lock.release()

@@ -352,6 +352,18 @@ class Settings:
     api_keys_file: str = option("", _keys_file, "A file of client API keys, one a line (# starts "
                                 "a comment); re-read within a second when it changes, caches "
                                 "kept.")
+    key_rpm: int = option(0, bounded(int, 0), "Requests per minute per client API key, unless "
+                          "its line in --api-keys-file sets its own (KEY rpm=N tpm=N turns=N "
+                          "weight=W); beyond, 429 with OpenAI's x-ratelimit-* and retry-after "
+                          "headers. Counted in the store's Redis when it is one (every host "
+                          "shares one budget), else per worker (each the limit / workers). 0: "
+                          "no limit.")
+    key_tpm: int = option(0, bounded(int, 0), "Tokens per minute per client API key (the prompt "
+                          "estimated before a turn, corrected by what the engines report after "
+                          "it), as --key-rpm. 0: no limit.")
+    key_turns: int = option(0, bounded(int, 0), "Turns at once per client API key in one worker, "
+                            "unless its line sets its own; beyond, 429. 0: no limit (fair "
+                            "admission still shares --max-turns between keys by weight).")
     tenant_cache_salt: str = option("auto", str, "Keep tenants apart in the engines' prefix "
                                     "caches too: each request gets a cache_salt derived from its "
                                     "credential (and the client's own cache_salt, if any), so "

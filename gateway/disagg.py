@@ -257,6 +257,9 @@ class Disagg:
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
         count_prefill(prefill_reply, reuse.entry.params if reuse else None, cache == "partial")
         turn, d_body = self._decode_body(request, identity)
+        usage = prefill_reply.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            turn.prompt_tokens = usage["prompt_tokens"]
         with_blocks = decode_body(d_body, prefill_reply, prefill)
         return self._decode(request, identity, turn, headers,
                             lambda failure: with_blocks if replayable(failure) else d_body,
@@ -293,7 +296,7 @@ class Disagg:
             self._remember(request, identity, turn, decode)
             self._let_go(turn, decode, ended)
             self._log_turn(trace, decode, turn, None, "completed")
-            return Reply(headers=reply_headers, body=reply)
+            return Reply(headers=reply_headers, body=reply, turn=turn)
         decode, stream = self._attempt(
             self.decode, identity.root, prefer,
             lambda d, failure: self.upstream.open_stream(d, request.path, body_for(failure),
@@ -316,7 +319,8 @@ class Disagg:
             self._let_go(turn, decode, ended)
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
-                     stream=chunks, content_type=stream.content_type, close=once(close))
+                     stream=chunks, content_type=stream.content_type, close=once(close),
+                     turn=turn)
 
     def _let_go(self, turn: Turn, decode: Instance, ended: Callable[[], None] | None) -> None:
         """The turn is over: run `ended`, and release what D kept that no entry holds (a turn

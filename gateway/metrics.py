@@ -43,8 +43,12 @@ FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner wor
                     ["result"])
 STORE_ERRORS = Counter("pd_gateway_store_errors", "Calls to a Redis store that failed (a take "
                        "becomes a miss, a put leaves no entry; ledger: a Redis Cluster's count "
-                       "of a D's pinned blocks, on another node, missed one change)",
+                       "of a D's pinned blocks, on another node, missed one change; limits: a "
+                       "key's request was admitted uncounted)",
                        ["operation"])
+RATE_LIMITED = Counter("pd_gateway_rate_limited", "Requests refused (429) for a client key's "
+                       "requests or tokens per minute (--key-rpm, --key-tpm, the keys file)",
+                       ["limit"])
 ADMISSIONS = Counter("pd_gateway_admissions", "Turns by admission (--max-turns): admitted at "
                      "once, queued (waited for a place, then admitted), rejected_queue_full and "
                      "rejected_waited (429 with Retry-After, no engine called), rejected_bodies "

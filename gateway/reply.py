@@ -33,6 +33,7 @@ class Reply:
     content_type: str = "application/json"
     status: int = 200
     close: Callable[[], None] = _nothing
+    turn: Turn | None = None    # what D produced, once the reply has ended (None: relayed)
 
 
 def once(*steps: Callable[[], None]) -> Callable[[], None]:

@@ -14,7 +14,7 @@ from .admission import Admission, BodyBudget
 from .affinity import Affinity
 from .auth import ApiKeys
 from .config import Settings
-from .conversation import identify, root_key, tenant_salt
+from .conversation import identify, root_key, tenant_of, tenant_salt
 from .disagg import Disagg
 from .engine_load import EngineLoad
 from .errors import BadGateway, GatewayError
@@ -28,6 +28,7 @@ from .parse import ClientRequest, parse
 from .release import Releaser
 from .reply import Reply, once
 from .store import ConversationStore, create_store
+from .tenants import BYTES_PER_TOKEN, NO_LIMITS, KeyLimits, Tenants, Ticket
 from .upstream import Upstream
 from .watch import Watch
 
@@ -83,7 +84,11 @@ class Gateway:
         self.relays = (self.admission if threaded else
                        Admission(limit, settings.admission_queue, settings.admission_wait,
                                  settings.retry_after))
-        self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file)
+        self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file,
+                                defaults=KeyLimits(settings.key_rpm, settings.key_tpm,
+                                                   settings.key_turns))
+        self.tenants = Tenants(settings.store, settings.store_timeout,
+                               share=settings.workers)
         # Tenants apart in the engines' prefix caches as well (auto: where tenants exist).
         self.salted = (settings.tenant_cache_salt == "on" or
                        (settings.tenant_cache_salt == "auto" and self.api_keys.enabled))
@@ -133,8 +138,11 @@ class Gateway:
             id_args = (request.body, headers, request.conversation_id)
             owner = (self.affinity.forward_to(root_key(*id_args))
                      if self.affinity.may_forward(environ) else None)
-            # A place for this turn or its relay, or 429 with nothing started.
-            self._admit(held, self.admission if owner is None else self.relays)
+            tenant, limits = self._tenant(headers.get("Authorization"))
+            # Its key's requests and tokens per minute, where the turn runs; then a place for
+            # this turn or its relay. Either way 429 with nothing started.
+            ticket = self.tenants.admit(tenant, limits, len(raw)) if owner is None else None
+            self._admit(held, self.admission if owner is None else self.relays, tenant, limits)
             total = self.settings.total_timeout
             held.append(Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
                               time.monotonic() + total if total else None).stop)
@@ -142,9 +150,13 @@ class Gateway:
             if reply is not None and body_held:
                 body_held()     # relayed: the owner holds the body now, this worker only bytes
             if reply is None:
-                if owner is not None and self.relays is not self.admission:
-                    self._admit(held, self.admission)    # its owner is away: served here
+                if owner is not None:                    # its owner is away: served here
+                    ticket = self.tenants.admit(tenant, limits, len(raw))
+                    if self.relays is not self.admission:
+                        self._admit(held, self.admission, tenant, limits)
                 reply = self._serve(pool, request, id_args, headers, request_id)
+                reply.headers.update(ticket.headers)
+                held.append(_charge(ticket, reply, len(raw)))
         except BaseException:
             _release(once(*reversed(held)))      # the error the client sees is the first one
             raise
@@ -153,10 +165,15 @@ class Gateway:
             _release(reply.close)                # the body is whole: it goes out regardless
         return reply
 
+    def _tenant(self, authorization: str | None) -> tuple[str, KeyLimits]:
+        """Who the request is for (a client key; one tenant without keys) and its limits."""
+        if not self.api_keys.enabled:
+            return "", NO_LIMITS
+        return tenant_of(authorization).hex(), self.api_keys.limits_of(authorization)
+
     @staticmethod
-    def _admit(held: list, admission: Admission) -> None:
-        admission.enter()
-        held.append(admission.leave)
+    def _admit(held: list, admission: Admission, tenant: str, limits: KeyLimits) -> None:
+        held.append(admission.enter(tenant, limits.weight, limits.turns))
 
     def _forward(self, owner: Instance, environ: Mapping[str, object], raw: bytes,
                  headers: Mapping[str, str]) -> Reply | None:
@@ -240,6 +257,14 @@ class Gateway:
         self.membership.stop()
         self.releaser.stop()
         self.upstream.session.close()
+
+
+def _charge(ticket: Ticket, reply: Reply, body_bytes: int) -> Callable[[], None]:
+    """The turn's tokens, counted against its key's tokens per minute once the reply ends."""
+    def charge() -> None:
+        if reply.turn is not None:
+            ticket.charge(reply.turn.tokens(body_bytes // BYTES_PER_TOKEN))
+    return charge
 
 
 def _release(close) -> None:

@@ -32,6 +32,8 @@ class Turn:
     prompt_ids: list | None = None                    # D's token ids, when it returned them
     output_ids: list | None = None
     strip_ids: bool = False                           # the gateway asked for them, not the client
+    prompt_tokens: int | None = None                  # as P (or D's whole body) reported them
+    completion_tokens: int | None = None              # as D's whole body reported them
 
     @property
     def reusable(self) -> bool:
@@ -114,8 +116,21 @@ class Turn:
     def absorb_body(self, body: dict) -> dict:
         """Record a non-streamed reply and return it without the params."""
         self._absorb(body, "message")
+        usage = body.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = _count(usage.get("prompt_tokens"), self.prompt_tokens)
+            self.completion_tokens = _count(usage.get("completion_tokens"), None)
         self.done = True
         return body
+
+    def tokens(self, prompt_estimate: int) -> int:
+        """The turn's prompt and reply tokens as the engines reported them; a streamed reply
+        without usage counts its deltas (vLLM streams a token, or a few, per delta)."""
+        completion = self.completion_tokens
+        if completion is None:
+            completion = len(self.text) + len(self.reasoning) + len(self.tool_calls)
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else prompt_estimate
+        return prompt + completion
 
     def _absorb(self, holder: dict, part_key: str) -> bool:
         changed = self.take_ids(holder)
@@ -127,3 +142,8 @@ class Turn:
             self.params = holder.pop(PARAMS_KEY)
             changed = True
         return changed
+
+
+def _count(value: object, default: int | None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else default

@@ -5,6 +5,7 @@ import http.client
 import itertools
 import json
 import socket
+import threading
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -298,6 +299,9 @@ def check_in_process(client, mock: responses.RequestsMock, case: Case) -> None:
                         environ_overrides=environ)
     body = reply.get_data()          # runs a streamed reply to its end
     check_reply(case, reply.status_code, reply.content_type or "", body)
+    # Every engine call of a turn has a body: one without is some thread's, not this turn's.
+    odd = [(c.request.method, c.request.url) for c in mock.calls if c.request.body is None]
+    assert not odd, (odd, [t.name for t in threading.enumerate()])
     sent = [_strict(call.request.body) for call in mock.calls]
     if reply.status_code >= 400:
         assert not sent, f"a rejected request reached an engine: {case!r}"

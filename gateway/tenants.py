@@ -1,0 +1,208 @@
+"""Per-key limits: requests and tokens per minute and turns at once, with the headers OpenAI's
+API sends (`x-ratelimit-*`, `retry-after`, `retry-after-ms`), which its SDK reads.
+
+Each client API key is a tenant. Its limits come from its line in the keys file
+(`KEY rpm=600 tpm=200000 turns=8 weight=2`), else from the defaults (--key-rpm, --key-tpm,
+--key-turns); 0 is no limit. Requests and tokens are counted by the `limits` library (the one
+Flask-Limiter uses) in fixed one-minute windows, in the store's Redis when the store is one (every
+worker and every gateway host share one budget), else in each worker's memory (each worker then
+enforces its share, the limit divided by the workers, rounded up). Tokens: the prompt is
+estimated from the body before the turn (4 bytes a token) and charged; when the turn ends the
+charge is corrected by what the engines reported (P's prompt tokens, the reply's tokens).
+Turns at once are counted by the worker's admission (gateway.admission), as its places are.
+
+A storage that fails (Redis down) admits: limits must not take the gateway down with them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from limits import RateLimitItemPerMinute
+from limits.storage import storage_from_string
+
+from . import metrics
+from .errors import Overloaded
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_TOKEN = 4     # a body's bytes per prompt token, for the estimate before the turn
+_KEY_PREFIX = "pd-gateway-limits"
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """One key's limits (0: none) and its weight in fair admission."""
+
+    rpm: int = 0
+    tpm: int = 0
+    turns: int = 0
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, options: list[str], defaults: KeyLimits) -> KeyLimits:
+        """`rpm=600 tpm=200000 turns=8 weight=2` over `defaults`; ValueError names a bad one."""
+        values = {"rpm": defaults.rpm, "tpm": defaults.tpm, "turns": defaults.turns,
+                  "weight": defaults.weight}
+        for option in options:
+            name, eq, raw = option.partition("=")
+            if not eq or name not in values:
+                raise ValueError(f"{option!r} is not one of rpm=, tpm=, turns=, weight=")
+            value = float(raw) if name == "weight" else int(raw)
+            if value < 0 or (name == "weight" and value == 0) or not math.isfinite(value):
+                raise ValueError(f"{option!r} must be positive")
+            values[name] = value
+        return cls(**values)
+
+
+def duration(seconds: float) -> str:
+    """A reset time as OpenAI's headers write it: "1s", "6m0s", "120ms"."""
+    if seconds < 1:
+        return f"{max(0, int(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    minutes, rest = divmod(whole, 60)
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
+
+
+class RateLimited(Overloaded):
+    """A key over its requests or tokens per minute: 429 with OpenAI's headers."""
+
+    type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: float, headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after=max(1, math.ceil(retry_after)))
+        self.wait_ms = max(1, int(retry_after * 1000))
+        self.limit_headers = headers
+
+    def headers(self) -> dict[str, str]:
+        return {**self.limit_headers, "Retry-After": str(self.retry_after),
+                "retry-after-ms": str(self.wait_ms)}
+
+
+@dataclass
+class Ticket:
+    """One admitted request's charge: its headers, and the correction once the turn has ended."""
+
+    headers: dict[str, str]
+    charge: Callable[[int], None] = lambda tokens: None     # the turn's real tokens, once
+
+
+NO_TICKET = Ticket({})
+NO_LIMITS = KeyLimits()
+
+
+def storage_url(store: str) -> tuple[str, dict]:
+    """The `limits` storage for the gateway's --store: its Redis (a cluster, a Sentinel set)
+    where it is one, else memory; and the storage's options."""
+    if store == "local":
+        return "memory://", {}
+    options: dict = {"key_prefix": _KEY_PREFIX}
+    scheme, _, rest = store.partition("://")
+    if scheme == "unix":
+        return "redis+unix://" + rest, options
+    if scheme.startswith("rediss+"):        # limits names TLS by the option, not the scheme
+        return scheme.replace("rediss+", "redis+") + "://" + rest, {**options, "ssl": True}
+    return store, options
+
+
+class Tenants:
+    """Checks and counts each key's requests and tokens per minute."""
+
+    def __init__(self, store: str, timeout: float, share: int = 1,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.url, self.options = storage_url(store)
+        # Workers counting apart (memory) each enforce their share; a shared Redis, the whole.
+        self.share = 1 if self.options else max(1, share)
+        if self.options:
+            self.options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.clock = clock
+        self._made = None
+        self._ends: dict[str, float] = {}      # each counter's window end, as last asked
+        self._failed_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def _counters(self):
+        """The storage, made on first use (a cluster client asks its seeds at once): a
+        storage that cannot be made is tried again a second later, requests admitted meanwhile."""
+        if self._made is None:
+            if time.monotonic() - self._failed_at < 1.0:
+                raise ConnectionError("the rate limit storage failed a moment ago")
+            with self._lock:
+                if self._made is None:
+                    try:
+                        storage = storage_from_string(self.url, **self.options)
+                    except Exception:
+                        self._failed_at = time.monotonic()
+                        raise
+                    self._made = storage
+        return self._made
+
+    def _window_end(self, storage, key: str, now: float) -> float:
+        """When `key`'s window ends: asked once a window (a Redis round trip), then known."""
+        end = self._ends.get(key)
+        if end is None or end <= now:
+            end = storage.get_expiry(key)
+            if len(self._ends) > 100_000:
+                self._ends.clear()
+            self._ends[key] = end
+        return end
+
+    def _item(self, per_minute: int) -> RateLimitItemPerMinute:
+        return RateLimitItemPerMinute(math.ceil(per_minute / self.share))
+
+    def admit(self, tenant: str, limits: KeyLimits, body_bytes: int) -> Ticket:
+        """Count one request of `tenant` and its estimated prompt tokens, or raise RateLimited
+        (nothing counted). The ticket's headers go on the reply."""
+        if not (limits.rpm or limits.tpm):
+            return NO_TICKET
+        estimate = max(1, body_bytes // BYTES_PER_TOKEN)
+        checks = [("requests", self._item(limits.rpm), 1)] if limits.rpm else []
+        if limits.tpm:
+            checks.append(("tokens", self._item(limits.tpm), estimate))
+        try:
+            storage = self._counters()
+            now = self.clock()
+            counted, headers = [], {}
+            for kind, item, cost in checks:
+                # Counted first, given back if over: one call where a test and a hit take two.
+                key = item.key_for(tenant, kind)
+                count = storage.incr(key, item.get_expiry(), amount=cost)
+                counted.append((key, item, cost))
+                reset = max(0.001, self._window_end(storage, key, now) - now)
+                headers.update({f"x-ratelimit-limit-{kind}": str(item.amount),
+                                f"x-ratelimit-remaining-{kind}": str(max(0, item.amount - count)),
+                                f"x-ratelimit-reset-{kind}": duration(reset)})
+                if count > item.amount:
+                    for given_key, given_item, given in counted:
+                        storage.incr(given_key, given_item.get_expiry(), amount=-given)
+                    headers[f"x-ratelimit-remaining-{kind}"] = str(
+                        max(0, item.amount - count + cost))
+                    metrics.RATE_LIMITED.labels(kind).inc()
+                    raise RateLimited(
+                        f"Rate limit reached for {kind} per minute: limit {item.amount}"
+                        + (f", requested {cost}" if kind == "tokens" else "")
+                        + f". Please try again in {duration(reset)}.", reset, headers)
+        except RateLimited:
+            raise
+        except Exception as exc:       # the storage failed: admit, uncounted
+            log.warning("rate limit storage failed: %r; admitted uncounted", exc)
+            metrics.STORE_ERRORS.labels("limits").inc()
+            return NO_TICKET
+        if not limits.tpm:
+            return Ticket(headers)
+        item = self._item(limits.tpm)
+
+        def charge(tokens: int) -> None:
+            """The real tokens of the turn in place of the estimate (may give some back)."""
+            if tokens != estimate:
+                try:
+                    storage.incr(item.key_for(tenant, "tokens"), item.get_expiry(),
+                                 amount=tokens - estimate)
+                except Exception as exc:
+                    log.warning("rate limit storage failed: %r", exc)
+                    metrics.STORE_ERRORS.labels("limits").inc()
+        return Ticket(headers, charge)

@@ -1,0 +1,253 @@
+"""Tenants (client API keys): requests and tokens per minute with OpenAI's headers
+(gateway/tenants.py), and places shared fairly when a worker is at --max-turns
+(gateway/admission.py)."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+
+from emulator.process import EmulatorProcess, wait_until
+from gateway.admission import Admission
+from gateway.auth import ApiKeys
+from gateway.errors import Overloaded
+from gateway.tenants import KeyLimits, RateLimited, Tenants, duration
+from tests.conftest import MODEL, gateway_process
+
+CHAT = "/v1/chat/completions"
+
+
+# --- a key's limits ---------------------------------------------------------------------------
+
+def test_a_keys_file_line_gives_its_key_limits_of_its_own(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# tenants\nnoisy rpm=60 tpm=1000 turns=2 weight=0.5\nquiet\n")
+    keys = ApiKeys(["from-settings"], str(path), defaults=KeyLimits(rpm=600))
+    assert keys.limits_of("Bearer noisy") == KeyLimits(rpm=60, tpm=1000, turns=2, weight=0.5)
+    assert keys.limits_of("Bearer quiet") == KeyLimits(rpm=600)
+    assert keys.limits_of("Bearer from-settings") == KeyLimits(rpm=600)
+
+
+@pytest.mark.parametrize("line", ["k rpm=ten", "k rpm=-1", "k speed=3", "k weight=0", "k rpm"])
+def test_a_bad_limit_makes_the_file_accept_none_of_its_keys(tmp_path, line):
+    path = tmp_path / "keys"
+    path.write_text(f"good\n{line}\n")
+    keys = ApiKeys([], str(path))
+    with pytest.raises(Exception, match="Incorrect API key"):
+        keys.check("Bearer good")        # fails closed, as an unreadable file does
+
+
+@pytest.mark.parametrize("seconds, text", [(0.12, "120ms"), (1, "1s"), (59.2, "1m0s"),
+                                           (61, "1m1s"), (360, "6m0s")])
+def test_reset_times_are_written_as_openai_writes_them(seconds, text):
+    assert duration(seconds) == text
+
+
+def test_requests_beyond_the_limit_get_429_with_openais_headers_and_count_nothing():
+    tenants = Tenants("local", 0.5)
+    limits = KeyLimits(rpm=3)
+    remaining = [tenants.admit("t", limits, 100).headers["x-ratelimit-remaining-requests"]
+                 for _ in range(3)]
+    assert remaining == ["2", "1", "0"]
+    for _ in range(2):                   # a refused request is not counted: still refused
+        with pytest.raises(RateLimited) as refused:
+            tenants.admit("t", limits, 100)
+    headers = refused.value.headers()
+    assert headers["x-ratelimit-limit-requests"] == "3"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert 1 <= int(headers["Retry-After"]) <= 60 and 1 <= int(headers["retry-after-ms"]) <= 60_000
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    assert refused.value.status == 429 and refused.value.type == "rate_limit_exceeded"
+    assert tenants.admit("other", limits, 100).headers["x-ratelimit-remaining-requests"] == "2"
+
+
+def test_tokens_are_estimated_then_corrected_by_what_the_turn_used():
+    tenants = Tenants("local", 0.5)
+    limits = KeyLimits(tpm=1000)
+    ticket = tenants.admit("t", limits, 400)           # 400 bytes: 100 tokens estimated
+    assert ticket.headers["x-ratelimit-remaining-tokens"] == "900"
+    ticket.charge(30)                                   # it used 30: 70 given back
+    assert tenants.admit("t", limits, 400).headers["x-ratelimit-remaining-tokens"] == "870"
+    with pytest.raises(RateLimited, match="requested 1000"):
+        tenants.admit("t", limits, 4000)               # 1000 more do not fit in 870
+
+
+def test_workers_counting_apart_each_enforce_their_share():
+    assert Tenants("local", 0.5, share=2).admit("t", KeyLimits(rpm=3), 10).headers[
+        "x-ratelimit-limit-requests"] == "2"
+    # A shared Redis counts the whole for every worker.
+    assert Tenants("redis://127.0.0.1:9/0", 0.5, share=2).share == 1
+
+
+def test_a_storage_that_fails_admits_uncounted():
+    tenants = Tenants("redis://127.0.0.1:9/0", 0.2)     # nothing listens there
+    before = _errors()
+    assert tenants.admit("t", KeyLimits(rpm=1), 10).headers == {}
+    assert tenants.admit("t", KeyLimits(rpm=1), 10).headers == {}
+    assert _errors() > before
+
+
+def _errors() -> float:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value("pd_gateway_store_errors_total",
+                                     {"operation": "limits"}) or 0.0
+
+
+# --- fair admission -------------------------------------------------------------------------
+
+def test_a_tenant_far_over_its_share_leaves_the_quiet_ones_their_places():
+    admission = Admission(limit=8, queue=0, wait=0, retry_after=1)
+    quiet = admission.enter("quiet")                 # active: it may need its place again
+    quiet()
+    noisy = []
+    with pytest.raises(Overloaded):
+        for _ in range(8):
+            noisy.append(admission.enter("noisy"))
+    assert len(noisy) == 7                            # one place kept for the quiet tenant
+    admission.enter("quiet")                          # at once, not refused
+    assert admission.inflight == 8
+
+
+def test_one_tenant_alone_takes_every_place_as_before():
+    admission = Admission(limit=4, queue=0, wait=0, retry_after=1)
+    for _ in range(4):
+        admission.enter()
+    with pytest.raises(Overloaded):
+        admission.enter()
+    admission.leave()
+    admission.enter()
+
+
+def test_weights_set_the_shares():
+    admission = Admission(limit=8, queue=0, wait=0, retry_after=1)
+    admission.enter("light", weight=1)()              # active, light's share is 2 of 8
+    admission.enter("heavy", weight=3)()
+    heavy = 0
+    with pytest.raises(Overloaded):
+        while True:
+            admission.enter("heavy", weight=3)
+            heavy += 1
+    assert heavy == 7                                 # light's 1 place (its need) kept
+    admission2 = Admission(limit=8, queue=0, wait=0, retry_after=1)
+    for _ in range(3):                                # light needs 3 at once, has a share of 2
+        admission2.enter("light", weight=1)
+    admission2.enter("heavy", weight=3)
+    with pytest.raises(Overloaded):
+        for _ in range(8):
+            admission2.enter("heavy", weight=3)
+    assert admission2.tenants["heavy"].inflight == 5  # 8 - light's 3
+
+
+def test_a_freed_place_goes_to_the_tenant_with_the_fewest_turns_for_its_weight():
+    admission = Admission(limit=2, queue=4, wait=10.0, retry_after=1)
+    first, second = admission.enter("noisy"), admission.enter("noisy")
+    order = []
+
+    def wait_for(tenant: str) -> None:
+        admission.enter(tenant)
+        order.append(tenant)
+
+    threads = [threading.Thread(target=wait_for, args=("noisy",))]
+    threads[0].start()
+    wait_until(lambda: admission.waiting == 1, 5, "noisy waiting")
+    threads.append(threading.Thread(target=wait_for, args=("quiet",)))
+    threads[1].start()
+    wait_until(lambda: admission.waiting == 2, 5, "quiet waiting")
+    first()                       # one place: quiet, which has none, before noisy, which has one
+    wait_until(lambda: order, 5, "a place given")
+    assert order == ["quiet"]
+    second()                      # the next: noisy's
+    for thread in threads:
+        thread.join(5)
+    assert order == ["quiet", "noisy"]
+
+
+def test_a_keys_turns_at_once_are_bounded():
+    admission = Admission(limit=8, queue=0, wait=0, retry_after=1)
+    admission.enter("t", turns=2)
+    admission.enter("t", turns=2)
+    with pytest.raises(Overloaded, match="2 turns at once"):
+        admission.enter("t", turns=2)
+    admission.enter("other", turns=2)
+
+
+# --- through gunicorn, the OpenAI SDK, real engines ------------------------------------------
+
+@pytest.fixture(scope="module")
+def engines():
+    with EmulatorProcess("prefill", host="127.0.0.67", itl_ms=1, bidirectional_kv_xfer=True) as p, \
+            EmulatorProcess("decode", host="127.0.0.68", itl_ms=1, bidirectional_kv_xfer=True) as d:
+        yield p, d
+
+
+def _sdk(gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=20)
+
+
+def test_a_key_over_its_rate_gets_429_the_sdk_reads_and_others_go_on(engines, tmp_path):
+    p, d = engines
+    keys = tmp_path / "keys"
+    keys.write_text("noisy rpm=3\nquiet\n")
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), key_rpm=100,
+                         key_tpm=100_000) as gateway:
+        noisy, quiet = _sdk(gateway, "noisy"), _sdk(gateway, "quiet")
+        messages = [{"role": "user", "content": "hello"}]
+        for left in ("2", "1", "0"):
+            raw = noisy.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=4)
+            assert raw.headers["x-ratelimit-limit-requests"] == "3"
+            assert raw.headers["x-ratelimit-remaining-requests"] == left
+            assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+            assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 100_000
+        # (P also gets background releases of dropped entries: D is the turn's witness.)
+        requests_before = d.stats()["requests"]
+        with pytest.raises(openai.RateLimitError) as refused:
+            noisy.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.body["code"] == 429
+        assert d.stats()["requests"] == requests_before      # no engine call
+        assert gateway.metric("pd_gateway_rate_limited_total", limit="requests") == 1
+        raw = quiet.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4)
+        assert raw.headers["x-ratelimit-remaining-requests"] == "99"
+
+
+def test_two_gateways_on_one_redis_share_a_keys_budget(engines, redis_server, tmp_path):
+    p, d = engines
+    keys = tmp_path / "keys"
+    keys.write_text(f"shared-{time.time_ns()} rpm=10\n")
+    key = keys.read_text().split()[0]
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), store=redis_server.url) as one, \
+            gateway_process([p.url], [d.url], api_keys_file=str(keys),
+                            store=redis_server.url) as two:
+        codes = []
+        for gateway in (one, two, one, two, one, two, one, two, one, two, one, two):
+            codes.append(requests.post(gateway.url + CHAT, timeout=20,
+                                       headers={"Authorization": f"Bearer {key}"},
+                                       json={"model": MODEL, "max_tokens": 2, "messages": [
+                                           {"role": "user", "content": "hi"}]}).status_code)
+        assert codes == [200] * 10 + [429] * 2
+
+
+def test_a_forwarded_turn_carries_its_keys_headers(engines, tmp_path):
+    p, d = engines
+    keys = tmp_path / "keys"
+    keys.write_text("k rpm=50\n")
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), workers=2) as gateway, \
+            ThreadPoolExecutor(1) as pool:
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "f"}]}
+        headers = {"Authorization": "Bearer k"}
+        with gateway.forwarded(body, headers) as arrived:
+            turn = pool.submit(requests.post, gateway.url + CHAT, json=body, headers=headers,
+                               timeout=20)
+            arrived()
+            reply = turn.result()
+        assert reply.status_code == 200
+        assert reply.headers["x-ratelimit-limit-requests"] == "25"     # each worker: 50 / 2
+        assert reply.headers["x-ratelimit-remaining-requests"] == "24"
+        assert gateway.metric("pd_gateway_forwarded_total", result="sent") == 1
