@@ -9,7 +9,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 PREFILL ?=
 DECODE ?=
 
-.PHONY: install run test bench bench-quick
+.PHONY: install run test bench bench-quick prometheus-tools
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,17 @@ $(LOWEST_STAMP): setup.cfg setup.py constraints/lowest.txt
 	$(LOWEST)/bin/python -m pip install --quiet -c constraints/lowest.txt -e '.[test-embedding]' setuptools
 	touch $@
 
-test: $(STAMP) $(LOWEST_STAMP)
+# promtool and prometheus, from Debian's package, for the operator's kit (tests/test_deploy.py).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+prometheus-tools:
+	@command -v promtool >/dev/null || { \
+	  echo "installing Debian's prometheus package (promtool) for tests/test_deploy.py"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $(SUDO) apt-get install -y -q --no-install-recommends prometheus >/dev/null || { \
+	    $(SUDO) apt-get update -q >/dev/null && \
+	    $(SUDO) apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
+
+test: $(STAMP) $(LOWEST_STAMP) prometheus-tools
 	$(BIN)/python -m pytest
 	$(LOWEST)/bin/python -m pytest tests/embedding
 

@@ -26,6 +26,7 @@ import os
 import tempfile
 import threading
 import time
+from typing import Callable
 from urllib.parse import urlsplit
 
 from . import gunicorn_conf, metrics
@@ -105,9 +106,11 @@ class Membership:
     """Fills the pools from the settings (names resolved), then keeps them current."""
 
     def __init__(self, settings: Settings, pools: dict[str, dict[str, Pool]],
-                 environ=os.environ) -> None:
-        """`pools`: each model's ("" for the one pool of --prefill/--decode) by role."""
+                 environ=os.environ, on_tick: Callable[[], None] = lambda: None) -> None:
+        """`pools`: each model's ("" for the one pool of --prefill/--decode) by role;
+        `on_tick` runs after each look at the changes file (the engine gauges)."""
         self.models = pools
+        self.on_tick = on_tick
         self.slot = int(environ.get(SLOT_ENV, "-1"))
         self.interval = settings.resolve_interval
         self.discovery = Discovery(Resolver(settings.resolve_nameserver),
@@ -243,6 +246,7 @@ class Membership:
         while not self._stop.wait(tick):
             try:
                 self.apply_pending()
+                self.on_tick()
                 if self.discovery.names and time.monotonic() >= next_resolve:
                     self.discovery.refresh()
                     next_resolve = time.monotonic() + self.interval

@@ -71,6 +71,13 @@ SHARED_PINNED_BLOCKS = Gauge("pd_gateway_shared_pinned_blocks", "Blocks each D k
                              "conversations of a shared (Redis) store, every host's, as the "
                              "last put on that D counted them", ["decode"],
                              multiprocess_mode="mostrecent")
+PINNED_BUDGET = Gauge("pd_gateway_pinned_blocks_budget", "--pinned-blocks: blocks each D may keep "
+                      "pinned for idle conversations (0: no budget)", multiprocess_mode="livemax")
+ENGINE_UP = Gauge("pd_gateway_engine_up", "1 while an engine may be chosen, 0 while it is marked "
+                  "down or its breaker is open (the lowest of the live workers' views)",
+                  ["role", "engine"], multiprocess_mode="livemin")
+ENGINE_INFLIGHT = Gauge("pd_gateway_engine_inflight", "Requests in flight on each engine, summed "
+                        "over live workers", ["role", "engine"], multiprocess_mode="livesum")
 KV_READS = Counter("pd_gateway_kv_reads", "Turns whose P was sent D's params, by what P reports "
                    "(kv_transfer_params.remote_prefill_cached_tokens, or usage.prompt_tokens_"
                    "details.cached_tokens) against min(remote_num_tokens, prompt): read (equal: "
@@ -92,6 +99,33 @@ PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill c
 TTFT_SECONDS = Histogram("pd_gateway_time_to_first_byte_seconds",
                          "From request arrival to the first response byte of a stream",
                          buckets=_LATENCY)
+
+
+def initialize() -> None:
+    """Series the alert rules and the dashboard select, at zero until something happens
+    (Prometheus' advice: a series that appears only at its first event makes a rate over it
+    empty, not 0; https://prometheus.io/docs/practices/instrumentation/#avoid-missing-metrics)."""
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        for cache in ("hit", "partial", "miss"):
+            REQUESTS.labels(endpoint, cache)
+    for stage in ("request", "stream"):
+        for status in ("502", "503", "504"):
+            ERRORS.labels(stage, status)
+    for result in ("admitted", "queued", "rejected_queue_full", "rejected_waited",
+                   "rejected_key_turns", "rejected_bodies"):
+        ADMISSIONS.labels(result)
+    for operation in ("take", "put", "ledger", "limits"):
+        STORE_ERRORS.labels(operation)
+    for limit in ("requests", "tokens"):
+        RATE_LIMITED.labels(limit)
+    for role in ("prefill", "decode"):
+        RETRIES.labels(role)
+    for result in ("sent", "away", "failed"):
+        FORWARDED.labels(result)
+    for reason in ("unproven", "mismatch", "decode_only", "decode_failed", "decode_gone",
+                   "prefill_failed", "unstored", "replaced", "evicted", "expired", "budget"):
+        for result in ("released", "failed", "skipped"):
+            RELEASES.labels(reason, result)
 
 
 def exposition() -> tuple[bytes, str]:

@@ -57,8 +57,13 @@ class Gateway:
         specs = settings.model_specs()
         roles = {spec.name: {role: Pool(role, [], policy, model=spec.name)
                              for role in ("prefill", "decode")} for spec in specs}
-        self.membership = Membership(settings, roles)
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
+        self._every_pool, self._published = every_pool, set()
+        metrics.initialize()
+        metrics.PINNED_BUDGET.set(settings.pinned_blocks)
+        # Each worker's view of its engines, published as it applies changes (every half
+        # second under gunicorn) and whenever /metrics is asked.
+        self.membership = Membership(settings, roles, on_tick=self.publish)
         self.prober = Prober(self.upstream.probe, every_pool, settings.probe_interval)
         for pool in every_pool:
             pool.on_down = self.prober.wake
@@ -111,6 +116,21 @@ class Gateway:
         # The first model's (the only one's, without --models): for embedders and tests.
         first = self.pools.default
         self.prefill, self.decode, self.disagg = first.prefill, first.decode, first.disagg
+
+    def publish(self) -> None:
+        """This worker's view of each engine as gauges: may it be chosen, what runs on it."""
+        now = time.monotonic()
+        seen = set()
+        for pool in self._every_pool:
+            for instance in pool.instances:
+                labels = (pool.role, instance.name)
+                metrics.ENGINE_UP.labels(*labels).set(1 if instance.available(now) else 0)
+                metrics.ENGINE_INFLIGHT.labels(*labels).set(instance.inflight)
+                seen.add(labels)
+        for gone in self._published - seen:     # left the pool: nothing runs there, no alarm
+            metrics.ENGINE_UP.labels(*gone).set(1)
+            metrics.ENGINE_INFLIGHT.labels(*gone).set(0)
+        self._published = seen
 
     def _prefill_for(self, entry) -> Pool | None:
         """The P pool that can release `entry`: its model's (any P, with one pool)."""

@@ -233,6 +233,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         if gateway.api_keys.enabled:     # clients authenticate: metrics are for the operator
             check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
                         "/metrics (with API keys on)")
+        gateway.publish()
         body, content_type = metrics.exposition()
         return Response(body, content_type=content_type)
 

@@ -215,6 +215,13 @@ def test_a_key_over_its_rate_gets_429_the_sdk_reads_and_others_go_on(engines, tm
         raw = quiet.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, max_tokens=4)
         assert raw.headers["x-ratelimit-remaining-requests"] == "99"
+        # The same request again: the estimate counted twice, the first turn's estimate replaced
+        # by the tokens the engines reported once it ended.
+        again = quiet.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4)
+        used = raw.parse().usage.total_tokens
+        assert (int(raw.headers["x-ratelimit-remaining-tokens"])
+                - int(again.headers["x-ratelimit-remaining-tokens"])) == used
 
 
 def test_two_gateways_on_one_redis_share_a_keys_budget(engines, redis_server, tmp_path):

@@ -48,13 +48,17 @@ def test_one_extension_mounts_on_several_apps_each_with_its_settings():
     first, second = host_app(PD_GATEWAY_ADMIN_TOKEN="one"), host_app()
     pd.init_app(first, url_prefix="/llm")
     pd.init_app(second, url_prefix="/v2/gateway")
-    for app, prefix in ((first, "/llm"), (second, "/v2/gateway")):
-        reply = app.test_client().post(prefix + "/v1/chat/completions", data=BAD_BODY)
-        assert reply.status_code == 400 and reply.get_json()["error"]["code"] == 400
-        assert app.test_client().post("/v1/chat/completions", data=BAD_BODY).status_code == 404
-    assert first.extensions["pd_gateway"].settings.admin_token == "one"
-    assert second.extensions["pd_gateway"].settings.admin_token == ""
-    assert first.extensions["pd_gateway"] is not second.extensions["pd_gateway"]
+    try:
+        for app, prefix in ((first, "/llm"), (second, "/v2/gateway")):
+            reply = app.test_client().post(prefix + "/v1/chat/completions", data=BAD_BODY)
+            assert reply.status_code == 400 and reply.get_json()["error"]["code"] == 400
+            assert app.test_client().post("/v1/chat/completions", data=BAD_BODY).status_code == 404
+        assert first.extensions["pd_gateway"].settings.admin_token == "one"
+        assert second.extensions["pd_gateway"].settings.admin_token == ""
+        assert first.extensions["pd_gateway"] is not second.extensions["pd_gateway"]
+    finally:      # their background threads (reads of the engines, releases) end with them
+        first.extensions["pd_gateway"].close()
+        second.extensions["pd_gateway"].close()
 
 
 def test_the_gateway_is_built_on_first_use_once_per_process(monkeypatch):

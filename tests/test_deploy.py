@@ -1,0 +1,238 @@
+"""The operator's kit (deploy/), checked by real tools: Debian's promtool on the rules and their
+unit tests, a real Prometheus scraping a gateway under traffic for every expression the rules
+and the dashboard use, the dashboard against the code that writes it, and the Kubernetes
+manifests against Kubernetes' schemas and yamllint."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from emulator.process import EmulatorProcess, free_port, wait_until
+from tests.conftest import MODEL, gateway_process
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+RULES = DEPLOY / "prometheus" / "pd-gateway.rules.yml"
+
+
+def _module(path: Path):
+    spec = importlib.util.spec_from_file_location("pd_gateway_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+dashboard = _module(DEPLOY / "grafana" / "dashboard.py")
+
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+NEEDS_PROMETHEUS = "Debian's prometheus package (make test installs it): promtool, prometheus"
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess:
+    assert PROMTOOL, NEEDS_PROMETHEUS
+    return subprocess.run([PROMTOOL, *args], cwd=RULES.parent, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_promtool_accepts_the_rules():
+    checked = _promtool("check", "rules", RULES.name)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_every_alert_fires_and_clears_in_promtools_unit_tests():
+    tested = _promtool("test", "rules", "pd-gateway.rules.test.yml")
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
+              for r in g["rules"] if "alert" in r}
+    tests = yaml.safe_load((RULES.parent / "pd-gateway.rules.test.yml").read_text())["tests"]
+    cases = [c for t in tests for c in t["alert_rule_test"]]
+    fired = {c["alertname"] for c in cases if c["exp_alerts"]}
+    cleared = {c["alertname"] for c in cases if not c["exp_alerts"]}
+    assert alerts <= fired and alerts <= cleared, (alerts - fired, alerts - cleared)
+    for rule in (r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
+                 if "alert" in r):
+        assert rule["annotations"].get("runbook"), f"{rule['alert']} has no runbook line"
+
+
+# --- Kubernetes manifests ------------------------------------------------------------------------
+
+def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
+    import kubernetes_validate
+    folder = DEPLOY / "kubernetes"
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    resources = {}
+    for name in kustomization["resources"]:
+        for doc in yaml.safe_load_all((folder / name).read_text()):
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)     # raises if not
+            resources[doc["kind"], doc["metadata"]["name"]] = doc
+    assert {k for k, _ in resources} >= {"Deployment", "Service", "PodDisruptionBudget",
+                                         "Secret"}
+    pod = resources["Deployment", "pd-gateway"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # Longer than the streams it lets finish.
+    assert pod["terminationGracePeriodSeconds"] > int(env["GATEWAY_GRACEFUL_TIMEOUT"]["value"])
+    assert env["GATEWAY_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "pd-gateway"
+    for role in ("prefill", "decode"):                # headless: the gateway's DNS discovery
+        assert resources["Service", f"vllm-{role}"]["spec"]["clusterIP"] == "None"
+    linted = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint"),
+                             str(DEPLOY)], capture_output=True, text=True, timeout=60)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+# --- the names, against what a gateway exports --------------------------------------------
+
+def _recorded() -> set[str]:
+    return {r["record"] for g in yaml.safe_load(RULES.read_text())["groups"]
+            for r in g["rules"] if "record" in r}
+
+
+def _expressions() -> list[str]:
+    rules = [r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    return rules + [q.replace("$job", ".+") for q in dashboard.queries(dashboard.dashboard())]
+
+
+def _names(expr: str) -> set[str]:
+    """The series names an expression selects (recording rules' names included)."""
+    return set(re.findall(r"\b(pd_gateway(?::[a-z0-9_]+)+|pd_gateway_[a-z0-9_]+)", expr))
+
+
+def _exported(text: str) -> set[str]:
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names.add(name)
+            if kind == "counter":
+                names.add(name + "_total")
+            if kind == "histogram":
+                names |= {name + s for s in ("_bucket", "_sum", "_count")}
+    return names
+
+
+def test_the_dashboard_json_is_what_its_code_writes():
+    assert (DEPLOY / "grafana" / "pd-gateway.json").read_text() == dashboard.render(), \
+        "run python deploy/grafana/dashboard.py"
+    board = json.loads(dashboard.render())
+    assert board["uid"] == "pd-gateway" and all(
+        p["targets"] for p in board["panels"] if p["type"] != "row")
+
+
+# --- a real Prometheus scraping a gateway under traffic --------------------------------------
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory):
+    """A gateway (2 workers) with traffic of every kind the rules look at, scraped every second
+    by a real Prometheus that evaluates the rules every second."""
+    assert PROMETHEUS, NEEDS_PROMETHEUS
+    work = tmp_path_factory.mktemp("prometheus")
+    keys = work / "keys"
+    keys.write_text("tenant rpm=1000\nlimited rpm=1\n")
+    with EmulatorProcess("prefill", host="127.0.0.69", itl_ms=1, bidirectional_kv_xfer=True) as p, \
+            EmulatorProcess("decode", host="127.0.0.70", itl_ms=1, bidirectional_kv_xfer=True) as d, \
+            gateway_process([p.url], [d.url], workers=2, api_keys_file=str(keys),
+                            engine_metrics_interval=0.5) as gateway:
+        # The rules as deployed, evaluated every second.
+        rules = yaml.safe_load(RULES.read_text())
+        for group in rules["groups"]:
+            group["interval"] = "1s"
+        (work / "rules.yml").write_text(yaml.safe_dump(rules))
+        (work / "token").write_text(gateway.admin_token)
+        port = free_port("127.0.0.1")
+        (work / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(work / "rules.yml")],
+            "scrape_configs": [{
+                "job_name": "pd-gateway", "metrics_path": "/metrics",
+                "authorization": {"credentials_file": str(work / "token")},
+                "static_configs": [{"targets": [gateway.url.split("//")[1]]}]}]}))
+        log = open(work / "prometheus.log", "wb")
+        server = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
+             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: requests.get(url + "/-/ready", timeout=2).status_code == 200, 30,
+                       "Prometheus ready", server, str(work / "prometheus.log"))
+            _traffic(gateway, p)
+            yield gateway, url
+        finally:
+            server.terminate()
+            server.wait(10)
+            log.close()
+
+
+def _traffic(gateway, p) -> None:
+    """Multi-turn conversations, a refusal for a key's rate, an engine failure: the series
+    the rules and the dashboard read."""
+    def chat(messages, key="tenant"):
+        return requests.post(gateway.url + "/v1/chat/completions", timeout=20,
+                             headers={"Authorization": f"Bearer {key}"},
+                             json={"model": MODEL, "max_tokens": 4, "messages": messages})
+
+    for n in range(6):
+        messages = [{"role": "user", "content": f"conversation {n}"}]
+        for _ in range(3):
+            reply = chat(messages)
+            assert reply.status_code == 200
+            messages += [reply.json()["choices"][0]["message"],
+                         {"role": "user", "content": "more"}]
+        stream = requests.post(gateway.url + "/v1/chat/completions", timeout=20, stream=True,
+                               headers={"Authorization": "Bearer tenant"},
+                               json={"model": MODEL, "max_tokens": 4, "stream": True,
+                                     "messages": messages})
+        assert stream.status_code == 200 and stream.content.endswith(b"[DONE]\n\n")
+    assert chat([{"role": "user", "content": "a"}], "limited").status_code == 200
+    assert chat([{"role": "user", "content": "b"}], "limited").status_code == 429
+    p.set_fault("error500")
+    try:
+        assert chat([{"role": "user", "content": "failing"}]).status_code >= 500
+    finally:
+        p.set_fault("none")
+
+
+def _query(url: str, expr: str) -> list:
+    answer = requests.get(url + "/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert answer["status"] == "success", (expr, answer)
+    return answer["data"]["result"]
+
+
+def _left_side(expr: str) -> str:
+    """An alert's condition without its threshold (`... > 0.05`): what must return data."""
+    return re.split(r"\s(?:>|<|==)\s[\d.]+\s*(?:\n|$)", expr.strip())[0].split("\nand ")[0]
+
+
+def test_every_expression_names_only_what_the_gateway_exports(scraped):
+    gateway, _ = scraped
+    text = requests.get(gateway.url + "/metrics", timeout=10,
+                        headers={"Authorization": f"Bearer {gateway.admin_token}"}).text
+    exported, recorded = _exported(text), _recorded()
+    unknown = {name for expr in _expressions() for name in _names(expr)} - exported - recorded
+    assert not unknown, f"names the gateway does not export: {sorted(unknown)}"
+
+
+def test_every_expression_returns_data_from_a_real_prometheus(scraped):
+    _, url = scraped
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    expressions = ([_left_side(r["expr"]) for r in rules]
+                   + [q.replace("$job", ".+") for q in dashboard.queries(dashboard.dashboard())])
+    pending = list(expressions)
+
+    def all_have_data() -> bool:        # asked again after each scrape and evaluation
+        pending[:] = [e for e in pending if not _query(url, e)]
+        return not pending
+    try:
+        wait_until(all_have_data, 60, "data for every expression")
+    except RuntimeError:
+        pytest.fail(f"no data for: {pending}")
