@@ -66,7 +66,7 @@ class Admission:
                                  f"retry after {self.retry_after} s",
                                  retry_after=self.retry_after)
             own.demand = max(own.demand, own.inflight + 1)
-            if not self.waiting and self._may_take(own):
+            if self._may_take(own) and self._before_waiters(own):
                 self._take(own)
                 metrics.ADMISSIONS.labels("admitted").inc()
                 return lambda: self._leave(own)
@@ -121,6 +121,14 @@ class Admission:
                        for t in active if t is not own)
         return (self.inflight + reserved < self.limit
                 or own.inflight < self.limit * own.weight / total)
+
+    def _before_waiters(self, own: _Tenant) -> bool:
+        """May a newcomer of `own` take a free place now: no waiting tenant that may take one
+        has fewer turns for its weight (one tenant: first come, as the place is free)."""
+        if not self.waiting:
+            return True
+        first = self._next_in_line()
+        return first is None or own.inflight / own.weight <= first.inflight / first.weight
 
     def _next_in_line(self) -> _Tenant | None:
         """Of the waiting tenants that may take a place, the one with the fewest turns for its

@@ -356,8 +356,8 @@ class Settings:
                           "its line in --api-keys-file sets its own (KEY rpm=N tpm=N turns=N "
                           "weight=W); beyond, 429 with OpenAI's x-ratelimit-* and retry-after "
                           "headers. Counted in the store's Redis when it is one (every host "
-                          "shares one budget), else per worker (each the limit / workers). 0: "
-                          "no limit.")
+                          "shares one budget), else in each worker's memory (each worker "
+                          "enforces the whole limit). 0: no limit.")
     key_tpm: int = option(0, bounded(int, 0), "Tokens per minute per client API key (the prompt "
                           "estimated before a turn, corrected by what the engines report after "
                           "it), as --key-rpm. 0: no limit.")

@@ -9,7 +9,8 @@ remote read, 1.0 full). llm-d's scheduler scores engines on the same two.
 
 An engine is **busy** when more than `--engine-queue-limit` requests wait there for capacity
 (`vllm:num_requests_waiting_by_reason{reason="capacity"}` where it exists: the total also counts
-requests loading remote KV, which a D always has), or its KV cache
+requests loading remote KV, which a D always has; an engine without that label gives no
+queue signal, only its KV cache's), or its KV cache
 is at least `--engine-kv-full` used: a new conversation goes to another engine, and a
 conversation leaves the D that holds it (one miss) rather than queue there. Reports older than
 three intervals, or missing, count as nothing: the choice is in-flight counts alone, as without.
@@ -85,8 +86,9 @@ def parse(text: bytes) -> list[float] | None:
         seen.add(index)
     if len(seen - {None}) < len(found):
         return None
-    if capacity is not None:
-        found[_WAITING] = capacity
+    # Without the reason label (vLLM before it) the total counts every remote-KV load a D
+    # has in flight: no queue signal then, only the KV cache's (-1: unknown).
+    found[_WAITING] = capacity if capacity is not None else -1.0
     return found
 
 
@@ -134,7 +136,9 @@ class LoadTable:
         self.values[base + _CLAIMED_AT] = now
         return row
 
-    def write(self, row: int, gauges: list[float], now: float) -> None:
+    def write(self, url: str, row: int, gauges: list[float], now: float) -> None:
+        if self.keys[row] != self.key(url):      # another worker took the row meanwhile
+            return
         base = row * _WIDTH
         self.values[base + _WAITING:base + _KV + 1] = gauges
         self.values[base + _READ_AT] = now
@@ -220,7 +224,7 @@ class EngineLoad:
                 if gauges is None:
                     metrics.ENGINE_METRICS_READS.labels(pool.role, "failed").inc()
                     continue
-                self.table.write(row, gauges, self.clock())
+                self.table.write(instance.url, row, gauges, self.clock())
                 metrics.ENGINE_METRICS_READS.labels(pool.role, "read").inc()
 
     def _run(self) -> None:

@@ -176,7 +176,7 @@ class Membership:
             pools = self.models[""]
         elif model is None:
             raise BadRequest(f"model is required: one of {', '.join(self.models)}", param="model")
-        elif model not in self.models:
+        elif not isinstance(model, str) or model not in self.models:
             raise NotFound(f"no model {model!r} (one of {', '.join(self.models)})")
         else:
             pools = self.models[model]     # type: ignore[index]

@@ -2,6 +2,7 @@
 that runs a completion request: forward or serve → identity → store → P → D → relay."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -12,9 +13,9 @@ from typing import Callable, Mapping
 from . import logs, metrics
 from .admission import Admission, BodyBudget
 from .affinity import Affinity
-from .auth import ApiKeys
+from .auth import ApiKeys, bearer
 from .config import Settings
-from .conversation import identify, root_key, tenant_of, tenant_salt
+from .conversation import identify, root_key, tenant_salt
 from .disagg import Disagg
 from .engine_load import EngineLoad
 from .errors import BadGateway, GatewayError
@@ -59,6 +60,7 @@ class Gateway:
                              for role in ("prefill", "decode")} for spec in specs}
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
         self._every_pool, self._published = every_pool, set()
+        self._model_of_decode: dict = {}     # every D each model has had (publish keeps it)
         metrics.initialize()
         metrics.PINNED_BUDGET.set(settings.pinned_blocks)
         # Each worker's view of its engines, published as it applies changes (every half
@@ -92,8 +94,7 @@ class Gateway:
         self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file,
                                 defaults=KeyLimits(settings.key_rpm, settings.key_tpm,
                                                    settings.key_turns))
-        self.tenants = Tenants(settings.store, settings.store_timeout,
-                               share=settings.workers)
+        self.tenants = Tenants(settings.store, settings.store_timeout)
         # Tenants apart in the engines' prefix caches as well (auto: where tenants exist).
         self.salted = (settings.tenant_cache_salt == "on" or
                        (settings.tenant_cache_salt == "auto" and self.api_keys.enabled))
@@ -116,11 +117,15 @@ class Gateway:
         # The first model's (the only one's, without --models): for embedders and tests.
         first = self.pools.default
         self.prefill, self.decode, self.disagg = first.prefill, first.decode, first.disagg
+        self.publish()
 
     def publish(self) -> None:
         """This worker's view of each engine as gauges: may it be chosen, what runs on it."""
         now = time.monotonic()
         seen = set()
+        for model in self.pools.pools:
+            for instance in model.decode.instances:
+                self._model_of_decode[instance.url] = model
         for pool in self._every_pool:
             for instance in pool.instances:
                 labels = (pool.role, instance.name)
@@ -136,7 +141,10 @@ class Gateway:
         """The P pool that can release `entry`: its model's (any P, with one pool)."""
         if self.pools.single:
             return self.prefill
-        pool = self.pools.of_decode(entry.decode_url)
+        # Its D's pool now, else the one it was in (drained, gone from DNS): an engine serves
+        # one model, so that model's P can still make it free the blocks.
+        pool = (self.pools.of_decode(entry.decode_url)
+                or self._model_of_decode.get(entry.decode_url))
         return pool.prefill if pool is not None else None
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
@@ -162,6 +170,8 @@ class Gateway:
             # Its key's requests and tokens per minute, where the turn runs; then a place for
             # this turn or its relay. Either way 429 with nothing started.
             ticket = self.tenants.admit(tenant, limits, len(raw)) if owner is None else None
+            if ticket is not None:
+                held.append(ticket.refund)       # nothing served: nothing counted
             self._admit(held, self.admission if owner is None else self.relays, tenant, limits)
             total = self.settings.total_timeout
             held.append(Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
@@ -172,6 +182,7 @@ class Gateway:
             if reply is None:
                 if owner is not None:                    # its owner is away: served here
                     ticket = self.tenants.admit(tenant, limits, len(raw))
+                    held.append(ticket.refund)
                     if self.relays is not self.admission:
                         self._admit(held, self.admission, tenant, limits)
                 reply = self._serve(pool, request, id_args, headers, request_id)
@@ -189,7 +200,10 @@ class Gateway:
         """Who the request is for (a client key; one tenant without keys) and its limits."""
         if not self.api_keys.enabled:
             return "", NO_LIMITS
-        return tenant_of(authorization).hex(), self.api_keys.limits_of(authorization)
+        # The key itself, not the header: "bearer k" and "Bearer  k" are one key, one budget.
+        credential = bearer(authorization)
+        return (hashlib.sha256(credential.encode()).hexdigest()[:32],
+                self.api_keys.limits_of(authorization))
 
     @staticmethod
     def _admit(held: list, admission: Admission, tenant: str, limits: KeyLimits) -> None:

@@ -5,8 +5,10 @@ Each client API key is a tenant. Its limits come from its line in the keys file
 (`KEY rpm=600 tpm=200000 turns=8 weight=2`), else from the defaults (--key-rpm, --key-tpm,
 --key-turns); 0 is no limit. Requests and tokens are counted by the `limits` library (the one
 Flask-Limiter uses) in fixed one-minute windows, in the store's Redis when the store is one (every
-worker and every gateway host share one budget), else in each worker's memory (each worker then
-enforces its share, the limit divided by the workers, rounded up). Tokens: the prompt is
+worker and every gateway host share one budget), else in each worker's memory, each worker
+enforcing the whole limit: with affinity, a conversation's turns all run in its owner worker, so
+a share of the limit per worker would hold a one-conversation client to that share and refuse
+every request larger than it. Tokens: the prompt is
 estimated from the body before the turn (4 bytes a token) and charged; when the turn ends the
 charge is corrected by what the engines reported (P's prompt tokens, the reply's tokens).
 Turns at once are counted by the worker's admission (gateway.admission), as its places are.
@@ -85,10 +87,13 @@ class RateLimited(Overloaded):
 
 @dataclass
 class Ticket:
-    """One admitted request's charge: its headers, and the correction once the turn has ended."""
+    """One admitted request's count: its headers; `charge`, the correction once the turn has
+    ended; `refund`, what gives it all back if the turn never ran (refused for a place, an
+    engine that failed first). Whichever comes first is the one that counts."""
 
     headers: dict[str, str]
-    charge: Callable[[int], None] = lambda tokens: None     # the turn's real tokens, once
+    charge: Callable[[int], None] = lambda tokens: None
+    refund: Callable[[], None] = lambda: None
 
 
 NO_TICKET = Ticket({})
@@ -112,11 +117,9 @@ def storage_url(store: str) -> tuple[str, dict]:
 class Tenants:
     """Checks and counts each key's requests and tokens per minute."""
 
-    def __init__(self, store: str, timeout: float, share: int = 1,
+    def __init__(self, store: str, timeout: float,
                  clock: Callable[[], float] = time.time) -> None:
         self.url, self.options = storage_url(store)
-        # Workers counting apart (memory) each enforce their share; a shared Redis, the whole.
-        self.share = 1 if self.options else max(1, share)
         if self.options:
             self.options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
         self.clock = clock
@@ -128,9 +131,9 @@ class Tenants:
     def _counters(self):
         """The storage, made on first use (a cluster client asks its seeds at once): a
         storage that cannot be made is tried again a second later, requests admitted meanwhile."""
+        if time.monotonic() - self._failed_at < 1.0:
+            raise ConnectionError("the rate limit storage failed a moment ago")
         if self._made is None:
-            if time.monotonic() - self._failed_at < 1.0:
-                raise ConnectionError("the rate limit storage failed a moment ago")
             with self._lock:
                 if self._made is None:
                     try:
@@ -151,8 +154,9 @@ class Tenants:
             self._ends[key] = end
         return end
 
-    def _item(self, per_minute: int) -> RateLimitItemPerMinute:
-        return RateLimitItemPerMinute(math.ceil(per_minute / self.share))
+    @staticmethod
+    def _item(per_minute: int) -> RateLimitItemPerMinute:
+        return RateLimitItemPerMinute(per_minute)
 
     def admit(self, tenant: str, limits: KeyLimits, body_bytes: int) -> Ticket:
         """Count one request of `tenant` and its estimated prompt tokens, or raise RateLimited
@@ -188,21 +192,42 @@ class Tenants:
                         + f". Please try again in {duration(reset)}.", reset, headers)
         except RateLimited:
             raise
-        except Exception as exc:       # the storage failed: admit, uncounted
-            log.warning("rate limit storage failed: %r; admitted uncounted", exc)
-            metrics.STORE_ERRORS.labels("limits").inc()
+        except Exception as exc:       # the storage failed: admit, uncounted, for a second
+            self._failed(exc)
             return NO_TICKET
-        if not limits.tpm:
-            return Ticket(headers)
-        item = self._item(limits.tpm)
+        settled = []
+        window_end = self._ends.get(counted[-1][0], 0.0)
 
         def charge(tokens: int) -> None:
-            """The real tokens of the turn in place of the estimate (may give some back)."""
-            if tokens != estimate:
-                try:
-                    storage.incr(item.key_for(tenant, "tokens"), item.get_expiry(),
-                                 amount=tokens - estimate)
-                except Exception as exc:
-                    log.warning("rate limit storage failed: %r", exc)
-                    metrics.STORE_ERRORS.labels("limits").inc()
-        return Ticket(headers, charge)
+            """The real tokens of the turn in place of the estimate. Tokens are given back
+            only within the window they were counted in: a counter that has started again
+            must not start below zero."""
+            if settled:
+                return
+            settled.append(True)
+            if not limits.tpm or tokens == estimate or (
+                    tokens < estimate and self.clock() >= window_end):
+                return
+            key, item, _ = counted[-1]
+            self._incr(storage, key, item, tokens - estimate)
+
+        def refund() -> None:
+            if settled:
+                return
+            settled.append(True)
+            if self.clock() < window_end:
+                for key, item, cost in counted:
+                    self._incr(storage, key, item, -cost)
+        return Ticket(headers, charge, refund)
+
+    def _incr(self, storage, key: str, item, amount: int) -> None:
+        try:
+            storage.incr(key, item.get_expiry(), amount=amount)
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        log.warning("rate limit storage failed: %r; requests admitted uncounted for a second",
+                    exc)
+        metrics.STORE_ERRORS.labels("limits").inc()
+        self._failed_at = time.monotonic()

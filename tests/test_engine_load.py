@@ -43,9 +43,10 @@ def test_a_vllm_page_gives_capacity_waiting_running_and_the_fullest_cache():
     assert parse(VLLM_PAGE) == [1.0, 12.0, 0.875]
 
 
-def test_a_page_without_waiting_by_reason_counts_every_waiting_request():
+def test_a_page_without_waiting_by_reason_gives_no_queue_signal():
+    """Its total counts the remote-KV loads every D has: not a queue (-1: unknown)."""
     older = b"\n".join(line for line in VLLM_PAGE.splitlines() if b"by_reason" not in line)
-    assert parse(older) == [6.0, 12.0, 0.875]
+    assert parse(older) == [-1.0, 12.0, 0.875]
 
 
 def test_a_page_without_the_gauges_is_no_report():
@@ -77,7 +78,7 @@ def test_an_engine_claimed_by_one_worker_is_not_read_by_another_within_the_inter
     row = one.claim("http://d:1", now=100.0, interval=1.0)
     assert row is not None
     assert other.claim("http://d:1", now=100.5, interval=1.0) is None
-    one.write(row, [2.0, 3.0, 0.5], now=100.1)
+    one.write("http://d:1", row, [2.0, 3.0, 0.5], now=100.1)
     report = other.read("http://d:1", now=100.6, stale=3.0)
     assert (report.waiting, report.running, report.kv_usage) == (2.0, 3.0, 0.5)
     assert other.claim("http://d:1", now=101.0, interval=1.0) == row     # its turn now
@@ -91,9 +92,11 @@ def test_engines_whose_rows_collide_keep_their_own():
     rows = [one.claim(url, 10.0, 1.0) for url in urls]
     assert sorted(rows) == [0, 1]
     for url, row, waiting in zip(urls, rows, (1.0, 2.0)):
-        one.write(row, [waiting, 0.0, 0.0], 10.0)
+        one.write(url, row, [waiting, 0.0, 0.0], 10.0)
     assert [other.read(url, 10.5, 3.0).waiting for url in urls] == [1.0, 2.0]
     assert other.claim("http://d:3", 10.0, 1.0) is None      # full: that one goes unread
+    one.write("http://d:3", rows[0], [9.0, 9.0, 9.0], 11.0)  # not its row: nothing written
+    assert other.read(urls[0], 11.0, 3.0).waiting == 1.0
 
 
 def test_every_engine_of_every_pool_is_read_once_a_round():

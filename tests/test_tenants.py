@@ -76,11 +76,24 @@ def test_tokens_are_estimated_then_corrected_by_what_the_turn_used():
         tenants.admit("t", limits, 4000)               # 1000 more do not fit in 870
 
 
-def test_workers_counting_apart_each_enforce_their_share():
-    assert Tenants("local", 0.5, share=2).admit("t", KeyLimits(rpm=3), 10).headers[
-        "x-ratelimit-limit-requests"] == "2"
-    # A shared Redis counts the whole for every worker.
-    assert Tenants("redis://127.0.0.1:9/0", 0.5, share=2).share == 1
+def test_a_turn_that_never_ran_gives_its_count_back():
+    tenants = Tenants("local", 0.5)
+    limits = KeyLimits(rpm=2, tpm=1000)
+    ticket = tenants.admit("t", limits, 400)
+    ticket.refund()                       # refused for a place, or its engine failed first
+    ticket.charge(50)                     # too late: the first of the two counts
+    again = tenants.admit("t", limits, 400)
+    assert again.headers["x-ratelimit-remaining-requests"] == "1"
+    assert again.headers["x-ratelimit-remaining-tokens"] == "900"
+
+
+def test_tokens_are_given_back_only_within_their_window():
+    """After the window has ended a give-back would start the next one below zero."""
+    late = Tenants("local", 0.5, clock=lambda: time.time() + 3600)
+    ticket = late.admit("t", KeyLimits(tpm=1000), 400)
+    ticket.charge(0)
+    assert late.admit("t", KeyLimits(tpm=1000), 400).headers[
+        "x-ratelimit-remaining-tokens"] == "800"
 
 
 def test_a_storage_that_fails_admits_uncounted():
@@ -166,6 +179,26 @@ def test_a_freed_place_goes_to_the_tenant_with_the_fewest_turns_for_its_weight()
     assert order == ["quiet", "noisy"]
 
 
+def test_a_full_queue_of_one_tenant_does_not_refuse_another_a_free_place():
+    admission = Admission(limit=4, queue=2, wait=10.0, retry_after=1)
+    for give_back in [admission.enter("b"), admission.enter("b")]:
+        give_back()                                   # b is active, with nothing in flight
+    admission.enter("a")
+    admission.enter("a")
+    waiters = [threading.Thread(target=admission.enter, args=("a",)) for _ in range(2)]
+    for waiter in waiters:
+        waiter.start()
+    wait_until(lambda: admission.waiting == 2, 5, "a's turns waiting")
+    admission.enter("b")                              # b's reserved place, at once
+    assert admission.tenants["b"].inflight == 1
+    admission._leave(admission.tenants["b"])
+    admission._leave(admission.tenants["a"])
+    admission._leave(admission.tenants["a"])
+    for waiter in waiters:
+        waiter.join(5)
+    assert admission.tenants["a"].inflight == 2 and admission.waiting == 0
+
+
 def test_a_keys_turns_at_once_are_bounded():
     admission = Admission(limit=8, queue=0, wait=0, retry_after=1)
     admission.enter("t", turns=2)
@@ -212,6 +245,11 @@ def test_a_key_over_its_rate_gets_429_the_sdk_reads_and_others_go_on(engines, tm
         assert refused.value.body["code"] == 429
         assert d.stats()["requests"] == requests_before      # no engine call
         assert gateway.metric("pd_gateway_rate_limited_total", limit="requests") == 1
+        # The key, however its header is written, is one budget.
+        for header in ("bearer noisy", "Bearer  noisy"):
+            refused = requests.post(gateway.url + CHAT, headers={"Authorization": header},
+                                    json={"model": MODEL, "messages": messages}, timeout=20)
+            assert refused.status_code == 429
         raw = quiet.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, max_tokens=4)
         assert raw.headers["x-ratelimit-remaining-requests"] == "99"
@@ -255,6 +293,6 @@ def test_a_forwarded_turn_carries_its_keys_headers(engines, tmp_path):
             arrived()
             reply = turn.result()
         assert reply.status_code == 200
-        assert reply.headers["x-ratelimit-limit-requests"] == "25"     # each worker: 50 / 2
-        assert reply.headers["x-ratelimit-remaining-requests"] == "24"
+        assert reply.headers["x-ratelimit-limit-requests"] == "50"
+        assert reply.headers["x-ratelimit-remaining-requests"] == "49"
         assert gateway.metric("pd_gateway_forwarded_total", result="sent") == 1
