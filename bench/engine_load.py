@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from devtools.processes import GatewayProcess
+from devtools.processes import GatewayProcess, models_toml
 from emulator.process import EmulatorProcess
 
 MODEL = "emulated-model"
@@ -124,17 +124,6 @@ def run_mode(interval: float, args) -> dict:
             engine.stop()
 
 
-MODELS = """\
-[[model]]
-name = "chat"
-prefill = ["{p1}"]
-decode = ["{d1}"]
-
-[[model]]
-name = "coder"
-prefill = ["{p2}"]
-decode = ["{d2}"]
-"""
 
 
 def two_models(args) -> dict:
@@ -146,7 +135,8 @@ def two_models(args) -> dict:
     p1, d1, p2, d2 = engines
     try:
         with tempfile.NamedTemporaryFile("w", suffix=".toml") as models:
-            models.write(MODELS.format(p1=p1.url, d1=d1.url, p2=p2.url, d2=d2.url))
+            models.write(models_toml(chat={"prefill": [p1.url], "decode": [d1.url]},
+                                     coder={"prefill": [p2.url], "decode": [d2.url]}))
             models.flush()
             with GatewayProcess([], [], models_file=models.name, workers=2) as gateway, \
                     ThreadPoolExecutor(args.concurrency) as pool:

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import openai
 import requests
@@ -79,14 +80,21 @@ class Attempts:
                              or str(float(response.headers.get("retry-after", "0")) * 1000)))
 
 
-def fairness(args) -> None:
-    flags = dict(bidirectional_kv_xfer=True, itl_ms=20)
+@contextmanager
+def engines_and_keys(hosts: tuple[str, str], keys_text: str, itl_ms: float):
+    """An emulated P and D on `hosts`, and a keys file of `keys_text`: (p, d, its path)."""
+    flags = dict(bidirectional_kv_xfer=True, itl_ms=itl_ms)
     with tempfile.NamedTemporaryFile("w") as keys, \
-            EmulatorProcess("prefill", host="127.0.0.200", **flags) as p, \
-            EmulatorProcess("decode", host="127.0.0.201", **flags) as d:
-        keys.write("quiet\nnoisy\n")
+            EmulatorProcess("prefill", host=hosts[0], **flags) as p, \
+            EmulatorProcess("decode", host=hosts[1], **flags) as d:
+        keys.write(keys_text)
         keys.flush()
-        with GatewayProcess([p.url], [d.url], api_keys_file=keys.name, max_turns=8) as gateway, \
+        yield p, d, keys.name
+
+
+def fairness(args) -> None:
+    with engines_and_keys(("127.0.0.200", "127.0.0.201"), "quiet\nnoisy\n", 20) as (p, d, keys):
+        with GatewayProcess([p.url], [d.url], api_keys_file=keys, max_turns=8) as gateway, \
                 ThreadPoolExecutor(96) as pool:
             def quiet(n):
                 return stream_turn(gateway.url, "quiet", n)
@@ -131,13 +139,8 @@ def fairness(args) -> None:
 
 def sdk_retry_gaps(args) -> None:
     """One call of the SDK at a time for the noisy key, so each 429's retry is its own."""
-    flags = dict(bidirectional_kv_xfer=True, itl_ms=1)
-    with tempfile.NamedTemporaryFile("w") as keys, \
-            EmulatorProcess("prefill", host="127.0.0.202", **flags) as p, \
-            EmulatorProcess("decode", host="127.0.0.203", **flags) as d:
-        keys.write("limited rpm=2\n")
-        keys.flush()
-        with GatewayProcess([p.url], [d.url], api_keys_file=keys.name) as gateway:
+    with engines_and_keys(("127.0.0.202", "127.0.0.203"), "limited rpm=2\n", 1) as (p, d, keys):
+        with GatewayProcess([p.url], [d.url], api_keys_file=keys) as gateway:
             hooks = {"request": [], "response": []}
             sent: list[float] = []
             told: list[float] = []
@@ -158,16 +161,12 @@ def sdk_retry_gaps(args) -> None:
 
 def shared(args) -> None:
     redis = RedisProcess("127.0.0.1")
-    flags = dict(bidirectional_kv_xfer=True, itl_ms=1)
+    key = f"shared-{time.time_ns()}"
     try:
-        with tempfile.NamedTemporaryFile("w") as keys, \
-                EmulatorProcess("prefill", host="127.0.0.204", **flags) as p, \
-                EmulatorProcess("decode", host="127.0.0.205", **flags) as d:
-            keys.write(f"shared-{time.time_ns()} rpm=300\n")
-            keys.flush()
-            key = open(keys.name).read().split()[0]
-            with GatewayProcess([p.url], [d.url], api_keys_file=keys.name, store=redis.url) as a, \
-                    GatewayProcess([p.url], [d.url], api_keys_file=keys.name,
+        with engines_and_keys(("127.0.0.204", "127.0.0.205"), f"{key} rpm=300\n", 1) as (
+                p, d, keys):
+            with GatewayProcess([p.url], [d.url], api_keys_file=keys, store=redis.url) as a, \
+                    GatewayProcess([p.url], [d.url], api_keys_file=keys,
                                    store=redis.url) as b, ThreadPoolExecutor(8) as pool:
                 def one(n):
                     url = (a, b)[n % 2].url
@@ -197,7 +196,7 @@ def cost(args) -> None:
 
     keys = ApiKeys([f"k{i}" for i in range(10)], defaults=KeyLimits(rpm=10**9, tpm=10**12))
     admission = Admission(limit=64, queue=32, wait=0.01, retry_after=1)
-    rows = [("a key's limits (limits_of)", per_call(lambda i: keys.limits_of("Bearer k3"))),
+    rows = [("a key's tenant and limits", per_call(lambda i: keys.tenant("Bearer k3"))),
             ("a place taken and given back, 8 tenants",
              per_call(lambda i: admission.enter(f"t{i % 8}")()))]
     redis = RedisProcess("127.0.0.1")

@@ -145,6 +145,16 @@ class GatewayProcess:
         self.stop()
 
 
+def models_toml(**models: dict) -> str:
+    """A --models-file: `models_toml(chat={"prefill": [url], "decode": [url], "aliases": [...]})`
+    as [[model]] tables (names and URLs as TOML basic strings, JSON's escaping)."""
+    import json
+    return "".join(
+        "[[model]]\n" + f"name = {json.dumps(name)}\n"
+        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in spec.items()) + "\n"
+        for name, spec in models.items())
+
+
 def unread_bytes_at(port: int) -> int:
     """Bytes the kernel holds, unread by any process, on IPv4 connections to local `port`
     (/proc/net/tcp's rx_queue; a connection still in the listen queue counts too)."""

@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from .errors import NotFound, Unauthorized
-from .tenants import KeyLimits
+from .tenants import NO_LIMITS, KeyLimits
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,14 @@ class ApiKeys:
         if not _matches(given, self._given + self._from_file):
             raise Unauthorized("Incorrect API key provided")
 
-    def limits_of(self, authorization: str | None) -> KeyLimits:
-        """The limits of an accepted key: its own line's, else the defaults."""
-        if not self._limits:
-            return self.defaults
-        return self._limits.get(_digest(bearer(authorization)), self.defaults)
+    def tenant(self, authorization: str | None) -> tuple[str, KeyLimits]:
+        """Who an accepted key is for limits and fair shares (the key itself, however the header
+        spells it; one tenant, "", without keys) and its limits: its own line's, else the
+        defaults."""
+        if not self.enabled:
+            return "", NO_LIMITS
+        digest = _digest(bearer(authorization))
+        return digest.hex()[:32], self._limits.get(digest, self.defaults)
 
     def _reload(self) -> None:
         """Re-read the file if it changed. Revocation fails closed: an empty, comments-only,

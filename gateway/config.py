@@ -137,13 +137,6 @@ def read_models_file(path: str) -> list[ModelSpec]:
     return [_model_spec(m, f"{path}, model {i + 1}") for i, m in enumerate(models)]
 
 
-def _models_file(value: Any) -> str:
-    path = _keys_file(value)
-    if path:
-        read_models_file(path)
-    return path
-
-
 _STORE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",
                   "redis+sentinel://", "rediss+sentinel://")
 
@@ -196,7 +189,7 @@ class Settings:
                                "request names its model; an unknown one gets 404. Replaces "
                                "--prefill and --decode (docs/operating.md, \"Several models\").",
                                nargs="+", show="empty: one pool, --prefill and --decode")
-    models_file: str = option("", _models_file, "A TOML file of [[model]] tables (name, "
+    models_file: str = option("", _keys_file, "A TOML file of [[model]] tables (name, "
                               "prefill, decode, aliases, adapters), read at start; with "
                               "--models, both are served.")
     workers: int = option(1, positive(int), "Number of gunicorn worker processes.")
@@ -390,7 +383,9 @@ class Settings:
 
     def __post_init__(self) -> None:
         check(self)
-        self.model_specs()      # names unique, no engine in two models
+        # Read once: every part of the gateway sees the same models, whatever the file
+        # becomes later (names unique, no engine in two models).
+        object.__setattr__(self, "_specs", self._read_specs())
         if (self.worker_class == "gthread" and self.workers > 1 and self.forwards
                 and self.threads < 2):
             # A relay holds the worker's only thread while its owner's request waits for one.
@@ -425,9 +420,15 @@ class Settings:
 
     def model_specs(self) -> list[ModelSpec]:
         """The models and their engines: --models-file's, then --models', or the one pool of
-        --prefill and --decode (named "": any model)."""
-        specs = [*(read_models_file(self.models_file) if self.models_file else []),
-                 *(parse_model_flag(item) for item in self.models)]
+        --prefill and --decode (named "": any model); as read when the settings were made."""
+        return list(self._specs)      # type: ignore[attr-defined]
+
+    def _read_specs(self) -> list[ModelSpec]:
+        try:
+            from_file = read_models_file(self.models_file) if self.models_file else []
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"--models-file: {exc}") from exc
+        specs = [*from_file, *(parse_model_flag(item) for item in self.models)]
         if not specs:
             return [ModelSpec("", self.prefill, self.decode)]
         names: dict[str, str] = {}

@@ -26,7 +26,7 @@ access = logging.getLogger("gateway.access")
 T = TypeVar("T")
 
 
-def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> None:
+def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> int | None:
     """What P reports of its prompt: its tokens, those it did not compute (P's params carry
     `remote_prefill_cached_tokens` when vLLM logs stats, its default; or usage's
     `prompt_tokens_details.cached_tokens` with --enable-prompt-tokens-details), and, for a turn
@@ -35,6 +35,7 @@ def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> None
     P reads D's tokens up to min(remote_num_tokens, prompt) or none of them (under
     kv_recompute_threshold, or its own cache had them: vLLM 0.33 nixl/pull_scheduler.py
     ~L85-103), and reports its own hit plus what it read (v1/core/sched/scheduler.py ~L2476).
+    Returns P's prompt tokens, if it said.
     """
     usage = reply.get("usage")
     usage = usage if isinstance(usage, dict) else {}
@@ -49,7 +50,7 @@ def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> None
     if _count(cached):
         metrics.PREFILL_TOKENS.labels("cached").inc(cached)
     if sent is None:
-        return
+        return prompt if _count(prompt) else None
     held = sent.get("remote_num_tokens")
     if not (_count(cached) and _count(prompt) and _count(held)):
         result = "unreported"
@@ -60,6 +61,7 @@ def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> None
             metrics.PARTIAL_TOKENS.labels("offered").inc(reach)
             metrics.PARTIAL_TOKENS.labels("cached").inc(min(cached, reach))
     metrics.KV_READS.labels(result).inc()
+    return prompt if _count(prompt) else None
 
 
 def _count(value: object) -> bool:
@@ -255,11 +257,10 @@ class Disagg:
             raise
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
-        count_prefill(prefill_reply, reuse.entry.params if reuse else None, cache == "partial")
+        prompt_tokens = count_prefill(prefill_reply, reuse.entry.params if reuse else None,
+                                      cache == "partial")
         turn, d_body = self._decode_body(request, identity)
-        usage = prefill_reply.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            turn.prompt_tokens = usage["prompt_tokens"]
+        turn.prompt_tokens = prompt_tokens
         with_blocks = decode_body(d_body, prefill_reply, prefill)
         return self._decode(request, identity, turn, headers,
                             lambda failure: with_blocks if replayable(failure) else d_body,

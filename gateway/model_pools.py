@@ -62,6 +62,8 @@ class ModelPools:
             self._by_name.update((alias, (pool, pool.name)) for alias in pool.spec.aliases)
             self._by_name.update((adapter, (pool, None)) for adapter in pool.spec.adapters)
         self.served = [name for pool in pools for name in pool.spec.names]
+        self._decodes: dict[str, ModelPool] = {}      # every D each model has had
+        self.remember()
 
     def route(self, request: ClientRequest) -> tuple[ModelPool, ClientRequest]:
         """The pool of the model `request` names, and the request as its engines get it (an
@@ -78,9 +80,18 @@ class ModelPools:
             request = replace(request, body={**request.body, "model": rename})
         return pool, request
 
+    def remember(self) -> None:
+        """Note each model's Ds now (called as the instance sets change), so an entry whose D
+        has left its pool since (drained, gone from DNS) still finds its model."""
+        for pool in self.pools:
+            for instance in pool.decode.instances:
+                self._decodes[instance.url] = pool
+
     def of_decode(self, url: str) -> ModelPool | None:
-        """The pool whose D is at `url` now."""
-        return next((pool for pool in self.pools if pool.decode.get(url) is not None), None)
+        """The model whose D is, or was, at `url` (an engine serves one model)."""
+        if url not in self._decodes:
+            self.remember()           # added since the last look
+        return self._decodes.get(url)
 
     def listing(self, ask: Callable[[Pool], dict | None]) -> dict:
         """/v1/models as vLLM answers it, for every model: each pool's own engines' list (`ask`

@@ -2,7 +2,6 @@
 that runs a completion request: forward or serve → identity → store → P → D → relay."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -13,7 +12,7 @@ from typing import Callable, Mapping
 from . import logs, metrics
 from .admission import Admission, BodyBudget
 from .affinity import Affinity
-from .auth import ApiKeys, bearer
+from .auth import ApiKeys
 from .config import Settings
 from .conversation import identify, root_key, tenant_salt
 from .disagg import Disagg
@@ -29,7 +28,7 @@ from .parse import ClientRequest, parse
 from .release import Releaser
 from .reply import Reply, once
 from .store import ConversationStore, create_store
-from .tenants import BYTES_PER_TOKEN, NO_LIMITS, KeyLimits, Tenants, Ticket
+from .tenants import BYTES_PER_TOKEN, NO_TICKET, KeyLimits, Tenants, Ticket
 from .upstream import Upstream
 from .watch import Watch
 
@@ -60,7 +59,6 @@ class Gateway:
                              for role in ("prefill", "decode")} for spec in specs}
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
         self._every_pool, self._published = every_pool, set()
-        self._model_of_decode: dict = {}     # every D each model has had (publish keeps it)
         metrics.initialize()
         metrics.PINNED_BUDGET.set(settings.pinned_blocks)
         # Each worker's view of its engines, published as it applies changes (every half
@@ -123,9 +121,7 @@ class Gateway:
         """This worker's view of each engine as gauges: may it be chosen, what runs on it."""
         now = time.monotonic()
         seen = set()
-        for model in self.pools.pools:
-            for instance in model.decode.instances:
-                self._model_of_decode[instance.url] = model
+        self.pools.remember()
         for pool in self._every_pool:
             for instance in pool.instances:
                 labels = (pool.role, instance.name)
@@ -141,10 +137,7 @@ class Gateway:
         """The P pool that can release `entry`: its model's (any P, with one pool)."""
         if self.pools.single:
             return self.prefill
-        # Its D's pool now, else the one it was in (drained, gone from DNS): an engine serves
-        # one model, so that model's P can still make it free the blocks.
-        pool = (self.pools.of_decode(entry.decode_url)
-                or self._model_of_decode.get(entry.decode_url))
+        pool = self.pools.of_decode(entry.decode_url)
         return pool.prefill if pool is not None else None
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
@@ -166,12 +159,10 @@ class Gateway:
             id_args = (request.body, headers, request.conversation_id)
             owner = (self.affinity.forward_to(root_key(*id_args))
                      if self.affinity.may_forward(environ) else None)
-            tenant, limits = self._tenant(headers.get("Authorization"))
+            tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
             # Its key's requests and tokens per minute, where the turn runs; then a place for
             # this turn or its relay. Either way 429 with nothing started.
-            ticket = self.tenants.admit(tenant, limits, len(raw)) if owner is None else None
-            if ticket is not None:
-                held.append(ticket.refund)       # nothing served: nothing counted
+            ticket = self._counted(held, tenant, limits, raw) if owner is None else NO_TICKET
             self._admit(held, self.admission if owner is None else self.relays, tenant, limits)
             total = self.settings.total_timeout
             held.append(Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
@@ -181,13 +172,13 @@ class Gateway:
                 body_held()     # relayed: the owner holds the body now, this worker only bytes
             if reply is None:
                 if owner is not None:                    # its owner is away: served here
-                    ticket = self.tenants.admit(tenant, limits, len(raw))
-                    held.append(ticket.refund)
+                    ticket = self._counted(held, tenant, limits, raw)
                     if self.relays is not self.admission:
                         self._admit(held, self.admission, tenant, limits)
                 reply = self._serve(pool, request, id_args, headers, request_id)
-                reply.headers.update(ticket.headers)
-                held.append(_charge(ticket, reply, len(raw)))
+                if ticket is not NO_TICKET:
+                    reply.headers.update(ticket.headers)
+                    held.append(_charge(ticket, reply, len(raw)))
         except BaseException:
             _release(once(*reversed(held)))      # the error the client sees is the first one
             raise
@@ -196,14 +187,13 @@ class Gateway:
             _release(reply.close)                # the body is whole: it goes out regardless
         return reply
 
-    def _tenant(self, authorization: str | None) -> tuple[str, KeyLimits]:
-        """Who the request is for (a client key; one tenant without keys) and its limits."""
-        if not self.api_keys.enabled:
-            return "", NO_LIMITS
-        # The key itself, not the header: "bearer k" and "Bearer  k" are one key, one budget.
-        credential = bearer(authorization)
-        return (hashlib.sha256(credential.encode()).hexdigest()[:32],
-                self.api_keys.limits_of(authorization))
+    def _counted(self, held: list, tenant: str, limits: KeyLimits, raw: bytes) -> Ticket:
+        """Count the request against its key's limits (429 if over); given back if the turn
+        never runs."""
+        ticket = self.tenants.admit(tenant, limits, len(raw))
+        if ticket is not NO_TICKET:
+            held.append(ticket.refund)
+        return ticket
 
     @staticmethod
     def _admit(held: list, admission: Admission, tenant: str, limits: KeyLimits) -> None:

@@ -6,24 +6,12 @@ from __future__ import annotations
 import pytest
 import requests
 
+from devtools.processes import models_toml
 from emulator.process import EmulatorProcess
 from gateway.config import Settings, SettingsError
 from tests.conftest import gateway_process
 
 CHAT = "/v1/chat/completions"
-MODELS_FILE = """\
-# Two models, each with its own engines.
-[[model]]
-name = "chat"
-aliases = ["assistant"]
-prefill = ["{p1}"]
-decode = ["{d1}"]
-
-[[model]]
-name = "coder"
-prefill = ["{p2}"]
-decode = ["{d2}"]
-"""
 
 
 # --- settings ---------------------------------------------------------------------------------
@@ -89,7 +77,9 @@ def two_models(tmp_path_factory):
                                bidirectional_kv_xfer=True)]
     p1, d1, p2, d2 = engines
     path = tmp_path_factory.mktemp("models") / "models.toml"
-    path.write_text(MODELS_FILE.format(p1=p1.url, d1=d1.url, p2=p2.url, d2=d2.url))
+    path.write_text(models_toml(
+        chat={"aliases": ["assistant"], "prefill": [p1.url], "decode": [d1.url]},
+        coder={"prefill": [p2.url], "decode": [d2.url]}))
     try:
         with gateway_process([], [], models_file=str(path), workers=2) as gateway:
             yield gateway, engines

@@ -27,9 +27,12 @@ def test_a_keys_file_line_gives_its_key_limits_of_its_own(tmp_path):
     path = tmp_path / "keys"
     path.write_text("# tenants\nnoisy rpm=60 tpm=1000 turns=2 weight=0.5\nquiet\n")
     keys = ApiKeys(["from-settings"], str(path), defaults=KeyLimits(rpm=600))
-    assert keys.limits_of("Bearer noisy") == KeyLimits(rpm=60, tpm=1000, turns=2, weight=0.5)
-    assert keys.limits_of("Bearer quiet") == KeyLimits(rpm=600)
-    assert keys.limits_of("Bearer from-settings") == KeyLimits(rpm=600)
+    assert keys.tenant("Bearer noisy")[1] == KeyLimits(rpm=60, tpm=1000, turns=2, weight=0.5)
+    assert keys.tenant("Bearer quiet")[1] == KeyLimits(rpm=600)
+    assert keys.tenant("Bearer from-settings")[1] == KeyLimits(rpm=600)
+    # One key however the header spells it; another key, another tenant.
+    assert keys.tenant("bearer  noisy")[0] == keys.tenant("Bearer noisy")[0]
+    assert keys.tenant("Bearer quiet")[0] != keys.tenant("Bearer noisy")[0]
 
 
 @pytest.mark.parametrize("line", ["k rpm=ten", "k rpm=-1", "k speed=3", "k weight=0", "k rpm"])
