@@ -1,6 +1,8 @@
 """Bad client input gets a 400/413 OpenAI envelope and never reaches an engine."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import responses
 
@@ -46,7 +48,8 @@ def test_bad_bodies_get_400_envelopes(client, path, raw, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param
-    assert len(responses.calls) == 0
+    assert not responses.calls, ([(c.request.method, c.request.url) for c in responses.calls],
+                                 [t.name for t in threading.enumerate()])
 
 
 @responses.activate
