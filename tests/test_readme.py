@@ -31,9 +31,12 @@ def test_readme_embedding_example_mounts_on_a_host_app():
     namespace: dict = {"__name__": "readme_example"}
     exec(compile(code, "README.md", "exec"), namespace)
     client = namespace["app"].test_client()
-    reply = client.post("/llm/v1/chat/completions", data=b"{")
-    assert reply.status_code == 400 and reply.get_json()["error"]["code"] == 400
-    assert client.get("/health").status_code == 404     # the host's root stays the host's
+    try:
+        reply = client.post("/llm/v1/chat/completions", data=b"{")
+        assert reply.status_code == 400 and reply.get_json()["error"]["code"] == 400
+        assert client.get("/health").status_code == 404     # the host's root stays the host's
+    finally:   # its background threads (the engines' /metrics read each second) end with it
+        namespace["app"].extensions["pd_gateway"].close()
 
 
 def test_embedding_doc_shows_the_tested_service_whole():
