@@ -152,24 +152,26 @@ def open_and_abandon(gateway, body: dict, after) -> None:
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
-def test_client_disconnect_during_prefill_closes_the_engine_call(fresh_engines, gateway_factory,
-                                                                 worker_class):
-    p, d = fresh_engines
-    gateway = gateway_factory([p.url], [d.url], worker_class=worker_class)
-    requests.post(gateway.url + "/v1/chat/completions", timeout=10,   # warm up (gthread pool)
-                  json={"model": MODEL, "messages": [{"role": "user", "content": "warm"}]})
-    before, stored = live_tasks(gateway), health(gateway)["conversations"]
-    p.set_fault("hang")
-    open_and_abandon(gateway, {"model": MODEL, "messages": [{"role": "user", "content": "h"}],
-                               "stream": True, "conversation_id": "gone"},
-                     lambda sock: wait_until(lambda: p.stats()["requests"] == 2, 10, "P call"))
-    closed_at = time.monotonic()
-    wait_until(lambda: p.stats()["fault_responses"] == 1, 5, "P connection closed")
-    assert time.monotonic() - closed_at < 1.0
-    p.set_fault("none")
-    assert d.stats()["requests"] == 1                       # only the warm-up
-    settle(gateway, before)
-    assert health(gateway)["conversations"] == stored       # nothing stored for it
+def test_client_disconnect_during_prefill_closes_the_engine_call(worker_class):
+    # Engines of its own: the shared ones also get releases from the session's other gateways
+    # (entries that expire), which P counts among its requests.
+    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.17", itl_ms=1) as p, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.18", itl_ms=1) as d, \
+            gateway_process([p.url], [d.url], worker_class=worker_class) as gateway:
+        requests.post(gateway.url + "/v1/chat/completions", timeout=10,   # warm up (gthread pool)
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "warm"}]})
+        before, stored = live_tasks(gateway), health(gateway)["conversations"]
+        p.set_fault("hang")
+        open_and_abandon(gateway, {"model": MODEL, "messages": [{"role": "user", "content": "h"}],
+                                   "stream": True, "conversation_id": "gone"},
+                         lambda sock: wait_until(lambda: p.stats()["requests"] == 2, 10, "P call"))
+        closed_at = time.monotonic()
+        wait_until(lambda: p.stats()["fault_responses"] == 1, 5, "P connection closed")
+        assert time.monotonic() - closed_at < 1.0
+        p.set_fault("none")
+        assert d.stats()["requests"] == 1                       # only the warm-up
+        settle(gateway, before)
+        assert health(gateway)["conversations"] == stored       # nothing stored for it
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
