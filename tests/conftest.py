@@ -111,6 +111,10 @@ def gateway_factory():
     started = {}
 
     def start(prefill, decode, **settings):
+        # No background releases unless a test asks: these gateways live the whole session, and
+        # as their entries expire (store_ttl) they would release them into the shared engines,
+        # whose request counts other tests wait on.
+        settings.setdefault("release_rate", 0)
         key = (tuple(prefill), tuple(decode), tuple(sorted(settings.items())))
         if key not in started:
             started[key] = gateway_process(prefill, decode, **settings)
