@@ -6,7 +6,7 @@ import time
 import uuid
 from hashlib import blake2b
 
-from gateway.store import ConversationStore, Entry
+from gateway.reuse.store import ConversationStore, Entry
 
 FILL_ENV = "BENCH_FILL_ENTRIES"  # read by bench.gunicorn_fill in the worker
 HISTORY_TOKENS = 1100  # about what a 5-turn conversation of devtools.workload leaves in D
@@ -18,7 +18,7 @@ def synthetic_entry(i: int, decode_url: str) -> tuple[str, Entry]:
 
     Strings and block ids are fresh objects per entry, as JSON parsing makes them in a real store;
     the params are what the gateway keeps of D's (`kv_params.clean_params`); the ids run, as the
-    emulator's and a vLLM free list's do (gateway.packing).
+    emulator's and a vLLM free list's do (gateway.reuse.packing).
     """
     blocks = -(-HISTORY_TOKENS // BLOCK_SIZE)
     params = {"remote_block_ids": [list(range(i * blocks + 1000, (i + 1) * blocks + 1000))],

@@ -21,8 +21,8 @@ from bench.procstat import cpu_seconds, tree
 from devtools import sse
 from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
-from gateway.affinity import owner
-from gateway.conversation import identify
+from gateway.front.affinity import owner
+from gateway.reuse.conversation import identify
 from emulator.process import EmulatorProcess, wait_until
 
 

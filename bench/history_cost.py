@@ -13,10 +13,10 @@ import argparse
 import time
 
 from devtools.workload import benchmark_conversation
-from gateway import jsonio
-from gateway.conversation import identify, root_key
-from gateway.kv_params import decode_body, prefill_body
-from gateway.instances import Instance
+from gateway.support import jsonio
+from gateway.reuse.conversation import identify, root_key
+from gateway.reuse.kv_params import decode_body, prefill_body
+from gateway.engines.instances import Instance
 from gateway.parse import CHAT, parse
 
 P = Instance("http://127.0.0.2:8100", "prefill", 0)

@@ -15,8 +15,8 @@ import os
 import tempfile
 import time
 
-from gateway.auth import ApiKeys
-from gateway.logs import TEXT_FORMAT, JsonFormatter, RequestIdFilter
+from gateway.front.auth import ApiKeys
+from gateway.support.logs import TEXT_FORMAT, JsonFormatter, RequestIdFilter
 
 
 def per_call_us(call, repeat: int) -> float:

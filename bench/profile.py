@@ -37,17 +37,17 @@ CPROFILE_ENV = "BENCH_CPROFILE"  # where bench.gunicorn_cprofile writes the work
 SPECIFIC: list[tuple[str, tuple[str, ...]]] = [
     ("watcher", ("Watch._run (", "Watch.__init__ (", "Watch.stop (")),
     ("metrics", ("prometheus_client/",)),
-    ("logging", ("logging/", "gateway/logs.py")),
+    ("logging", ("logging/", "gateway/support/logs.py")),
     ("relay: write", ("write (gunicorn/", "write_chunk (gunicorn/", "sendall (gunicorn/")),
-    ("relay: D read", ("Stream.chunks (gateway/upstream.py",)),
+    ("relay: D read", ("Stream.chunks (gateway/engines/upstream.py",)),
     ("parse", ("gateway/parse.py", "_read_body (gateway/views.py")),
-    ("identity", ("gateway/conversation.py",)),
-    ("store", ("gateway/store.py",)),
-    ("exactness", ("gateway/exactness.py",)),
-    ("P call", ("prefill_call (gateway/disagg.py",)),
+    ("identity", ("gateway/reuse/conversation.py",)),
+    ("store", ("gateway/reuse/store.py",)),
+    ("exactness", ("gateway/reuse/exactness.py",)),
+    ("P call", ("prefill_call (gateway/flow/disagg.py",)),
     ("D call (open)", ("Upstream.open_stream (",)),
-    ("relay", ("gateway/reply.py", "gateway/sse.py", "gateway/turn.py")),
-    ("admission", ("gateway/admission.py",)),
+    ("relay", ("gateway/flow/reply.py", "gateway/flow/sse.py", "gateway/flow/turn.py")),
+    ("admission", ("gateway/front/admission.py",)),
 ]
 GENERIC = [("Flask", ("flask/", "werkzeug/")), ("server", ("gunicorn/",))]
 

@@ -10,7 +10,7 @@ import argparse
 import uuid
 
 from devtools.processes import RedisClusterProcesses, RedisProcess
-from gateway.store import Entry, RedisClusterStore, RedisStore
+from gateway.reuse.store import Entry, RedisClusterStore, RedisStore
 
 
 def entry(n: int) -> Entry:

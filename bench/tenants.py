@@ -184,9 +184,9 @@ def shared(args) -> None:
 
 
 def cost(args) -> None:
-    from gateway.admission import Admission
-    from gateway.auth import ApiKeys
-    from gateway.tenants import KeyLimits, Tenants
+    from gateway.front.admission import Admission
+    from gateway.front.auth import ApiKeys
+    from gateway.front.tenants import KeyLimits, Tenants
 
     def per_call(fn, n=5000) -> float:
         started = time.perf_counter()

@@ -91,8 +91,8 @@ class GatewayProcess:
 
     def owner_port(self, body: dict, headers: dict | None = None) -> int:
         """The private port of the worker that owns `body`'s conversation (every slot live)."""
-        from gateway.affinity import owner
-        from gateway.conversation import root_key
+        from gateway.front.affinity import owner
+        from gateway.reuse.conversation import root_key
         body = dict(body)
         conversation_id = body.pop("conversation_id", None)     # as gateway.parse does
         return self.port + 1 + owner(root_key(body, headers or {}, conversation_id),

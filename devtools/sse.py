@@ -2,7 +2,7 @@
 
 An event is the JSON of a `data:` field, or the string "[DONE]", which ends the stream: nothing
 after it is kept. A source is a whole body (bytes), a `requests` response (read as it
-arrives), or any iterable of byte chunks. Not the gateway's own relay (`gateway/sse.py`).
+arrives), or any iterable of byte chunks. Not the gateway's own relay (`gateway/flow/sse.py`).
 """
 from __future__ import annotations
 

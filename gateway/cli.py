@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import Settings
+from gateway.config import Settings
 
 
 def main(argv: list[str] | None = None) -> None:

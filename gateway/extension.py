@@ -17,11 +17,11 @@ from typing import Any
 
 from flask import Flask
 
-from .config import Settings
-from .gunicorn_conf import SLOT_ENV
-from .service import Gateway
-from .store import ConversationStore
-from .views import create_blueprint
+from gateway.config import Settings
+from gateway.slots import SLOT_ENV
+from gateway.service import Gateway
+from gateway.reuse.store import ConversationStore
+from gateway.views import create_blueprint
 
 log = logging.getLogger(__name__)
 EXTENSION = "pd_gateway"   # the key in app.extensions

@@ -1,7 +1,7 @@
 """pd-gateway's gunicorn hooks, added to any gunicorn config by one call: `install(globals())`.
 
 They give each worker a stable slot and, with several workers, a private loopback listener (the
-worker affinity of gateway.affinity), set up the directory where every worker writes its
+worker affinity of gateway.front.affinity), set up the directory where every worker writes its
 metrics (so /metrics sums them), and refuse to start under sync workers. Hooks the config
 already has keep running, after pd-gateway's. The gateway's own config (standalone_conf.py) is
 its settings and the same call; a host app's `gunicorn.conf.py` ends with it (docs/embedding.md).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import multiprocessing
 import os
 import socket
 import sys
@@ -25,31 +24,9 @@ from gunicorn.util import get_arity, load_class
 
 from gateway.config import Settings
 
-SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"          # this worker's slot, set after fork
-# host:port of slot 0's private listener (slot N listens on port + N); set after fork only when
-# the workers forward (several workers, local stores, affinity on).
-PRIVATE_ENV = "PD_GATEWAY_PRIVATE_BASE"
-# The threads of this worker when gunicorn runs a threaded one (gthread), unset under gevent:
-# a host's config chooses the worker, and the app sizes its turn limit and relay places by it.
-THREADS_ENV = "PD_GATEWAY_WORKER_THREADS"
-MAX_SLOTS = 256
-# Which slots own conversations now, shared with every worker (forked from the master, which
-# alone writes it): a worker stopped by TTOU or a smaller reload stops owning at once, so no
-# request waits for an owner that is not coming back. gateway.affinity reads it.
-LIVE_SLOTS = multiprocessing.RawArray("b", MAX_SLOTS)
-# Instances added or removed through the admin endpoint reach every worker through one file
-# the master makes (gateway.membership: each worker appends what it was asked, and applies every
-# line in order), named to each worker after fork; a reload (SIGHUP) starts a new, empty one.
-# APPLIED[slot] is how far into it that slot's worker has applied, so an admin call can wait
-# until every live worker has its change.
-CHANGES_ENV = "PD_GATEWAY_CHANGES"
-APPLIED = multiprocessing.RawArray("q", MAX_SLOTS)
-# What each engine reports of its own load (gateway.engine_load), shared by a host's workers so
-# each engine's /metrics is read once per interval per host, not once per worker: a row per
-# engine URL, keyed by its digest (0: free), values as gateway.engine_load.FIELDS.
-LOAD_ROWS = 1024
-LOAD_KEYS = multiprocessing.RawArray("q", LOAD_ROWS)
-LOAD_VALUES = multiprocessing.RawArray("d", LOAD_ROWS * 5)
+from gateway.slots import (APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, PRIVATE_ENV, SLOT_ENV,
+                            THREADS_ENV)
+
 
 # prometheus_client's own variable; it reads it once, when first imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -108,7 +85,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         _refuse_what_cannot_work(server)
         # Stable worker slots (the pattern of gunicorn issue #1352): the master hands each new
         # worker the smallest free slot, and a replacement for a dead worker gets the slot it
-        # left. A slot owns a share of conversations (gateway.affinity) and a private port.
+        # left. A slot owns a share of conversations (gateway.front.affinity) and a private port.
         server.pd_slots = {}    # slot -> the worker holding it
         server.pd_private = _private_base(settings, server)
         # slot -> the master's hold on its private port: a socket bound with SO_REUSEPORT and

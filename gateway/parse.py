@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from . import jsonio
-from .errors import BadRequest
+from gateway.support import jsonio
+from gateway.support.errors import BadRequest
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -9,28 +9,28 @@ import time
 from dataclasses import replace
 from typing import Callable, Mapping
 
-from . import logs, metrics
-from .admission import Admission, BodyBudget
-from .affinity import Affinity
-from .auth import ApiKeys
-from .config import Settings
-from .conversation import identify, root_key, tenant_salt
-from .disagg import Disagg
-from .engine_load import EngineLoad
-from .errors import BadGateway, GatewayError
-from .exactness import Exactness
-from .fast_path import FastPath
-from .gunicorn_conf import THREADS_ENV
-from .instances import Instance, Policy, Pool, Prober
-from .membership import Membership
-from .model_pools import ModelPool, ModelPools
-from .parse import ClientRequest, parse
-from .release import Releaser
-from .reply import Reply, once
-from .store import ConversationStore, create_store
-from .tenants import BYTES_PER_TOKEN, NO_TICKET, KeyLimits, Tenants, Ticket
-from .upstream import Upstream
-from .watch import Watch
+from gateway.support import logs, metrics
+from gateway.front.admission import Admission, BodyBudget
+from gateway.front.affinity import Affinity
+from gateway.front.auth import ApiKeys
+from gateway.config import Settings
+from gateway.reuse.conversation import identify, root_key, tenant_salt
+from gateway.flow.disagg import Disagg
+from gateway.engines.engine_load import EngineLoad
+from gateway.support.errors import BadGateway, GatewayError
+from gateway.reuse.exactness import Exactness
+from gateway.flow.fast_path import FastPath
+from gateway.slots import THREADS_ENV
+from gateway.engines.instances import Instance, Policy, Pool, Prober
+from gateway.engines.membership import Membership
+from gateway.flow.model_pools import ModelPool, ModelPools
+from gateway.parse import ClientRequest, parse
+from gateway.flow.release import Releaser
+from gateway.flow.reply import Reply, once
+from gateway.reuse.store import ConversationStore, create_store
+from gateway.front.tenants import BYTES_PER_TOKEN, NO_TICKET, KeyLimits, Tenants, Ticket
+from gateway.engines.upstream import Upstream
+from gateway.engines.watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Gateway:
                         breaker_failures=settings.breaker_failures,
                         breaker_cooldown=settings.breaker_cooldown)
         # Each model its own P and D pools (one pool, named "", without --models). Filled from
-        # the settings (DNS names resolved), then kept current (gateway.membership).
+        # the settings (DNS names resolved), then kept current (gateway.engines.membership).
         specs = settings.model_specs()
         roles = {spec.name: {role: Pool(role, [], policy, model=spec.name)
                              for role in ("prefill", "decode")} for spec in specs}
@@ -97,7 +97,7 @@ class Gateway:
         self.salted = (settings.tenant_cache_salt == "on" or
                        (settings.tenant_cache_salt == "auto" and self.api_keys.enabled))
         # Entries the store drops unread (replaced, evicted, expired, over budget) and those a
-        # turn drops: their D is told to free the blocks, in the background (gateway.release).
+        # turn drops: their D is told to free the blocks, in the background (gateway.flow.release).
         self.releaser = Releaser(self.upstream, self._prefill_for, settings.release_rate,
                                  sweep=getattr(self.store, "sweep", lambda: None))
         self.store.on_drop = self.releaser.drop
@@ -227,7 +227,7 @@ class Gateway:
 
     def models(self) -> dict:
         """/v1/models: with one pool, the list of the first D that answers, healthy ones first;
-        with several models, every model's (gateway.model_pools)."""
+        with several models, every model's (gateway.flow.model_pools)."""
         if self.pools.single:
             answer = self._ask_models(self.decode)
             if answer is None:

@@ -13,14 +13,14 @@ from typing import Callable, Iterator
 from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
-from . import logs, metrics
-from .auth import check_admin
-from .admission import BodyHold
-from .errors import (BadRequest, ClientGone, GatewayError, Overloaded, PayloadTooLarge,
+from gateway.support import logs, metrics
+from gateway.front.auth import check_admin
+from gateway.front.admission import BodyHold
+from gateway.support.errors import (BadRequest, ClientGone, GatewayError, Overloaded, PayloadTooLarge,
                      json_response)
-from .parse import CHAT, COMPLETIONS
-from .reply import once
-from .service import Gateway
+from gateway.parse import CHAT, COMPLETIONS
+from gateway.flow.reply import once
+from gateway.service import Gateway
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -210,7 +210,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         report = gateway.status(debug=request.args.get("debug") == "1")
         return json_response(report, 200 if gateway.healthy() else 503)
 
-    # Engines added and removed at run time, in every worker (gateway.membership says how).
+    # Engines added and removed at run time, in every worker (gateway.engines.membership says how).
     # {"role": "prefill"|"decode", "url": "http://host:port"}, as JSON (or query arguments).
     @bp.get("/admin/instances")
     def instances() -> Response:

@@ -34,7 +34,7 @@ import gevent.socket
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 from gunicorn.workers.gthread import ThreadWorker as _ThreadWorker
 
-from .config import Settings
+from gateway.config import Settings
 
 STOP_KEEPALIVE_LINGER = 2.0   # as gunicorn's gthread worker
 _THREAD_CLIENT_TIMEOUT: float | None = None    # this gthread worker's --client-timeout

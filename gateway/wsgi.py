@@ -1,4 +1,4 @@
 """The WSGI entry point for gunicorn: the only place an app is built at import time."""
-from .app import create_app
+from gateway.app import create_app
 
 app = create_app()

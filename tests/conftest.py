@@ -8,7 +8,7 @@ import pytest
 from devtools.workload import MODEL  # noqa: F401  (the tests' model name)
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.store import LocalStore
+from gateway.reuse.store import LocalStore
 
 P_URL = "http://10.9.0.1:8100"
 D_URL = "http://10.9.0.2:8200"

@@ -9,9 +9,9 @@ import uuid
 import pytest
 import requests
 
-from gateway.affinity import Affinity, owner
+from gateway.front.affinity import Affinity, owner
 from gateway.config import Settings
-from gateway.conversation import identify
+from gateway.reuse.conversation import identify
 from devtools import workload
 from emulator.process import EmulatorProcess, wait_until
 from tests.conftest import gateway_process, two_of_each

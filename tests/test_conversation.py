@@ -6,7 +6,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from gateway.conversation import identify, root_key
+from gateway.reuse.conversation import identify, root_key
 
 text = st.text(max_size=30)
 part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
@@ -161,7 +161,7 @@ def test_completion_continuations_are_checked_at_a_token_boundary():
 def test_a_lookup_tries_at_most_the_most_recent_history_prefixes():
     """One store call per request, however long the body (issue: a million messages were a
     million Redis keys in one script)."""
-    from gateway.conversation import LOOKUP_DEPTH
+    from gateway.reuse.conversation import LOOKUP_DEPTH
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
                 for i in range(1001)]
     identity = identify({"messages": messages}, {}, None)

@@ -8,7 +8,7 @@ import requests
 import responses
 from responses import matchers
 
-from gateway.conversation import identify
+from gateway.reuse.conversation import identify
 from tests.conftest import D_URL, P_URL
 
 CHAT = "/v1/chat/completions"
@@ -242,7 +242,7 @@ TOOL_ECHOES = {
 @responses.activate
 @pytest.mark.parametrize("case", sorted(TOOL_ECHOES))
 def test_tool_call_echoes_are_counted_misses(client, case):
-    from gateway import metrics
+    from gateway.support import metrics
     echo, metric, label, counted = TOOL_ECHOES[case]
     counter = getattr(metrics, metric).labels(label)
     before = counter._value.get()
@@ -274,7 +274,7 @@ def test_reasoning_echoed_back_is_not_reused_on_digests_alone(client, field):
     {"remote_port": "5700"}, {"remote_block_ids": [7, 8]}, {"remote_block_ids": [["7"]]},
     {"remote_engine_id": None}, {"tp_size": "1"}, {"remote_num_tokens": -1}])
 def test_malformed_decode_params_are_not_stored_and_are_counted(client, store, bad):
-    from gateway import metrics
+    from gateway.support import metrics
     before = metrics.ENTRIES.labels("rejected")._value.get()
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
     responses.post(D_URL + CHAT, body=chat_events([" a"], {**d_params(), **bad}),
@@ -356,7 +356,7 @@ def test_decode_retry_replays_prefill_params_only_if_the_failed_d_never_got_them
 @pytest.mark.parametrize("failure", ["error500", "refused"])
 @responses.activate
 def test_prefill_retry_never_replays_decode_params(store, two_instance_app, failure):
-    from gateway.store import Entry
+    from gateway.reuse.store import Entry
     p2 = "http://10.9.0.3:8100"
     app = two_instance_app([P_URL, p2], [D_URL])
     identity = identify({"messages": MESSAGES}, {}, "conv")
@@ -408,7 +408,7 @@ def test_engine_urls_keep_their_own_path_and_credentials(store):
 
 def test_an_empty_user_in_an_engine_url_sends_no_authorization():
     """As requests: `http://@host` and `http://:@host` carry no credentials."""
-    from gateway.instances import Instance
+    from gateway.engines.instances import Instance
     assert [Instance(url, "decode", 0).credentials for url in
             ("http://@d:1", "http://:@d:1", "http://d:1", "http://u@d:1", "http://:p@d:1")] == \
         [None, None, None, ("u", ""), ("", "p")]

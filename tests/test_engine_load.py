@@ -1,4 +1,4 @@
-"""Engine-reported load (gateway/engine_load.py): each engine's /metrics read once per interval
+"""Engine-reported load (gateway/engines/engine_load.py): each engine's /metrics read once per interval
 per host, and the choice of P and D passing over an engine that is queueing or full by its own
 report."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import requests
 
 from emulator.metrics import exposition
 from emulator.process import EmulatorProcess, wait_until
-from gateway.engine_load import EngineLoad, LoadTable, parse
-from gateway.instances import Pool
+from gateway.engines.engine_load import EngineLoad, LoadTable, parse
+from gateway.engines.instances import Pool
 from tests.conftest import MODEL, gateway_process
 
 VLLM_PAGE = b"""\

@@ -137,7 +137,7 @@ def three_turns(client, template, steps, echo, lossy=False, first_ids=False):
 def test_reasoning_turns_are_token_verified(make_client, quirks, expected):
     """D reports its ids once the gateway knows the model reasons; turn 3 is tokenized on P and
     reused only if the template kept the reasoning D generated."""
-    from gateway import metrics
+    from gateway.support import metrics
     client = make_client("auto")
     template, calls = Template(frozenset(quirks)), []
     responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))

@@ -141,13 +141,13 @@ def second_turn(client):
 
 
 def _root():
-    from gateway.conversation import identify
+    from gateway.reuse.conversation import identify
     return identify({"model": "m", "messages": MESSAGES}, {}, "c1").root
 
 
 @responses.activate
 def test_a_short_turn_goes_to_its_d_alone_and_its_entry_is_released(store):
-    from gateway.release import PROMPT
+    from gateway.flow.release import PROMPT
     app = fast_app(store, release_rate=1000)
     client, gateway = app.test_client(), app.extensions["pd_gateway"].gateway
     try:

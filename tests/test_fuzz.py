@@ -14,7 +14,7 @@ import responses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.kv_params import MISS_PARAMS
+from gateway.reuse.kv_params import MISS_PARAMS
 from tests.conftest import D_URL, P_URL
 
 CHAT = "/v1/chat/completions"

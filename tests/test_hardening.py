@@ -46,10 +46,10 @@ def test_a_client_gone_during_prefill_stops_the_turn(fresh_engines, gateway_fact
 def test_a_rejected_stream_leaves_no_connection_for_its_watch_to_cut(fresh_engines):
     """A stream that gets a >= 400 reply gives its connection back to the pool; the next request
     reuses that socket. The first request's watch must not cut it when its deadline passes."""
-    from gateway.errors import GatewayError
-    from gateway.instances import Instance
-    from gateway.upstream import Upstream
-    from gateway.watch import Watch
+    from gateway.support.errors import GatewayError
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
+    from gateway.engines.watch import Watch
     p, d = fresh_engines
     upstream = Upstream(2, 30, pool_size=1)
     instance = Instance(d.url, "decode", 0)
@@ -106,7 +106,7 @@ def metric(gateway, name: str, **labels) -> float:
 # --- 4. an entry keeps its own expiry when it is put back ------------------------------------
 
 def test_a_put_back_entry_keeps_its_expiry_locally(clock):
-    from gateway.store import Entry, LocalStore
+    from gateway.reuse.store import Entry, LocalStore
     store = LocalStore(maxsize=10, ttl=450, timer=clock)
     store.put("k", Entry({"a": 1}, "http://d", "h", 1))
     clock.advance(400)
@@ -117,7 +117,7 @@ def test_a_put_back_entry_keeps_its_expiry_locally(clock):
 
 
 def test_a_put_back_entry_keeps_its_expiry_in_redis(redis_server):
-    from gateway.store import Entry, RedisStore
+    from gateway.reuse.store import Entry, RedisStore
     store = RedisStore(redis_server.url, ttl=450, timeout=2)
     key = uuid.uuid4().hex
     store.put(key, Entry({"a": 1}, "http://d", "h", 1))
@@ -148,9 +148,9 @@ def test_public_health_is_status_only_and_the_report_needs_the_admin_token(fresh
 # --- 6. the smaller items -----------------------------------------------------------------------
 
 def test_an_unexpected_exception_never_leaks_an_in_flight_count():
-    from gateway.disagg import Disagg
-    from gateway.store import LocalStore
-    from gateway.instances import Pool
+    from gateway.flow.disagg import Disagg
+    from gateway.reuse.store import LocalStore
+    from gateway.engines.instances import Pool
     pool = Pool("prefill", ["http://10.9.0.1:8100"])
     disagg = Disagg(LocalStore(10, 450), None, pool, pool)
 
@@ -175,9 +175,9 @@ def test_the_connection_pools_cover_every_engine_and_worker():
 
 
 def test_failures_are_classified_by_type_not_by_message():
-    from gateway.errors import BadGateway, GatewayTimeout, ServiceUnavailable
-    from gateway.instances import Instance
-    from gateway.upstream import _translate
+    from gateway.support.errors import BadGateway, GatewayTimeout, ServiceUnavailable
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import _translate
     instance = Instance("http://10.9.0.1:8100", "prefill", 0)
 
     def caused(message, cause):

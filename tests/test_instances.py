@@ -10,9 +10,9 @@ import responses
 from responses import matchers
 
 from gateway.config import Settings
-from gateway.discovery import resolvable, with_address
-from gateway.instances import Policy, Pool
-from gateway.membership import ChangeLog, Membership
+from gateway.engines.discovery import resolvable, with_address
+from gateway.engines.instances import Policy, Pool
+from gateway.engines.membership import ChangeLog, Membership
 from tests.conftest import D_URL, P_URL
 from tests.test_disagg_payloads import MISS, chat_events, d_params, p_params, p_reply
 
@@ -282,7 +282,7 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
 
 def test_engine_credentials_never_reach_reports_or_logs(caplog):
     """user:password in an engine URL is sent to the engine (Basic auth), and shown nowhere."""
-    from gateway.instances import Pool
+    from gateway.engines.instances import Pool
     pool = Pool("decode", ["http://bob:s3cret@10.9.0.3:8200"])
     instance = pool.instances[0]
     assert instance.credentials == ("bob", "s3cret")

@@ -8,7 +8,7 @@ import re
 import pytest
 import responses
 
-from gateway import logs
+from gateway.support import logs
 from tests.conftest import D_URL, P_URL
 from tests.test_disagg_payloads import chat_events, d_params, p_params, p_reply
 
@@ -53,7 +53,7 @@ def test_every_line_of_a_request_carries_its_id(client, caplog):
 
 
 def test_json_lines_hold_the_request_id():
-    record = logging.LogRecord("gateway.disagg", logging.WARNING, __file__, 1, "D said %s",
+    record = logging.LogRecord("gateway.flow.disagg", logging.WARNING, __file__, 1, "D said %s",
                                ("no",), None)
     token = logs.REQUEST_ID.set("req-7")
     try:
@@ -62,4 +62,4 @@ def test_json_lines_hold_the_request_id():
         logs.REQUEST_ID.reset(token)
     line = json.loads(logs.JsonFormatter().format(record))
     assert line["request_id"] == "req-7" and line["message"] == "D said no"
-    assert line["level"] == "WARNING" and line["logger"] == "gateway.disagg"
+    assert line["level"] == "WARNING" and line["logger"] == "gateway.flow.disagg"

@@ -79,8 +79,8 @@ def test_a_waiting_turn_takes_a_place_that_frees_up(clock):
     """The wait queue: a turn that arrives at the limit gets the next free place."""
     import threading
 
-    from gateway.admission import Admission
-    from gateway.errors import Overloaded
+    from gateway.front.admission import Admission
+    from gateway.support.errors import Overloaded
     admission = Admission(limit=1, queue=1, wait=10.0, retry_after=1)
     admission.enter()
     entered = threading.Event()
@@ -180,7 +180,7 @@ def test_a_stream_a_host_rewraps_is_served_whole(store):
 
 @responses.activate
 def test_a_failing_engine_stream_close_still_releases_the_place(client, monkeypatch):
-    from gateway.upstream import Stream
+    from gateway.engines.upstream import Stream
 
     def broken_close(self):
         raise OSError("close failed")
@@ -197,7 +197,7 @@ def test_a_failing_engine_stream_close_still_releases_the_place(client, monkeypa
 
 @responses.activate
 def test_a_request_id_does_not_outlive_its_request(client):
-    from gateway import logs
+    from gateway.support import logs
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
     responses.post(D_URL + CHAT, body=chat_events(["a"], d_params()),
                    content_type="text/event-stream")
@@ -265,8 +265,8 @@ def test_without_keys_nothing_changes(client):
 
 
 def test_a_keys_file_is_reread_when_it_changes(tmp_path, clock):
-    from gateway.auth import ApiKeys
-    from gateway.errors import Unauthorized
+    from gateway.front.auth import ApiKeys
+    from gateway.support.errors import Unauthorized
     path = tmp_path / "keys"
     path.write_text("# the team's keys\nold-key\n\n")
     keys = ApiKeys([], str(path), clock=clock)
@@ -297,7 +297,7 @@ def test_a_keys_file_is_reread_when_it_changes(tmp_path, clock):
 
 
 def test_each_key_is_its_own_tenant():
-    from gateway.conversation import identify
+    from gateway.reuse.conversation import identify
     body = {"model": MODEL, "messages": MESSAGES}
     one = identify(body, {"Authorization": "Bearer key-alpha"}, None)
     two = identify(body, {"Authorization": "Bearer key-beta"}, None)

@@ -8,10 +8,10 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gateway.conversation import identify
-from gateway.kv_params import clean_params
-from gateway.partial import checkpoints, cut, held_digests, shared_tokens
-from gateway.store import Entry, decode, encode
+from gateway.reuse.conversation import identify
+from gateway.reuse.kv_params import clean_params
+from gateway.reuse.partial import checkpoints, cut, held_digests, shared_tokens
+from gateway.reuse.store import Entry, decode, encode
 
 BS = 16
 
@@ -131,8 +131,8 @@ def test_reasoning_a_reply_never_had_makes_its_entry_need_a_token_check():
     """An entry whose reply did not reason is plain; a request that echoes that reply with
     reasoning added reaches it only through the digest without reasoning, so the digest cannot
     vouch for its tokens: the entry comes out of the store as not plain (token-verified)."""
-    from gateway.disagg import Disagg
-    from gateway.store import LocalStore
+    from gateway.flow.disagg import Disagg
+    from gateway.reuse.store import LocalStore
     history = [{"role": "user", "content": "why"}]
     reply = {"role": "assistant", "content": "because"}
     key, digest, length = identify({"model": "m", "messages": history}, {}, None).after(reply)

@@ -12,7 +12,7 @@ def test_readme_settings_table_matches_the_code():
 
 
 def test_readme_lists_every_metric():
-    from gateway import metrics
+    from gateway.support import metrics
     readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
     names = [m.name + ("_total" if m.type == "counter" else "")
              for value in vars(metrics).values()
@@ -48,22 +48,37 @@ def test_embedding_doc_shows_the_tested_service_whole():
 
 def test_no_module_imports_one_above_it_in_the_architecture_table():
     """docs/architecture.md's room table is ordered so that modules import only rooms below
-    their own: read the order from the doc, the imports from the code."""
+    their own, and each folder's modules stand together (the folders are the layers): read the
+    order from the doc, the imports from the code."""
     import ast
     import re
     root = Path(__file__).resolve().parent.parent
     doc = root.joinpath("docs", "architecture.md").read_text()
-    order = [name[:-3] for row in re.findall(r"^\| (`[^|]+`) \|", doc, re.M)
-             for name in re.findall(r"`([a-z_]+\.py)`", row)]
+    order = ["gateway." + name[:-3].replace("/", ".")
+             for row in re.findall(r"^\| (`[^|]+`) \|", doc, re.M)
+             for name in re.findall(r"`([a-z_/]+\.py)`", row)]
     position = {module: i for i, module in enumerate(order)}
-    modules = {p.stem for p in root.joinpath("gateway").glob("*.py")} - {"__init__"}
-    assert modules <= set(position), f"rooms missing from the table: {modules - set(position)}"
+    package = root.joinpath("gateway")
+    modules = {".".join(("gateway", *p.relative_to(package).with_suffix("").parts))
+               for p in package.rglob("*.py") if p.name != "__init__.py"}
+    assert modules == set(position), (f"rooms missing from the table: {modules - set(position)}; "
+                                      f"in the table, not in the code: {set(position) - modules}")
+    folders = [m.rsplit(".", 1)[0] for m in order if m.count(".") == 2]
+    assert all(folders[i] == folders[i + 1] or folders[i] not in folders[i + 1:]
+               for i in range(len(folders) - 1)), f"a folder's rooms apart in the table: {folders}"
     upward = []
     for module in modules:
-        tree = ast.parse(root.joinpath("gateway", module + ".py").read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module] if node.module else [a.name for a in node.names]
-                upward += [(module, n.split(".")[0]) for n in names
-                           if position.get(n.split(".")[0], len(order)) < position[module]]
+        path = package.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{module}: a relative import"
+                names = ([f"{node.module}.{a.name}" for a in node.names]
+                         if node.module in ("gateway", *(m.rsplit(".", 1)[0] for m in modules))
+                         else [node.module])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            upward += [(module, n) for n in names
+                       if n in position and position[n] < position[module]]
     assert upward == []

@@ -14,7 +14,7 @@ from openai import OpenAI
 from devtools.processes import (GatewayProcess, RedisClusterProcesses, RedisProcess,
                                 RedisSentinelProcesses)
 from emulator.process import EmulatorProcess, wait_until
-from gateway.store import Entry, RedisClusterStore, RedisStore, redis_client
+from gateway.reuse.store import Entry, RedisClusterStore, RedisStore, redis_client
 from tests.conftest import MODEL
 
 

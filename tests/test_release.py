@@ -8,8 +8,8 @@ import json
 import pytest
 import responses
 
-from gateway.conversation import identify
-from gateway.store import Entry
+from gateway.reuse.conversation import identify
+from gateway.reuse.store import Entry
 from tests.conftest import D_URL, P_URL
 from tests.test_disagg_payloads import (CHAT, MESSAGES, MISS, REFUSED, chat_events, d_params,
                                         p_params, p_reply)

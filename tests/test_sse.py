@@ -1,4 +1,4 @@
-"""The relay of D's events (gateway.sse): however D's bytes are split into reads, the client gets
+"""The relay of D's events (gateway.flow.sse): however D's bytes are split into reads, the client gets
 the same bytes, params and unasked ids taken out, every other event byte for byte; the turn
 learns the same reply. The fast path (LF events, `bytes.find`) is checked against the general
 one (a regex over every SSE line ending)."""
@@ -9,8 +9,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sse import EventRelay
-from gateway.turn import Turn
+from gateway.flow.sse import EventRelay
+from gateway.flow.turn import Turn
 
 content = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
 chunks = st.one_of(

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.store import Entry, LocalStore, RedisStore
+from gateway.reuse.store import Entry, LocalStore, RedisStore
 
 
 def bare(found):
@@ -57,7 +57,7 @@ def test_put_replaces(store):
 
 
 def test_breaker_opens_after_consecutive_failures_then_half_opens(clock):
-    from gateway.instances import Policy, Pool
+    from gateway.engines.instances import Policy, Pool
     pool = Pool("decode", ["http://a:1", "http://b:2"],
                 Policy(breaker_failures=3, breaker_cooldown=10), clock=clock)
     a, b = pool.instances
@@ -78,7 +78,7 @@ def test_breaker_opens_after_consecutive_failures_then_half_opens(clock):
 
 
 def test_unreachable_marks_down_until_success(clock):
-    from gateway.instances import Pool
+    from gateway.engines.instances import Pool
     pool = Pool("prefill", ["http://a:1", "http://b:2"], clock=clock)
     a, b = pool.instances
     woken = []
@@ -128,7 +128,7 @@ def test_redis_concurrent_takes_get_the_entry_once(redis_server):
 
 
 def test_redis_failures_are_misses_not_errors():
-    from gateway import metrics
+    from gateway.support import metrics
     from emulator.process import free_port
     failed = metrics.STORE_ERRORS.labels("take")._value.get()
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", ttl=450, timeout=0.5)   # nobody there
@@ -175,7 +175,7 @@ def test_closing_a_gateway_stops_its_prober():
     assert not thread.is_alive()
 
 
-# --- what an entry becomes in the store (gateway.packing) -------------------------------------
+# --- what an entry becomes in the store (gateway.reuse.packing) -------------------------------------
 
 digests = st.one_of(st.none(), st.text(max_size=40),
                     st.binary(min_size=16, max_size=16).map(bytes.hex))
@@ -199,7 +199,7 @@ params = st.fixed_dictionaries(
        expires=st.one_of(st.none(), st.floats(0, 1e10)))
 def test_an_entry_comes_back_from_the_store_as_it_went_in(params, url, history, length, plain,
                                                           tokens, expires):
-    from gateway.store import decode, encode
+    from gateway.reuse.store import decode, encode
     original = Entry(params, url, history, length, plain, tokens, expires)
     assert decode(encode(original)) == original
 
@@ -207,8 +207,8 @@ def test_an_entry_comes_back_from_the_store_as_it_went_in(params, url, history, 
 def test_every_positional_field_of_an_entry_is_an_allowlisted_param():
     """Entries are read by position: FIELDS is written out (append only), and each is a param
     clean_params keeps (a param added to the allowlist later goes in the trailing object)."""
-    from gateway.kv_params import OPTIONAL_PARAMS, REQUIRED_PARAMS
-    from gateway.packing import BLOCKS, FIELDS
+    from gateway.reuse.kv_params import OPTIONAL_PARAMS, REQUIRED_PARAMS
+    from gateway.reuse.packing import BLOCKS, FIELDS
     assert len(set(FIELDS)) == len(FIELDS)
     assert set(FIELDS) <= set(REQUIRED_PARAMS) | set(OPTIONAL_PARAMS) and BLOCKS not in FIELDS
 
@@ -217,7 +217,7 @@ def test_a_benchmark_entry_packs_into_a_fifth_of_its_json():
     import orjson
 
     from bench.fill import synthetic_entry
-    from gateway.store import encode
+    from gateway.reuse.store import encode
     _, original = synthetic_entry(7, "http://127.0.0.3:8200")
     as_json = orjson.dumps([original.params, original.decode_url, original.history_digest,
                             original.history_len, original.plain, original.token_digest,
@@ -227,7 +227,7 @@ def test_a_benchmark_entry_packs_into_a_fifth_of_its_json():
 
 @pytest.mark.parametrize("foreign", [b"", b"{}", b"[1,2]", b"\x01\x00" + b"x" * 40, b"\x07" * 60])
 def test_a_foreign_value_is_not_an_entry(foreign):
-    from gateway.store import decode
+    from gateway.reuse.store import decode
     with pytest.raises(ValueError):
         decode(foreign)
 
@@ -238,7 +238,7 @@ def test_a_damaged_entry_is_a_value_error_or_an_entry(flips, cut):
     """What Redis hands back may be anything: decoding it fails with ValueError (a miss), never
     with another exception (a 500)."""
     from bench.fill import synthetic_entry
-    from gateway.store import decode, encode
+    from gateway.reuse.store import decode, encode
     packed = bytearray(encode(synthetic_entry(3, "http://127.0.0.3:8200")[1]))
     for at, value in flips:
         packed[at % len(packed)] = value

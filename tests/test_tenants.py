@@ -1,6 +1,6 @@
 """Tenants (client API keys): requests and tokens per minute with OpenAI's headers
-(gateway/tenants.py), and places shared fairly when a worker is at --max-turns
-(gateway/admission.py)."""
+(gateway/front/tenants.py), and places shared fairly when a worker is at --max-turns
+(gateway/front/admission.py)."""
 from __future__ import annotations
 
 import threading
@@ -12,10 +12,10 @@ import pytest
 import requests
 
 from emulator.process import EmulatorProcess, wait_until
-from gateway.admission import Admission
-from gateway.auth import ApiKeys
-from gateway.errors import Overloaded
-from gateway.tenants import KeyLimits, RateLimited, Tenants, duration
+from gateway.front.admission import Admission
+from gateway.front.auth import ApiKeys
+from gateway.support.errors import Overloaded
+from gateway.front.tenants import KeyLimits, RateLimited, Tenants, duration
 from tests.conftest import MODEL, gateway_process
 
 CHAT = "/v1/chat/completions"

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Callable
 
-from .errors import NotFound, Unauthorized
-from .tenants import NO_LIMITS, KeyLimits
+from gateway.support.errors import NotFound, Unauthorized
+from gateway.front.tenants import NO_LIMITS, KeyLimits
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _matches(given: str, digests: list[bytes]) -> bool:
 
 def read_keys(path: str) -> list[tuple[str, list[str]]]:
     """One key a line, then its limits if any (`KEY rpm=600 tpm=200000 turns=8 weight=2`,
-    gateway.tenants); blank lines and lines starting with # are skipped."""
+    gateway.front.tenants); blank lines and lines starting with # are skipped."""
     with open(path, encoding="utf-8") as f:
         lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
     return [(words[0], words[1:]) for words in lines]

@@ -11,9 +11,9 @@ from typing import Callable, Protocol, Sequence
 
 from cachetools import TLRUCache
 
-from . import metrics
-from .instances import public_url
-from .packing import digest_bytes, expiry, pack, unpack
+from gateway.support import metrics
+from gateway.engines.instances import public_url
+from gateway.reuse.packing import digest_bytes, expiry, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +26,13 @@ class Entry:
     decode_url: str          # the D instance holding the blocks (and its local prefix cache)
     history_digest: str      # digest of the history the blocks hold (conversation.Identity)
     history_len: int         # its length: messages for chat, characters for a prompt
-    plain: bool = False      # a reply the digest can vouch for (gateway.exactness.plain_reply)
+    plain: bool = False      # a reply the digest can vouch for (gateway.reuse.exactness.plain_reply)
     token_digest: str | None = None   # digest of the tokens D holds, if D reported its ids
     # When D's blocks are gone, on the store's clock; set by the first put. D frees them at its
     # TTL whatever the gateway does, so an entry put back keeps it.
     expires_at: float | None = None
     # Digests of D's tokens at a few block boundaries, to find how much of them a prompt that
-    # does not extend them all still shares (gateway.partial); only where D reported its ids.
+    # does not extend them all still shares (gateway.reuse.partial); only where D reported its ids.
     prefixes: bytes | None = None
 
 
@@ -66,7 +66,7 @@ class _Takes:
 
 
 def encode(entry: Entry) -> bytes:
-    """The entry in a few hundred bytes (gateway.packing): Python objects would take kilobytes."""
+    """The entry in a few hundred bytes (gateway.reuse.packing): Python objects would take kilobytes."""
     return pack(entry.params, entry.decode_url, entry.history_digest, entry.history_len,
                 entry.plain, entry.token_digest, entry.expires_at, entry.prefixes)
 

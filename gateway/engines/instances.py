@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from .errors import ServiceUnavailable
+from gateway.support.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Pool:
         self._lock = threading.Lock()
         self._clock = clock
         self.on_down: Callable[[], None] | None = None   # wakes the prober
-        # Is an instance queueing or full by its own report (gateway.engine_load)? None: no
+        # Is an instance queueing or full by its own report (gateway.engines.engine_load)? None: no
         # reports, in-flight counts alone.
         self.busy: Callable[[Instance], bool] | None = None
         self.reported: Callable[[Instance], object] | None = None     # for report()

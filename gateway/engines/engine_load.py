@@ -16,7 +16,7 @@ conversation leaves the D that holds it (one miss) rather than queue there. Repo
 three intervals, or missing, count as nothing: the choice is in-flight counts alone, as without.
 
 Each engine's `/metrics` is read once per interval per host, not per worker: the rows live in
-memory the gunicorn master shares with its workers (gunicorn_conf.LOAD_*), and a worker reads an
+memory the gunicorn master shares with its workers (gateway.slots.LOAD_*), and a worker reads an
 engine only when no other worker has claimed it within the interval. Outside gunicorn the table
 is the process's own.
 """
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from . import metrics
-from .gunicorn_conf import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
-from .instances import Instance, Pool
+from gateway.support import metrics
+from gateway.slots import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
+from gateway.engines.instances import Instance, Pool
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Conversation identity: explicit ids, chained history digests, tenant scope, prefix checks.
 
 A digest match proves the client sent back the history an entry's KV was computed for; whether
-the new prompt's *tokens* extend D's tokens is the template's business (see `gateway.exactness`
+the new prompt's *tokens* extend D's tokens is the template's business (see `gateway.reuse.exactness`
 and docs/exactness.md).
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def canonical_json(value: Any) -> bytes:
     """JSON bytes independent of key order and layout: what digests are taken over."""
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except TypeError:     # an integer beyond 64 bits (gateway.jsonio)
+    except TypeError:     # an integer beyond 64 bits (gateway.support.jsonio)
         return json.dumps(value, sort_keys=True, separators=(",", ":"),
                           ensure_ascii=False).encode()
 
@@ -120,7 +120,7 @@ class Identity:
     # client that does not echo reasoning finds it as well as one that does. The digest then
     # proves nothing of the reasoning, and needs not: such an entry is never plain, and an entry
     # found only through this digest (reasoning the reply did not have) is treated as not plain
-    # either (`reasoning_added`): its reuse is always token-verified (gateway.exactness).
+    # either (`reasoning_added`): its reuse is always token-verified (gateway.reuse.exactness).
     unreasoned: Mapping[int, bytes] = field(default_factory=dict)
 
     def lookups(self) -> list[str]:

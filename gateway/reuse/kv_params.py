@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .instances import Instance
+from gateway.engines.instances import Instance
 
 # What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response
 
-from . import jsonio
+from gateway.support import jsonio
 
 
 class GatewayError(Exception):

@@ -13,7 +13,7 @@ from gevent import monkey
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from .errors import ClientGone, GatewayError, GatewayTimeout
+from gateway.support.errors import ClientGone, GatewayError, GatewayTimeout
 
 _WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("pd_gateway_watch",
                                                                      default=None)

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Callable
 
-from . import metrics
-from .errors import Overloaded
+from gateway.support import metrics
+from gateway.support.errors import Overloaded
 
 
 # A tenant that sent a turn this recently keeps a claim to its share of places.

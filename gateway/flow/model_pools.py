@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .config import ModelSpec
-from .disagg import Disagg
-from .errors import NotFound
-from .instances import Pool
-from .parse import ClientRequest
+from gateway.config import ModelSpec
+from gateway.flow.disagg import Disagg
+from gateway.support.errors import NotFound
+from gateway.engines.instances import Pool
+from gateway.parse import ClientRequest
 
 
 class ModelNotFound(NotFound):

@@ -3,7 +3,7 @@
 
 How an admin change reaches every worker: gunicorn runs several worker processes, each with its
 own pools, and an admin call reaches one of them. The master makes one file for its workers
-(gateway.gunicorn_conf, `CHANGES_ENV`); the worker that is asked appends the change, one JSON
+(gateway.slots, `CHANGES_ENV`); the worker that is asked appends the change, one JSON
 line, and every worker applies every line in file order, the asked one at once, the others
 within `TICK` seconds (a background thread, a greenlet under gevent). Each worker publishes how
 far it has applied (`APPLIED[slot]`), and the asked worker waits, bounded, until every live slot
@@ -29,12 +29,12 @@ import time
 from typing import Callable
 from urllib.parse import urlsplit
 
-from . import gunicorn_conf, metrics
-from .config import Settings, _url_list
-from .discovery import Discovery, Resolver
-from .errors import BadRequest, NotFound
-from .gunicorn_conf import APPLIED, CHANGES_ENV, SLOT_ENV, MAX_SLOTS
-from .instances import Pool, public_url
+from gateway.support import metrics
+from gateway.config import Settings, _url_list
+from gateway.engines.discovery import Discovery, Resolver
+from gateway.support.errors import BadRequest, NotFound
+from gateway.slots import APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, SLOT_ENV
+from gateway.engines.instances import Pool, public_url
 
 log = logging.getLogger(__name__)
 TICK = 0.5          # seconds between looks at the changes file
@@ -214,7 +214,7 @@ class Membership:
         if not self.changes.shared or self.slot < 0:
             return []
         return [slot for slot in range(MAX_SLOTS)
-                if gunicorn_conf.LIVE_SLOTS[slot] and slot != self.slot
+                if LIVE_SLOTS[slot] and slot != self.slot
                 and APPLIED[slot] < target]
 
     # --- applying ------------------------------------------------------------------------------

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from . import metrics
-from .errors import BadGateway, ClientGone, GatewayError, error_event
-from .instances import Instance, Pool
-from .sse import EventRelay
-from .turn import Turn
-from .upstream import Stream
+from gateway.support import metrics
+from gateway.support.errors import BadGateway, ClientGone, GatewayError, error_event
+from gateway.engines.instances import Instance, Pool
+from gateway.flow.sse import EventRelay
+from gateway.flow.turn import Turn
+from gateway.engines.upstream import Stream
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,12 @@ from urllib.parse import quote
 
 from werkzeug.http import is_hop_by_hop_header
 
-from . import gunicorn_conf
-from .config import Settings
-from .errors import BadGateway, GatewayError, ServiceUnavailable, error_event
-from .gunicorn_conf import PRIVATE_ENV, SLOT_ENV
-from .instances import Instance
-from .reply import Reply, once
-from .upstream import Upstream
+from gateway.config import Settings
+from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable, error_event
+from gateway.slots import LIVE_SLOTS, PRIVATE_ENV, SLOT_ENV
+from gateway.engines.instances import Instance
+from gateway.flow.reply import Reply, once
+from gateway.engines.upstream import Upstream
 
 log = logging.getLogger(__name__)
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
@@ -71,7 +70,7 @@ class Affinity:
 
     def live_slots(self) -> list[int]:
         """The slots that own conversations now (the master's table)."""
-        table = bytes(gunicorn_conf.LIVE_SLOTS)
+        table = bytes(LIVE_SLOTS)
         if table != self._live[0]:
             self._live = (table, [s for s, live in enumerate(table) if live] or [self.slot])
         return self._live[1]

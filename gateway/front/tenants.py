@@ -11,7 +11,7 @@ a share of the limit per worker would hold a one-conversation client to that sha
 every request larger than it. Tokens: the prompt is
 estimated from the body before the turn (4 bytes a token) and charged; when the turn ends the
 charge is corrected by what the engines reported (P's prompt tokens, the reply's tokens).
-Turns at once are counted by the worker's admission (gateway.admission), as its places are.
+Turns at once are counted by the worker's admission (gateway.front.admission), as its places are.
 
 A storage that fails (Redis down) admits: limits must not take the gateway down with them.
 """
@@ -27,8 +27,8 @@ from typing import Callable
 from limits import RateLimitItemPerMinute
 from limits.storage import storage_from_string
 
-from . import metrics
-from .errors import Overloaded
+from gateway.support import metrics
+from gateway.support.errors import Overloaded
 
 log = logging.getLogger(__name__)
 

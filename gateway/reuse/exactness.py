@@ -12,7 +12,7 @@ that the tokens follow depends on the chat template. Three proofs, cheapest firs
   (`/tokenize`, the same fields the engine renders) and compared. Reasoning and tool-call turns
   need it: templates drop or re-render them.
 - **Partial reuse**: where the tokens differ, the largest block-aligned prefix the new prompt
-  still shares with D's tokens (`gateway.partial`), if it is at least `partial_tokens`: P reads
+  still shares with D's tokens (`gateway.reuse.partial`), if it is at least `partial_tokens`: P reads
   only those (D's params cut to them).
 - Otherwise: no reuse (a miss, never a wrong read).
 
@@ -29,11 +29,12 @@ from typing import Any, Callable, NamedTuple
 
 from cachetools import TTLCache
 
-from . import metrics, partial
-from .conversation import Identity, canonical_json, word_boundary
-from .errors import ClientGone, GatewayError
-from .parse import ClientRequest
-from .store import Entry
+from gateway.support import metrics
+from gateway.reuse import partial
+from gateway.reuse.conversation import Identity, canonical_json, word_boundary
+from gateway.support.errors import ClientGone, GatewayError
+from gateway.parse import ClientRequest
+from gateway.reuse.store import Entry
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from urllib3.util import parse_url
 from urllib3.exceptions import ConnectTimeoutError, ReadTimeoutError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from . import jsonio
-from .errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout, ServiceUnavailable,
+from gateway.support import jsonio
+from gateway.support.errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout, ServiceUnavailable,
                      UpstreamRejected)
-from .instances import Instance
-from .watch import NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPool, Watch, current_watch
+from gateway.engines.instances import Instance
+from gateway.engines.watch import NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPool, Watch, current_watch
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Stream:
         self.headers = response.headers
         self._watch = current_watch()
         self.content_type = response.headers.get("Content-Type", "text/event-stream")
-        # The request's watch keeps the read timeout from here on, if it can (gateway.watch).
+        # The request's watch keeps the read timeout from here on, if it can (gateway.engines.watch).
         sock = getattr(response.raw.connection, "sock", None)
         timeout = sock.gettimeout() if sock is not None else None
         if timeout and self._watch is not None and self._watch.keep_quiet_limit(timeout,
