@@ -6,11 +6,11 @@ from dataclasses import asdict
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
-from gateway.support import logs
 from gateway.config import Settings
-from gateway.support.errors import GatewayError
 from gateway.extension import PDGateway
 from gateway.reuse.store import ConversationStore
+from gateway.support import logs
+from gateway.support.errors import GatewayError
 
 
 def create_app(settings: Settings | None = None, store: ConversationStore | None = None) -> Flask:

@@ -10,8 +10,9 @@ from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
 from gateway.options import (SettingsError, add_arguments, boolean, bounded, check, given, option,
-                      options, positive, read_env)
-from gateway.options import port as _port  # a plain `port` would be shadowed by the field of that name
+                             options, positive, read_env)
+# a plain `port` would be shadowed by the field of that name
+from gateway.options import port as _port
 
 ENV_PREFIX = "GATEWAY_"
 CONFIG_PREFIX = "PD_GATEWAY_"  # keys of a host Flask app's app.config (gateway.extension)

@@ -18,9 +18,9 @@ from typing import Any
 from flask import Flask
 
 from gateway.config import Settings
-from gateway.slots import SLOT_ENV
-from gateway.service import Gateway
 from gateway.reuse.store import ConversationStore
+from gateway.service import Gateway
+from gateway.slots import SLOT_ENV
 from gateway.views import create_blueprint
 
 log = logging.getLogger(__name__)

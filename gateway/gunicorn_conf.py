@@ -23,10 +23,8 @@ from gunicorn.sock import TCPSocket
 from gunicorn.util import get_arity, load_class
 
 from gateway.config import Settings
-
 from gateway.slots import (APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, PRIVATE_ENV, SLOT_ENV,
-                            THREADS_ENV)
-
+                           THREADS_ENV)
 
 # prometheus_client's own variable; it reads it once, when first imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

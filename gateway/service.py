@@ -9,28 +9,28 @@ import time
 from dataclasses import replace
 from typing import Callable, Mapping
 
-from gateway.support import logs, metrics
+from gateway.config import Settings
+from gateway.engines.engine_load import EngineLoad
+from gateway.engines.instances import Instance, Policy, Pool, Prober
+from gateway.engines.membership import Membership
+from gateway.engines.upstream import Upstream
+from gateway.engines.watch import Watch
+from gateway.flow.disagg import Disagg
+from gateway.flow.fast_path import FastPath
+from gateway.flow.model_pools import ModelPool, ModelPools
+from gateway.flow.release import Releaser
+from gateway.flow.reply import Reply, once
 from gateway.front.admission import Admission, BodyBudget
 from gateway.front.affinity import Affinity
 from gateway.front.auth import ApiKeys
-from gateway.config import Settings
-from gateway.reuse.conversation import identify, root_key, tenant_salt
-from gateway.flow.disagg import Disagg
-from gateway.engines.engine_load import EngineLoad
-from gateway.support.errors import BadGateway, GatewayError
-from gateway.reuse.exactness import Exactness
-from gateway.flow.fast_path import FastPath
-from gateway.slots import THREADS_ENV
-from gateway.engines.instances import Instance, Policy, Pool, Prober
-from gateway.engines.membership import Membership
-from gateway.flow.model_pools import ModelPool, ModelPools
-from gateway.parse import ClientRequest, parse
-from gateway.flow.release import Releaser
-from gateway.flow.reply import Reply, once
-from gateway.reuse.store import ConversationStore, create_store
 from gateway.front.tenants import BYTES_PER_TOKEN, NO_TICKET, KeyLimits, Tenants, Ticket
-from gateway.engines.upstream import Upstream
-from gateway.engines.watch import Watch
+from gateway.parse import ClientRequest, parse
+from gateway.reuse.conversation import identify, root_key, tenant_salt
+from gateway.reuse.exactness import Exactness
+from gateway.reuse.store import ConversationStore, create_store
+from gateway.slots import THREADS_ENV
+from gateway.support import logs, metrics
+from gateway.support.errors import BadGateway, GatewayError
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ from typing import Callable, Iterator
 from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
-from gateway.support import logs, metrics
-from gateway.front.auth import check_admin
-from gateway.front.admission import BodyHold
-from gateway.support.errors import (BadRequest, ClientGone, GatewayError, Overloaded, PayloadTooLarge,
-                     json_response)
-from gateway.parse import CHAT, COMPLETIONS
 from gateway.flow.reply import once
+from gateway.front.admission import BodyHold
+from gateway.front.auth import check_admin
+from gateway.parse import CHAT, COMPLETIONS
 from gateway.service import Gateway
+from gateway.support import logs, metrics
+from gateway.support.errors import (BadRequest, ClientGone, GatewayError, Overloaded,
+                                    PayloadTooLarge, json_response)
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -13,9 +13,9 @@ import logging
 import socket
 from urllib.parse import urlsplit, urlunsplit
 
-from gateway.support import metrics
 from gateway.config import split_nameserver
 from gateway.engines.instances import Pool, public_url
+from gateway.support import metrics
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from gateway.support import metrics
-from gateway.slots import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
 from gateway.engines.instances import Instance, Pool
+from gateway.slots import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
+from gateway.support import metrics
 
 log = logging.getLogger(__name__)
 

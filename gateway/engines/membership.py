@@ -29,12 +29,12 @@ import time
 from typing import Callable
 from urllib.parse import urlsplit
 
-from gateway.support import metrics
 from gateway.config import Settings, _url_list
 from gateway.engines.discovery import Discovery, Resolver
-from gateway.support.errors import BadRequest, NotFound
-from gateway.slots import APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, SLOT_ENV
 from gateway.engines.instances import Pool, public_url
+from gateway.slots import APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, SLOT_ENV
+from gateway.support import metrics
+from gateway.support.errors import BadRequest, NotFound
 
 log = logging.getLogger(__name__)
 TICK = 0.5          # seconds between looks at the changes file

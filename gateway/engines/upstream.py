@@ -14,15 +14,17 @@ from requests.auth import HTTPBasicAuth
 from requests.models import PreparedRequest
 from requests.structures import CaseInsensitiveDict
 from urllib3 import Timeout
-from urllib3.util import parse_url
-from urllib3.exceptions import ConnectTimeoutError, ReadTimeoutError
+from urllib3.exceptions import ConnectTimeoutError
 from urllib3.exceptions import HTTPError as Urllib3Error
+from urllib3.exceptions import ReadTimeoutError
+from urllib3.util import parse_url
 
-from gateway.support import jsonio
-from gateway.support.errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout, ServiceUnavailable,
-                     UpstreamRejected)
 from gateway.engines.instances import Instance
-from gateway.engines.watch import NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPool, Watch, current_watch
+from gateway.engines.watch import (NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPool, Watch,
+                                   current_watch)
+from gateway.support import jsonio
+from gateway.support.errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout,
+                                    ServiceUnavailable, UpstreamRejected)
 
 log = logging.getLogger(__name__)
 

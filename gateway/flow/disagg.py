@@ -6,19 +6,19 @@ import time
 from dataclasses import replace
 from typing import Callable, TypeVar
 
-from gateway.support import metrics
-from gateway.reuse.conversation import Identity
-from gateway.support.errors import GatewayError, ServiceUnavailable
-from gateway.reuse.exactness import Exactness, Reuse, plain_reply
-from gateway.flow.fast_path import FastPath
 from gateway.engines.instances import Instance, Pool
-from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
-from gateway.parse import ClientRequest
-from gateway.reuse.store import ConversationStore, Entry
-from gateway.flow.turn import Turn
+from gateway.engines.upstream import Upstream
+from gateway.flow.fast_path import FastPath
 from gateway.flow.release import Releaser
 from gateway.flow.reply import Reply, StreamRelay, once
-from gateway.engines.upstream import Upstream
+from gateway.flow.turn import Turn
+from gateway.parse import ClientRequest
+from gateway.reuse.conversation import Identity
+from gateway.reuse.exactness import Exactness, Reuse, plain_reply
+from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
+from gateway.reuse.store import ConversationStore, Entry
+from gateway.support import metrics
+from gateway.support.errors import GatewayError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.

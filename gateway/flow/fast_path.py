@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from gateway.reuse.conversation import Identity, canonical_content
-from gateway.reuse.exactness import Exactness, Reuse
 from gateway.engines.instances import Instance, Pool
 from gateway.parse import ClientRequest
+from gateway.reuse.conversation import Identity, canonical_content
+from gateway.reuse.exactness import Exactness, Reuse
 from gateway.reuse.store import Entry
 
 # About 4 characters of English per BPE token (GPT-2 through Llama 3 and Qwen tokenizers); a

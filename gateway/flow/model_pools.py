@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from gateway.config import ModelSpec
-from gateway.flow.disagg import Disagg
-from gateway.support.errors import NotFound
 from gateway.engines.instances import Pool
+from gateway.flow.disagg import Disagg
 from gateway.parse import ClientRequest
+from gateway.support.errors import NotFound
 
 
 class ModelNotFound(NotFound):

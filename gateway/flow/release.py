@@ -25,11 +25,11 @@ import time
 import uuid
 from typing import Callable
 
+from gateway.engines.instances import Pool
+from gateway.engines.upstream import Upstream
+from gateway.reuse.store import Entry
 from gateway.support import metrics
 from gateway.support.errors import GatewayError
-from gateway.engines.instances import Pool
-from gateway.reuse.store import Entry
-from gateway.engines.upstream import Upstream
 
 log = logging.getLogger(__name__)
 

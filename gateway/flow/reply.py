@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from gateway.support import metrics
-from gateway.support.errors import BadGateway, ClientGone, GatewayError, error_event
 from gateway.engines.instances import Instance, Pool
+from gateway.engines.upstream import Stream
 from gateway.flow.sse import EventRelay
 from gateway.flow.turn import Turn
-from gateway.engines.upstream import Stream
+from gateway.support import metrics
+from gateway.support.errors import BadGateway, ClientGone, GatewayError, error_event
 
 log = logging.getLogger(__name__)
 

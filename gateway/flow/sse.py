@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 
+from gateway.flow.turn import PARAMS_KEY, Turn
 from gateway.support import jsonio
 from gateway.support.errors import GatewayError, error_event
-from gateway.flow.turn import PARAMS_KEY, Turn
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DATA = re.compile(rb"^data: ?", re.M)

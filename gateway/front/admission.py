@@ -18,7 +18,6 @@ from typing import Callable
 from gateway.support import metrics
 from gateway.support.errors import Overloaded
 
-
 # A tenant that sent a turn this recently keeps a claim to its share of places.
 ACTIVE_SECONDS = 10.0
 

@@ -18,11 +18,11 @@ from urllib.parse import quote
 from werkzeug.http import is_hop_by_hop_header
 
 from gateway.config import Settings
-from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable, error_event
-from gateway.slots import LIVE_SLOTS, PRIVATE_ENV, SLOT_ENV
 from gateway.engines.instances import Instance
-from gateway.flow.reply import Reply, once
 from gateway.engines.upstream import Upstream
+from gateway.flow.reply import Reply, once
+from gateway.slots import LIVE_SLOTS, PRIVATE_ENV, SLOT_ENV
+from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable, error_event
 
 log = logging.getLogger(__name__)
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.

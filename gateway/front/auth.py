@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Callable
 
-from gateway.support.errors import NotFound, Unauthorized
 from gateway.front.tenants import NO_LIMITS, KeyLimits
+from gateway.support.errors import NotFound, Unauthorized
 
 log = logging.getLogger(__name__)
 

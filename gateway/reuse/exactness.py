@@ -29,12 +29,12 @@ from typing import Any, Callable, NamedTuple
 
 from cachetools import TTLCache
 
-from gateway.support import metrics
+from gateway.parse import ClientRequest
 from gateway.reuse import partial
 from gateway.reuse.conversation import Identity, canonical_json, word_boundary
-from gateway.support.errors import ClientGone, GatewayError
-from gateway.parse import ClientRequest
 from gateway.reuse.store import Entry
+from gateway.support import metrics
+from gateway.support.errors import ClientGone, GatewayError
 
 log = logging.getLogger(__name__)
 

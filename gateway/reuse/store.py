@@ -11,9 +11,9 @@ from typing import Callable, Protocol, Sequence
 
 from cachetools import TLRUCache
 
-from gateway.support import metrics
 from gateway.engines.instances import public_url
 from gateway.reuse.packing import digest_bytes, expiry, pack, unpack
+from gateway.support import metrics
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +455,7 @@ class RedisStore(_Takes):
 
     def __init__(self, url: str, ttl: float, timeout: float, client=None,
                  pinned_budget: int = 0, timer: Callable[[], float] = time.time) -> None:
-        import redis   # only a Redis-backed gateway needs the client
+        import redis  # only a Redis-backed gateway needs the client
         from redis.commands.core import Script
 
         # A cluster unreachable when its client is made raises RedisClusterException, which

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter,
-                               Gauge, Histogram, generate_latest, multiprocess)
+from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest, multiprocess)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
