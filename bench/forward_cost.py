@@ -21,7 +21,7 @@ from bench.procstat import cpu_seconds, tree
 from devtools import sse
 from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
-from gateway.front.affinity import owner
+from gateway.front.owners import owner
 from gateway.reuse.conversation import identify
 from emulator.process import EmulatorProcess, wait_until
 

@@ -46,7 +46,7 @@ SPECIFIC: list[tuple[str, tuple[str, ...]]] = [
     ("exactness", ("gateway/reuse/exactness.py",)),
     ("P call", ("prefill_call (gateway/flow/disagg.py",)),
     ("D call (open)", ("Upstream.open_stream (",)),
-    ("relay", ("gateway/flow/reply.py", "gateway/flow/sse.py", "gateway/flow/turn.py")),
+    ("relay", ("gateway/flow/reply.py", "gateway/flow/sse.py", "gateway/flow/decoded.py")),
     ("admission", ("gateway/front/admission.py",)),
 ]
 GENERIC = [("Flask", ("flask/", "werkzeug/")), ("server", ("gunicorn/",))]

@@ -91,7 +91,7 @@ class GatewayProcess:
 
     def owner_port(self, body: dict, headers: dict | None = None) -> int:
         """The private port of the worker that owns `body`'s conversation (every slot live)."""
-        from gateway.front.affinity import owner
+        from gateway.front.owners import owner
         from gateway.reuse.conversation import root_key
         body = dict(body)
         conversation_id = body.pop("conversation_id", None)     # as gateway.parse does

@@ -1,7 +1,7 @@
 """pd-gateway's gunicorn hooks, added to any gunicorn config by one call: `install(globals())`.
 
 They give each worker a stable slot and, with several workers, a private loopback listener (the
-worker affinity of gateway.front.affinity), set up the directory where every worker writes its
+worker affinity of gateway.front.owners), set up the directory where every worker writes its
 metrics (so /metrics sums them), and refuse to start under sync workers. Hooks the config
 already has keep running, after pd-gateway's. The gateway's own config (standalone_conf.py) is
 its settings and the same call; a host app's `gunicorn.conf.py` ends with it (docs/embedding.md).
@@ -83,7 +83,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         _refuse_what_cannot_work(server)
         # Stable worker slots (the pattern of gunicorn issue #1352): the master hands each new
         # worker the smallest free slot, and a replacement for a dead worker gets the slot it
-        # left. A slot owns a share of conversations (gateway.front.affinity) and a private port.
+        # left. A slot owns a share of conversations (gateway.front.owners) and a private port.
         server.pd_slots = {}    # slot -> the worker holding it
         server.pd_private = _private_base(settings, server)
         # slot -> the master's hold on its private port: a socket bound with SO_REUSEPORT and

@@ -39,6 +39,13 @@ class ClientRequest:
 MAX_DEPTH = 64
 
 
+def is_plain(message: Any) -> bool:
+    """A message of a role and a text alone: most of every history, so validated here and
+    digested (gateway.reuse.conversation.canonical_message) without the general walk."""
+    return (type(message) is dict and len(message) == 2 and type(message.get("role")) is str
+            and type(message.get("content")) is str)
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise BadRequest(message, param=param)
@@ -57,9 +64,8 @@ def _check_messages(messages: Any) -> None:
     _check(isinstance(messages, list) and messages, "messages",
            "'messages' must be a non-empty list of message objects")
     for i, m in enumerate(messages):
-        if (type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str
-                and "name" not in m and "tool_calls" not in m and "tool_call_id" not in m):
-            continue       # a plain message, most of every history: nothing more to check
+        if is_plain(m):
+            continue       # most of every history: nothing more to check
         where = f"messages.{i}"
         _check(isinstance(m, dict), where, f"'{where}' must be an object")
         _check(isinstance(m.get("role"), str), f"{where}.role", f"'{where}.role' must be a string")

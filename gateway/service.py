@@ -6,12 +6,13 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
-from typing import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
 
 from gateway.config import Settings
 from gateway.engines.engine_load import EngineLoad
-from gateway.engines.instances import Instance, Policy, Pool, Prober
+from gateway.engines.instances import Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.upstream import Upstream
 from gateway.engines.watch import Watch
@@ -19,13 +20,13 @@ from gateway.flow.disagg import Disagg
 from gateway.flow.fast_path import FastPath
 from gateway.flow.model_pools import ModelPool, ModelPools
 from gateway.flow.release import Releaser
-from gateway.flow.reply import Reply, once
+from gateway.flow.reply import Reply
 from gateway.front.admission import Admission, BodyBudget
-from gateway.front.affinity import Affinity
 from gateway.front.auth import ApiKeys
+from gateway.front.owners import Owners
 from gateway.front.tenants import BYTES_PER_TOKEN, NO_TICKET, KeyLimits, Tenants, Ticket
 from gateway.parse import ClientRequest, parse
-from gateway.reuse.conversation import identify, root_key, tenant_salt
+from gateway.reuse.conversation import Conversation, tenant_salt
 from gateway.reuse.exactness import Exactness
 from gateway.reuse.store import ConversationStore, create_store
 from gateway.slots import THREADS_ENV
@@ -33,6 +34,16 @@ from gateway.support import logs, metrics
 from gateway.support.errors import BadGateway, GatewayError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """How a request reached this worker, as much of it as a turn needs (the view reads it off
+    the WSGI environ)."""
+
+    route: str              # the path it came on, an app's prefix included: a forward goes there
+    port: str               # the port it came on: a worker's private port means it was forwarded
+    socket: Any = None      # the client's socket, watched for the client going (gunicorn's)
 
 
 class Gateway:
@@ -72,7 +83,7 @@ class Gateway:
             every_pool, settings.engine_metrics_interval, settings.engine_queue_limit,
             settings.engine_kv_full)
         self.engine_load.start()
-        self.affinity = Affinity(settings, self.upstream)
+        self.owners = Owners(settings, self.upstream)
         # The running worker's threads, if gunicorn runs a threaded one (a host's config may
         # choose it, whatever the app's settings say).
         threads = int(os.environ.get(THREADS_ENV, 0))
@@ -140,9 +151,8 @@ class Gateway:
         pool = self.pools.of_decode(entry.decode_url)
         return pool.prefill if pool is not None else None
 
-    def complete(self, path: str, raw: bytes, headers: Mapping[str, str],
-                 environ: Mapping[str, object], request_id: str,
-                 body_held: Callable[[], None] | None = None) -> Reply:
+    def complete(self, path: str, raw: bytes, headers: Mapping[str, str], arrival: Arrival,
+                 request_id: str, body_held: Callable[[], None] | None = None) -> Reply:
         """Run one completion request whose whole body is `raw`; raises GatewayError.
 
         The body must be read before this call: bytes still unread in the socket would look to
@@ -152,22 +162,24 @@ class Gateway:
         worker's body budget, which this call owns from its start): call it when the reply has ended or was
         dropped; a JSON reply comes released.
         """
-        held: list = [body_held] if body_held else []  # released after the reply's own
+        held = ExitStack()      # what the turn takes, released last taken first
+        if body_held:
+            held.callback(body_held)
         try:
             request = parse(path, raw)        # CPU only: no watcher, no place taken yet
             pool, request = self.pools.route(request)     # an unknown model: 404 here
-            id_args = (request.body, headers, request.conversation_id)
-            owner = (self.affinity.forward_to(root_key(*id_args))
-                     if self.affinity.may_forward(environ) else None)
+            conversation = Conversation(request.body, headers, request.conversation_id)
+            owner = (self.owners.forward_to(conversation.root())
+                     if self.owners.may_forward(arrival.port) else None)
             tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
             # Its key's requests and tokens per minute, where the turn runs; then a place for
             # this turn or its relay. Either way 429 with nothing started.
             ticket = self._counted(held, tenant, limits, raw) if owner is None else NO_TICKET
             self._admit(held, self.admission if owner is None else self.relays, tenant, limits)
             total = self.settings.total_timeout
-            held.append(Watch(environ.get("gunicorn.socket"),   # type: ignore[arg-type]
-                              time.monotonic() + total if total else None).stop)
-            reply = None if owner is None else self._forward(owner, environ, raw, headers)
+            held.callback(Watch(arrival.socket, time.monotonic() + total if total else None).stop)
+            reply = (None if owner is None else
+                     self.owners.forward(owner, arrival.route, raw, headers))
             if reply is not None and body_held:
                 body_held()     # relayed: the owner holds the body now, this worker only bytes
             if reply is None:
@@ -175,44 +187,34 @@ class Gateway:
                     ticket = self._counted(held, tenant, limits, raw)
                     if self.relays is not self.admission:
                         self._admit(held, self.admission, tenant, limits)
-                reply = self._serve(pool, request, id_args, headers, request_id)
+                reply = self._serve(pool, request, conversation, headers, request_id)
                 if ticket is not NO_TICKET:
                     reply.headers.update(ticket.headers)
-                    held.append(_charge(ticket, reply, len(raw)))
+                    held.callback(_charge(ticket, reply, len(raw)))
         except BaseException:
-            _release(once(*reversed(held)))      # the error the client sees is the first one
+            _release(held.close)      # the error the client sees is the one that stopped it
             raise
-        reply.close = once(reply.close, *reversed(held))
+        held.callback(reply.close)    # the reply's own first: the stream, D's count
+        reply.close = held.close      # once, each step even if one before it fails
         if reply.stream is None:
             _release(reply.close)                # the body is whole: it goes out regardless
         return reply
 
-    def _counted(self, held: list, tenant: str, limits: KeyLimits, raw: bytes) -> Ticket:
+    def _counted(self, held: ExitStack, tenant: str, limits: KeyLimits, raw: bytes) -> Ticket:
         """Count the request against its key's limits (429 if over); given back if the turn
         never runs."""
         ticket = self.tenants.admit(tenant, limits, len(raw))
         if ticket is not NO_TICKET:
-            held.append(ticket.refund)
+            held.callback(ticket.refund)
         return ticket
 
     @staticmethod
-    def _admit(held: list, admission: Admission, tenant: str, limits: KeyLimits) -> None:
-        held.append(admission.enter(tenant, limits.weight, limits.turns))
+    def _admit(held: ExitStack, admission: Admission, tenant: str, limits: KeyLimits) -> None:
+        held.callback(admission.enter(tenant, limits.weight, limits.turns))
 
-    def _forward(self, owner: Instance, environ: Mapping[str, object], raw: bytes,
-                 headers: Mapping[str, str]) -> Reply | None:
-        """The owner's reply (it admits or refuses the turn itself), or None if it is away."""
-        try:
-            forwarded = self.affinity.forward(owner, environ, raw, headers)
-        except GatewayError:
-            metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
-            raise
-        metrics.FORWARDED.labels("away" if forwarded is None else "sent").inc()
-        return forwarded
-
-    def _serve(self, pool: ModelPool, request: ClientRequest, id_args: tuple,
+    def _serve(self, pool: ModelPool, request: ClientRequest, conversation: Conversation,
                headers: Mapping[str, str], request_id: str) -> Reply:
-        identity = identify(*id_args)
+        identity = conversation.identity()
         own_salt = request.body.get("cache_salt")
         if self.salted and (own_salt is None or isinstance(own_salt, str)):
             # (A salt that is not a string goes as sent: the engine answers its 400.)
@@ -223,7 +225,7 @@ class Gateway:
         engine_headers = self.upstream.headers(request_id, client_credential,
                                                logs.traceparent(headers.get("traceparent")),
                                                headers.get("tracestate"))
-        return pool.disagg.run(request, identity, engine_headers)
+        return pool.disagg.run(request, identity, engine_headers, request_id)
 
     def models(self) -> dict:
         """/v1/models: with one pool, the list of the first D that answers, healthy ones first;
@@ -259,8 +261,8 @@ class Gateway:
                  if self.pools.single else
                  {"models": {m.name: {"healthy": m.healthy(), "prefill": m.prefill.report(),
                                       "decode": m.decode.report()} for m in self.pools.pools}})
-        return {"status": self.health(), "worker": self.affinity.slot,
-                "pid": os.getpid(), "affinity": self.affinity.enabled,
+        return {"status": self.health(), "worker": self.owners.slot,
+                "pid": os.getpid(), "affinity": self.owners.enabled,
                 # Besides gthread's request pool (which grows with concurrency and stays):
                 # the main thread, the prober, request watchers. Under gevent, greenlets.
                 "threads": sum(not t.name.startswith("ThreadPoolExecutor")
@@ -286,8 +288,8 @@ class Gateway:
 def _charge(ticket: Ticket, reply: Reply, body_bytes: int) -> Callable[[], None]:
     """The turn's tokens, counted against its key's tokens per minute once the reply ends."""
     def charge() -> None:
-        if reply.turn is not None:
-            ticket.charge(reply.turn.tokens(body_bytes // BYTES_PER_TOKEN))
+        if reply.decoded is not None:
+            ticket.charge(reply.decoded.tokens(body_bytes // BYTES_PER_TOKEN))
     return charge
 
 

@@ -1,7 +1,7 @@
 """What the gunicorn master and its workers share: each worker's slot, the private listeners'
 address, which slots own conversations, how far each worker has applied the admin changes, and
 the engines' reported load. The master's hooks (gateway.gunicorn_conf) write them and set the
-variables after fork; the runtime (affinity, membership, engine_load, the service) reads them.
+variables after fork; the runtime (owners, membership, engine_load, the service) reads them.
 
 The arrays are made at import, in the master, before it forks, so every worker shares them.
 Importing this module imports nothing of the gateway's, nor requests: gevent can still be
@@ -21,7 +21,7 @@ THREADS_ENV = "PD_GATEWAY_WORKER_THREADS"
 MAX_SLOTS = 256
 # Which slots own conversations now, shared with every worker (forked from the master, which
 # alone writes it): a worker stopped by TTOU or a smaller reload stops owning at once, so no
-# request waits for an owner that is not coming back. gateway.affinity reads it.
+# request waits for an owner that is not coming back. gateway.front.owners reads it.
 LIVE_SLOTS = multiprocessing.RawArray("b", MAX_SLOTS)
 # Instances added or removed through the admin endpoint reach every worker through one file
 # the master makes (gateway.membership: each worker appends what it was asked, and applies every

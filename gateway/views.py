@@ -8,16 +8,16 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from contextlib import ExitStack
 from typing import Callable, Iterator
 
 from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
-from gateway.flow.reply import once
 from gateway.front.admission import BodyHold
 from gateway.front.auth import check_admin
 from gateway.parse import CHAT, COMPLETIONS
-from gateway.service import Gateway
+from gateway.service import Arrival, Gateway
 from gateway.support import logs, metrics
 from gateway.support.errors import (BadRequest, ClientGone, GatewayError, Overloaded,
                                     PayloadTooLarge, json_response)
@@ -142,7 +142,11 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
             except BaseException:
                 hold.release()
                 raise
-            reply = gateway.complete(path, raw, request.headers, request.environ, request_id,
+            environ = request.environ
+            arrival = Arrival(route=environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""),
+                              port=environ.get("SERVER_PORT", ""),
+                              socket=environ.get("gunicorn.socket"))
+            reply = gateway.complete(path, raw, request.headers, arrival, request_id,
                                      hold.release)
             if reply.stream is None:
                 response = json_response(reply.body)
@@ -150,8 +154,10 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                 # The server's close of the response is the reply's close: the whole chain,
                 # run once, even if one step of it fails (werkzeug would skip its on-close
                 # callbacks after a failing iterable close).
-                response = _StreamResponse(_Chunks(reply.stream, once(reply.close,
-                                                                      _forget_request_id)),
+                closing = ExitStack()
+                closing.callback(_forget_request_id)
+                closing.callback(reply.close)
+                response = _StreamResponse(_Chunks(reply.stream, closing.close),
                                            status=reply.status, content_type=reply.content_type)
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends

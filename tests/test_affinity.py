@@ -9,7 +9,7 @@ import uuid
 import pytest
 import requests
 
-from gateway.front.affinity import Affinity, owner
+from gateway.front.owners import Owners, owner
 from gateway.config import Settings
 from gateway.reuse.conversation import identify
 from devtools import workload
@@ -50,15 +50,15 @@ def test_forwarding_is_off_without_private_listeners_or_when_switched_off():
     # gunicorn_conf's post_fork gives a worker its slot, and the private listeners' address
     # when it opened them (several workers).
     environ = {"PD_GATEWAY_WORKER_SLOT": "1", "PD_GATEWAY_PRIVATE_BASE": "127.0.0.1:9001"}
-    assert Affinity(Settings(), None, environ).enabled
-    assert not Affinity(Settings(affinity=False), None, environ).enabled
-    assert not Affinity(Settings(store="redis://127.0.0.1:9/0"), None, environ).enabled
-    assert not Affinity(Settings(), None, {"PD_GATEWAY_WORKER_SLOT": "0"}).enabled  # one worker
-    assert not Affinity(Settings(), None, {}).enabled        # not under gunicorn's hooks
+    assert Owners(Settings(), None, environ).enabled
+    assert not Owners(Settings(affinity=False), None, environ).enabled
+    assert not Owners(Settings(store="redis://127.0.0.1:9/0"), None, environ).enabled
+    assert not Owners(Settings(), None, {"PD_GATEWAY_WORKER_SLOT": "0"}).enabled  # one worker
+    assert not Owners(Settings(), None, {}).enabled        # not under gunicorn's hooks
     # A request that came on this worker's own private port was forwarded: served here.
-    affinity = Affinity(Settings(), None, environ)
-    assert not affinity.may_forward({"SERVER_PORT": "9002"})
-    assert affinity.may_forward({"SERVER_PORT": "9001"}) and affinity.may_forward({})
+    owners = Owners(Settings(), None, environ)
+    assert not owners.may_forward("9002")
+    assert owners.may_forward("9001") and owners.may_forward("")
 
 
 def test_owner_is_stable_and_spreads():

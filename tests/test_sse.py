@@ -9,8 +9,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.flow.sse import EventRelay
-from gateway.flow.turn import Turn
+from gateway.flow.sse import EventFilter
+from gateway.flow.decoded import Decoded
 
 content = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
 chunks = st.one_of(
@@ -38,9 +38,9 @@ events = st.lists(st.tuples(st.sampled_from(["data", "data", "data", "spaced", "
                                              "blank", "done"]), chunks), max_size=10)
 
 
-def relay(wire: bytes, cuts: list[int], general: bool, strip: bool) -> tuple[bytes, Turn]:
-    turn = Turn(strip_ids=strip)
-    relayed = EventRelay(turn)
+def relay(wire: bytes, cuts: list[int], general: bool, strip: bool) -> tuple[bytes, Decoded]:
+    decoded = Decoded(strip_ids=strip)
+    relayed = EventFilter(decoded)
     if general:
         relayed.feed = lambda data, r=relayed: r._feed_general(r._pending + data,  # noqa: E731
                                                                max(0, len(r._pending) - 3))
@@ -48,7 +48,7 @@ def relay(wire: bytes, cuts: list[int], general: bool, strip: bool) -> tuple[byt
     for cut in sorted(set(c for c in cuts if 0 < c < len(wire))) + [len(wire)]:
         out += relayed.feed(wire[start:cut])
         start = cut
-    return out, turn
+    return out, decoded
 
 
 @given(events=events, cuts=st.lists(st.integers(0, 2000), max_size=8), strip=st.booleans())
@@ -80,13 +80,13 @@ def test_blank_lines_beyond_an_event_are_kept_for_the_next_read():
 def test_an_event_python_json_reads_and_orjson_does_not_is_still_cleaned():
     wire = (b'data: {"choices":[{"index":0,"delta":{"content":"a"},"logprobs":NaN}],'
             b'"kv_transfer_params":{"x":1}}\n\n')
-    out, turn = relay(wire, [], general=False, strip=False)
-    assert b"kv_transfer_params" not in out and b"NaN" in out and turn.params == {"x": 1}
+    out, decoded = relay(wire, [], general=False, strip=False)
+    assert b"kv_transfer_params" not in out and b"NaN" in out and decoded.params == {"x": 1}
 
 
 def test_an_integer_beyond_64_bits_stays_exact_in_an_event_that_is_rewritten():
     wire = (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],'
             b'"seed_used":123456789012345678901234567890,"kv_transfer_params":{"x":1}}\n\n')
-    out, turn = relay(wire, [], general=False, strip=False)
+    out, decoded = relay(wire, [], general=False, strip=False)
     assert b'"seed_used":123456789012345678901234567890' in out
-    assert b"kv_transfer_params" not in out and turn.params == {"x": 1}
+    assert b"kv_transfer_params" not in out and decoded.params == {"x": 1}

@@ -293,7 +293,7 @@ class Upstream:
         """POST and return the open response once its headers arrived, or raise a GatewayError."""
         return Stream(self._post(instance, path, body, headers, stream=True), instance)
 
-    def forward(self, instance: Instance, path: str, raw: bytes, headers: dict) -> Stream:
+    def post_raw(self, instance: Instance, path: str, raw: bytes, headers: dict) -> Stream:
         """POST the client's bytes unchanged and return the open response, whatever its status."""
         return Stream(self._send(instance, path, raw, headers, stream=True), instance)
 

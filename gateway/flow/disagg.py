@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from typing import Callable, TypeVar
 
 from gateway.engines.instances import Instance, Pool
 from gateway.engines.upstream import Upstream
+from gateway.flow.decoded import Decoded
 from gateway.flow.fast_path import FastPath
 from gateway.flow.release import Releaser
-from gateway.flow.reply import Reply, StreamRelay, once
-from gateway.flow.turn import Turn
+from gateway.flow.reply import Reply, StreamRelay
 from gateway.parse import ClientRequest
 from gateway.reuse.conversation import Identity
 from gateway.reuse.exactness import Exactness, Reuse, plain_reply
@@ -109,6 +110,19 @@ def replayable(failure: GatewayError | None) -> bool:
     return failure is None or isinstance(failure, ServiceUnavailable)
 
 
+@dataclass(slots=True)
+class Turn:
+    """One turn through the flow: what the client asked, whose conversation it is, what the
+    engines get with it, and, once D answers, what D produced."""
+
+    request: ClientRequest
+    identity: Identity
+    headers: dict          # the engines' headers (request id, trace context, credential)
+    request_id: str        # for the access log
+    started: float         # perf_counter() at its start: TTFT and P's time count from it
+    decoded: Decoded | None = None
+
+
 class Disagg:
     """Runs requests through P and D and keeps the conversation store up to date."""
 
@@ -188,8 +202,10 @@ class Disagg:
                 pool.release(instance)
             return instance, result
 
-    def run(self, request: ClientRequest, identity: Identity, headers: dict) -> Reply:
-        started = time.perf_counter()
+    def run(self, request: ClientRequest, identity: Identity, headers: dict,
+            request_id: str) -> Reply:
+        """One turn: the entry, P (unless the fast path skips it), D, the relay."""
+        turn = Turn(request, identity, headers, request_id, time.perf_counter())
         entry = self.take_entry(identity)
         admitted: Reuse | None = None      # what P may read of the entry, once decided
         if entry is not None and self.decode.get(entry.decode_url) is None:
@@ -209,11 +225,10 @@ class Disagg:
                 # A plain request: D computes the few new tokens, its prefix cache serving the
                 # history, and keeps nothing for later (next turn: a two-stage miss, both
                 # engines' own caches serving most of it). The entry's blocks, now unread, go.
-                turn, d_body = self._decode_body(request, identity)
+                d_body = self._decode_body(turn)
                 try:
-                    return self._decode(request, identity, turn, headers, lambda failure: d_body,
-                                        None, started, "hit", ("decode-only", reason, "-"),
-                                        only=target,
+                    return self._decode(turn, lambda failure: d_body, None, "hit",
+                                        ("decode-only", reason, "-"), only=target,
                                         ended=lambda: self.releaser.drop(entry, "decode_only"))
                 except GatewayError as exc:
                     if not exc.instance_fault:
@@ -255,57 +270,57 @@ class Disagg:
         except GatewayError as exc:
             sent.failed(exc)
             raise
-        metrics.PREFILL_SECONDS.observe(time.perf_counter() - started)
+        metrics.PREFILL_SECONDS.observe(time.perf_counter() - turn.started)
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
         prompt_tokens = count_prefill(prefill_reply, reuse.entry.params if reuse else None,
                                       cache == "partial")
-        turn, d_body = self._decode_body(request, identity)
-        turn.prompt_tokens = prompt_tokens
+        d_body = self._decode_body(turn)
+        turn.decoded.prompt_tokens = prompt_tokens
         with_blocks = decode_body(d_body, prefill_reply, prefill)
-        return self._decode(request, identity, turn, headers,
-                            lambda failure: with_blocks if replayable(failure) else d_body,
-                            entry.decode_url if entry else None, started,
-                            cache, ("two-stage", reason, prefill.name))
+        return self._decode(turn, lambda failure: with_blocks if replayable(failure) else d_body,
+                            entry.decode_url if entry else None, cache,
+                            ("two-stage", reason, prefill.name))
 
-    def _decode_body(self, request: ClientRequest, identity: Identity) -> tuple[Turn, dict]:
-        """The turn to fold D's reply into, and the client's body as D gets it (before params).
+    def _decode_body(self, turn: Turn) -> dict:
+        """The client's body as D gets it (before params); the turn's `decoded` made ready.
 
         D's token ids let the next turn be verified; asked for here (once the template is
         known), they never reach a client that did not ask for them itself."""
-        ask_ids = (identity.reusable and self.exactness.wants_ids(request)
+        request = turn.request
+        ask_ids = (turn.identity.reusable and self.exactness.wants_ids(request)
                    and not request.body.get("return_token_ids"))
-        body = {**request.wire, "return_token_ids": True} if ask_ids else request.wire
-        return Turn(strip_ids=ask_ids), body
+        turn.decoded = Decoded(strip_ids=ask_ids)
+        return {**request.wire, "return_token_ids": True} if ask_ids else request.wire
 
-    def _decode(self, request: ClientRequest, identity: Identity, turn: Turn, headers: dict,
-                body_for: Callable[[GatewayError | None], dict], prefer: str | None,
-                started: float, cache: str, path: tuple[str, str, str],
+    def _decode(self, turn: Turn, body_for: Callable[[GatewayError | None], dict],
+                prefer: str | None, cache: str, path: tuple[str, str, str],
                 only: Instance | None = None,
                 ended: Callable[[], None] | None = None) -> Reply:
         """Decode on D (retried before the first byte unless `only`), relay, remember;
         `ended` runs when the turn is over (its stream closed), never before."""
         reply_headers = {"X-Gateway-Cache": cache, "X-Gateway-Path": "%s; reason=%s" % path[:2]}
-        trace = (headers.get("X-Request-Id"), cache, *path)
+        request, decoded, headers = turn.request, turn.decoded, turn.headers
+        trace = (turn.request_id, cache, *path)
         if not request.stream:
             decode, reply = self._attempt(
-                self.decode, identity.root, prefer,
+                self.decode, turn.identity.root, prefer,
                 lambda d, failure: self.upstream.post_json(d, request.path, body_for(failure),
                                                            headers),
                 only=only)
             self._count(request, cache, path)
-            reply = turn.absorb_body(reply)
-            self._remember(request, identity, turn, decode)
-            self._let_go(turn, decode, ended)
-            self._log_turn(trace, decode, turn, None, "completed")
-            return Reply(headers=reply_headers, body=reply, turn=turn)
+            reply = decoded.absorb_body(reply)
+            self._remember(turn, decode)
+            self._let_go(decoded, decode, ended)
+            self._log_turn(trace, decode, decoded, None, "completed")
+            return Reply(headers=reply_headers, body=reply, decoded=decoded)
         decode, stream = self._attempt(
-            self.decode, identity.root, prefer,
+            self.decode, turn.identity.root, prefer,
             lambda d, failure: self.upstream.open_stream(d, request.path, body_for(failure),
                                                          headers),
             hold=True, only=only)
-        relay = StreamRelay(stream, turn, decode, self.decode, started,
-                            lambda: self._remember(request, identity, turn, decode),
-                            lambda ttft, outcome: self._log_turn(trace, decode, turn, ttft,
+        relay = StreamRelay(stream, decoded, decode, self.decode, turn.started,
+                            lambda: self._remember(turn, decode),
+                            lambda ttft, outcome: self._log_turn(trace, decode, decoded, ttft,
                                                                  outcome))
         try:
             self._count(request, cache, path)
@@ -313,27 +328,26 @@ class Disagg:
             relay.finish()        # D's count and its stream are held from here on
             raise
         chunks = relay.chunks()
-
-        def close() -> None:
-            chunks.close()        # cut short: its GeneratorExit is counted as a disconnect
-            relay.finish()        # never iterated at all: the stream and D's count still go
-            self._let_go(turn, decode, ended)
+        closing = ExitStack()          # run last first, each even if one before it fails
+        closing.callback(self._let_go, decoded, decode, ended)
+        closing.callback(relay.finish)  # never iterated at all: the stream and D's count go
+        closing.callback(chunks.close)  # cut short: its GeneratorExit counts a disconnect
         return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
                               "X-Accel-Buffering": "no"},
-                     stream=chunks, content_type=stream.content_type, close=once(close),
-                     turn=turn)
+                     stream=chunks, content_type=stream.content_type, close=closing.close,
+                     decoded=decoded)
 
-    def _let_go(self, turn: Turn, decode: Instance, ended: Callable[[], None] | None) -> None:
+    def _let_go(self, decoded: Decoded, decode: Instance, ended: Callable[[], None] | None) -> None:
         """The turn is over: run `ended`, and release what D kept that no entry holds (a turn
         cut before its end, or one whose reply the next turn cannot find). Never raises: it
         runs in the reply's close."""
         try:
             if ended is not None:
                 ended()
-            raw = turn.params
+            raw = decoded.params
             # D's own params (do_remote_decode) name blocks D keeps for a next turn.
             params = (clean_params(raw) if isinstance(raw, dict) and raw.get("do_remote_decode")
-                      and not turn.kept else None)
+                      and not decoded.kept else None)
             if params is not None:
                 params["remote_host"] = decode.host
                 self.releaser.drop(Entry(params=params, decode_url=decode.url,
@@ -346,39 +360,39 @@ class Disagg:
         metrics.REQUESTS.labels(request.path, cache).inc()
         metrics.TURN_PATHS.labels(*path[:2]).inc()
 
-    def _log_turn(self, trace: tuple, decode: Instance, turn: Turn, ttft: float | None,
+    def _log_turn(self, trace: tuple, decode: Instance, decoded: Decoded, ttft: float | None,
                   outcome: str) -> None:
         if self.access_log:
             request_id, cache, path, reason, prefill = trace
-            chunks = len(turn.text) + len(turn.reasoning)
+            chunks = len(decoded.text) + len(decoded.reasoning)
             access.info("turn %s cache=%s path=%s reason=%s prefill=%s decode=%s ttft_ms=%s "
                         "chunks=%d finish=%s outcome=%s", request_id, cache, path, reason,
                         prefill, decode.name, "-" if ttft is None else f"{ttft * 1000:.1f}",
-                        chunks, ",".join(turn.finish_reasons) or "-", outcome)
+                        chunks, ",".join(decoded.finish_reasons) or "-", outcome)
 
-    def _remember(self, request: ClientRequest, identity: Identity, turn: Turn,
-                  decode: Instance) -> None:
-        if turn.reasoning:
+    def _remember(self, turn: Turn, decode: Instance) -> None:
+        request, identity, decoded = turn.request, turn.identity, turn.decoded
+        if decoded.reasoning:
             self.exactness.saw_reasoning(request.body.get("model"))
-        if not turn.reusable or turn.params is None:
+        if not decoded.reusable or decoded.params is None:
             return
-        params = clean_params(turn.params)
+        params = clean_params(decoded.params)
         if params is None:
             log.warning("%s returned malformed kv_transfer_params; not stored", decode.name)
             metrics.ENTRIES.labels("rejected").inc()
             return
-        reply = turn.reply_message() if identity.messages is not None else turn.reply_text()
+        reply = decoded.reply_message() if identity.messages is not None else decoded.reply_text()
         key, digest, length = identity.after(reply)
         if key is None:
             return
-        held, prefixes = self.exactness.held(turn.prompt_ids, turn.output_ids,
+        held, prefixes = self.exactness.held(decoded.prompt_ids, decoded.output_ids,
                                              params.get("remote_num_tokens"),
                                              len(params["remote_block_ids"]) == 1)
         params["remote_host"] = decode.host
         self.store.put(key, Entry(params=params, decode_url=decode.url,
                                   history_digest=digest, history_len=length,
-                                  plain=plain_reply(identity, turn, request.body),
+                                  plain=plain_reply(identity, decoded, request.body),
                                   token_digest=held, prefixes=prefixes), identity.root)
-        turn.kept = True
+        decoded.kept = True
         metrics.ENTRIES.labels("stored").inc()
 

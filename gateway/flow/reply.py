@@ -9,8 +9,8 @@ from typing import Callable, Iterator
 
 from gateway.engines.instances import Instance, Pool
 from gateway.engines.upstream import Stream
-from gateway.flow.sse import EventRelay
-from gateway.flow.turn import Turn
+from gateway.flow.decoded import Decoded
+from gateway.flow.sse import EventFilter
 from gateway.support import metrics
 from gateway.support.errors import BadGateway, ClientGone, GatewayError, error_event
 
@@ -33,23 +33,7 @@ class Reply:
     content_type: str = "application/json"
     status: int = 200
     close: Callable[[], None] = _nothing
-    turn: Turn | None = None    # what D produced, once the reply has ended (None: relayed)
-
-
-def once(*steps: Callable[[], None]) -> Callable[[], None]:
-    """One cleanup of `steps`, run in order, each even if one before it raised, at most once."""
-    pending = list(steps)
-
-    def run() -> None:
-        error = None
-        while pending:
-            try:
-                pending.pop(0)()
-            except BaseException as exc:     # the rest must still run
-                error = error or exc
-        if error is not None:
-            raise error
-    return run
+    decoded: Decoded | None = None    # what D produced, once the reply has ended (None: relayed)
 
 
 class StreamRelay:
@@ -57,10 +41,10 @@ class StreamRelay:
     [DONE], and `finish`, which runs once however the stream ends: completed, failed, the
     client gone, or the reply closed before its first byte."""
 
-    def __init__(self, stream: Stream, turn: Turn, decode: Instance, pool: Pool, started: float,
+    def __init__(self, stream: Stream, decoded: Decoded, decode: Instance, pool: Pool, started: float,
                  remember: Callable[[], None],
                  log_turn: Callable[[float | None, str], None]) -> None:
-        self.stream, self.turn, self.decode, self.pool = stream, turn, decode, pool
+        self.stream, self.decoded, self.decode, self.pool = stream, decoded, decode, pool
         self.started = started
         self.remember = remember            # puts the next turn's entry
         self.log_turn = log_turn            # the access-log line, with TTFT and outcome
@@ -69,21 +53,21 @@ class StreamRelay:
         self._finished = False
 
     def chunks(self) -> Iterator[bytes]:
-        turn, decode = self.turn, self.decode
-        relay = EventRelay(turn)
+        decoded, decode = self.decoded, self.decode
+        relay = EventFilter(decoded)
         try:
             for chunk in self.stream.chunks():
                 out = relay.feed(chunk)
-                if turn.done and not turn.stored:
+                if decoded.done and not decoded.stored:
                     # Store before the client sees [DONE]: its next turn may come at once.
-                    turn.stored = True
+                    decoded.stored = True
                     self.remember()
                 if out:
                     if self.ttft is None:
                         self.ttft = time.perf_counter() - self.started
-                        metrics.TTFT_SECONDS.observe(self.ttft)
+                        metrics.FIRST_BYTE_SECONDS.observe(self.ttft)
                     yield out
-            if not turn.done:
+            if not decoded.done:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
             self.outcome = "completed"
         except ClientGone:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.flow.turn import PARAMS_KEY, Turn
+from gateway.flow.decoded import PARAMS_KEY, Decoded
 from gateway.support import jsonio
 from gateway.support.errors import GatewayError, error_event
 
@@ -22,15 +22,15 @@ _DATA = re.compile(rb"^data: ?", re.M)
 _DONE = b"[DONE]"
 
 
-class EventRelay:
+class EventFilter:
     """Feed D's bytes in, get the bytes to send the client out: whole events, params removed.
 
     Events pass through byte for byte unless they carry `kv_transfer_params`; those are
     re-serialised without it, or dropped if nothing else is left in them.
     """
 
-    def __init__(self, turn: Turn) -> None:
-        self.turn = turn
+    def __init__(self, decoded: Decoded) -> None:
+        self.decoded = decoded
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -92,7 +92,7 @@ class EventRelay:
         if payload[:1] != b"{":
             payload = payload.strip()
             if payload == _DONE:
-                self.turn.done = True
+                self.decoded.done = True
                 return event
             if payload[:1] != b"{":
                 return event
@@ -106,14 +106,14 @@ class EventRelay:
             return event
         if "error" in chunk:
             # The engine's message may name hosts or engine ids; the client gets the gist.
-            self.turn.error = True
+            self.decoded.error = True
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             return error_event(GatewayError(
                 "the decode engine failed during generation",
                 status=error.get("code") if isinstance(error.get("code"), int) else 500),
                 done=False)
         carried_params = PARAMS_KEY in chunk
-        if not self.turn.absorb_chunk(chunk):
+        if not self.decoded.absorb_chunk(chunk):
             return event
         if carried_params and not chunk.get("choices") and chunk.get("usage") is None:
             return b""                       # a params-only event: nothing left for the client

@@ -14,6 +14,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
+from gateway.parse import is_plain
+
 # Request fields known NOT to change the prompt an engine renders: sampling and output options
 # (vLLM's ChatCompletionRequest and CompletionRequest). Every other field is part of the digest
 # scope, so two requests differing in it never share KV blocks: a field vLLM adds tomorrow
@@ -76,7 +78,7 @@ def canonical_content(content: Any) -> Any:
 
 def canonical_message(message: Mapping[str, Any]) -> bytes:
     """The bytes of one chat message that decide its rendered tokens, independent of JSON layout."""
-    if len(message) == 2 and type(message.get("content")) is str and "role" in message:
+    if is_plain(message):
         # Most of every history, digested on every turn: the general form below, built direct.
         return orjson.dumps([message["role"], message["content"], None, [], None, None])
     tool_calls = [{"id": c.get("id"), "type": c.get("type", "function"),
@@ -213,46 +215,63 @@ def word_boundary(text: str, at: int) -> bool:
     return 0 < at < len(text) and not text[at - 1].isspace() and text[at].isspace()
 
 
+class Conversation:
+    """A validated request's conversation, digested as far as each caller needs: `root()` for
+    the worker that owns it (the messages up to the first user message), `identity()` for the
+    worker that serves it (every message). A worker that owns the conversation asks both, and
+    the scope is digested once."""
+
+    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str],
+                 conversation_id: str | None) -> None:
+        self.body = body
+        self.tenant = tenant_of(headers.get("Authorization"))
+        self.scope = _h(b"scope", self.tenant, canonical_json(
+            {k: v for k, v in body.items() if k not in PROMPT_NEUTRAL and k not in _PROMPT}))
+        self.explicit_id = conversation_id or next(
+            (headers[h] for h in ID_HEADERS if headers.get(h)), None)
+        self._root: str | None = None
+
+    def root(self) -> str:
+        """`identity().root`, digesting only the messages up to the first user message."""
+        if self._root is None:
+            body = self.body
+            chain = _chain(self.scope, body["messages"]) if "messages" in body else None
+            self._root = _root(body, self.tenant, self.scope, self.explicit_id, chain)
+        return self._root
+
+    def identity(self) -> Identity:
+        """The identity of the request (chat if it has `messages`, else completions)."""
+        body, scope = self.body, self.scope
+        messages = tuple(_chain(scope, body["messages"])) if "messages" in body else None
+        prompt = (body.get("prompt") if messages is None and isinstance(body.get("prompt"), str)
+                  else None)
+        unreasoned = _unreasoned_chain(body["messages"], messages, scope) if messages else {}
+        if self._root is None:
+            self._root = _root(body, self.tenant, scope, self.explicit_id, messages)
+        return Identity(root=self._root, explicit=bool(self.explicit_id), scope=scope,
+                        messages=messages, prompt=prompt,
+                        reusable=all(body.get(name) is None for name in NO_REUSE),
+                        unreasoned=unreasoned)
+
+
 def identify(body: Mapping[str, Any], headers: Mapping[str, str],
              conversation_id: str | None) -> Identity:
     """Build the identity of a validated request (chat if it has `messages`, else completions)."""
-    tenant, scope, explicit_id = _scope(body, headers, conversation_id)
-    messages = tuple(_chain(scope, body["messages"])) if "messages" in body else None
-    prompt = body.get("prompt") if messages is None and isinstance(body.get("prompt"), str) else None
-    unreasoned = _unreasoned_chain(body["messages"], messages, scope) if messages else {}
-    return Identity(root=_root(body, tenant, scope, explicit_id, messages),
-                    explicit=bool(explicit_id), scope=scope, messages=messages, prompt=prompt,
-                    reusable=all(body.get(name) is None for name in NO_REUSE),
-                    unreasoned=unreasoned)
+    return Conversation(body, headers, conversation_id).identity()
 
 
 def root_key(body: Mapping[str, Any], headers: Mapping[str, str],
              conversation_id: str | None) -> str:
-    """Just `identify(...).root`, digesting only the messages up to the first user message:
-    all a worker needs to know when it forwards the request to the conversation's owner."""
-    tenant, scope, explicit_id = _scope(body, headers, conversation_id)
-    chain = _chain(scope, body["messages"]) if "messages" in body else None
-    return _root(body, tenant, scope, explicit_id, chain)
-
-
-def _scope(body: Mapping[str, Any], headers: Mapping[str, str],
-           conversation_id: str | None) -> tuple[bytes, bytes, str | None]:
-    tenant = tenant_of(headers.get("Authorization"))
-    scope = _h(b"scope", tenant, canonical_json(
-        {k: v for k, v in body.items() if k not in PROMPT_NEUTRAL and k not in _PROMPT}))
-    explicit_id = conversation_id or next(
-        (headers[h] for h in ID_HEADERS if headers.get(h)), None)
-    return tenant, scope, explicit_id
+    """Just `identify(...).root`: all a worker needs to know when it forwards the request to
+    the conversation's owner."""
+    return Conversation(body, headers, conversation_id).root()
 
 
 def _chain(scope: bytes, messages: Iterable[Mapping[str, Any]]) -> Iterator[bytes]:
     """The chained digest of each message prefix, lazily: _h(previous, canonical_message)."""
     chain = scope
-    sha256 = hashlib.sha256
     for message in messages:
-        part = canonical_message(message)
-        chain = sha256(len(chain).to_bytes(4, "little") + chain
-                       + len(part).to_bytes(4, "little") + part).digest()[:16]
+        chain = _h(chain, canonical_message(message))
         yield chain
 
 

@@ -67,16 +67,16 @@ class Reuse(NamedTuple):
     result: str
 
 
-def plain_reply(identity: Identity, turn, body: dict) -> bool:
+def plain_reply(identity: Identity, decoded, body: dict) -> bool:
     """Is this turn's reply one whose re-rendering the digest can vouch for?
 
     Reasoning and tool calls are re-rendered by templates from what the client sends back (or
     dropped); leading or trailing whitespace is trimmed by many (Llama 3's `| trim`, Qwen3's
     strip); a completions reply must start at a token boundary of its prompt.
     """
-    if turn.reasoning or turn.tool_calls:
+    if decoded.reasoning or decoded.tool_calls:
         return False
-    text = turn.reply_text()
+    text = decoded.reply_text()
     if identity.messages is not None:
         return (text == text.strip() and not body.get("continue_final_message")
                 and body.get("add_generation_prompt") is not False)

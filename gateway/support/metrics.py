@@ -96,7 +96,7 @@ PREFILL_TOKENS = Counter("pd_gateway_prefill_tokens", "P's prompt tokens as P re
 DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
 PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill call to P",
                             buckets=_LATENCY)
-TTFT_SECONDS = Histogram("pd_gateway_time_to_first_byte_seconds",
+FIRST_BYTE_SECONDS = Histogram("pd_gateway_time_to_first_byte_seconds",
                          "From request arrival to the first response byte of a stream",
                          buckets=_LATENCY)
 

@@ -16,7 +16,7 @@ PROMPT_IDS, OUTPUT_IDS = "prompt_token_ids", "token_ids"
 
 
 @dataclass
-class Turn:
+class Decoded:
     """What D produced for one turn: its KV params, how it finished, the reply to echo."""
 
     params: Any = None

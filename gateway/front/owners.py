@@ -20,8 +20,9 @@ from werkzeug.http import is_hop_by_hop_header
 from gateway.config import Settings
 from gateway.engines.instances import Instance
 from gateway.engines.upstream import Upstream
-from gateway.flow.reply import Reply, once
+from gateway.flow.reply import Reply
 from gateway.slots import LIVE_SLOTS, PRIVATE_ENV, SLOT_ENV
+from gateway.support import metrics
 from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable, error_event
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def owner(root: str, slots) -> int:
                                                          salt=s.to_bytes(16, "little")).digest())
 
 
-class Affinity:
+class Owners:
     """This worker's slot and the way to every other worker's private listener."""
 
     def __init__(self, settings: Settings, upstream: Upstream,
@@ -63,10 +64,10 @@ class Affinity:
         self.owner_wait = settings.owner_wait
         self._live: tuple[bytes, list[int]] = (b"", [self.slot])
 
-    def may_forward(self, environ: Mapping[str, object]) -> bool:
-        """Could this request belong to another worker? Never if it came on this worker's
-        private port (only forwards arrive there)."""
-        return self.enabled and environ.get("SERVER_PORT") != self.own_port
+    def may_forward(self, port: str) -> bool:
+        """Could a request that came on `port` belong to another worker? Never if it came on
+        this worker's private port (only forwards arrive there)."""
+        return self.enabled and port != self.own_port
 
     def live_slots(self) -> list[int]:
         """The slots that own conversations now (the master's table)."""
@@ -85,10 +86,10 @@ class Affinity:
                                           "worker", slot)
         return self.targets[slot]
 
-    def forward(self, target: Instance, environ: Mapping[str, object], raw: bytes,
+    def forward(self, target: Instance, route: str, raw: bytes,
                 headers: Mapping[str, str]) -> Reply | None:
-        """Relay the request through its owner, to the path it came on (an app may mount the
-        routes under a prefix); None if the owner is away (serve it here).
+        """Relay the request through its owner, to `route`, the path it came on (an app may
+        mount the routes under a prefix); None if the owner is away (serve it here).
 
         Only an owner that is away falls back to serving here. A client that left, or the
         request's deadline, propagate (the view answers 499/504): re-running the whole turn
@@ -96,11 +97,10 @@ class Affinity:
         """
         sent = {k: v for k, v in headers.items()
                 if not is_hop_by_hop_header(k) and k.lower() not in _RECOMPUTED}
-        path = quote(f"{environ.get('SCRIPT_NAME', '')}{environ.get('PATH_INFO', '')}")
         deadline = time.monotonic() + self.owner_wait
         while True:
             try:
-                response = self.upstream.forward(target, path, raw, sent)
+                response = self.upstream.post_raw(target, quote(route), raw, sent)
                 break
             except (ServiceUnavailable, BadGateway):
                 # Refused, or a pooled connection to a dead owner broke: the owner is
@@ -109,11 +109,16 @@ class Affinity:
                 # turn's entry in the wrong worker.
                 if time.monotonic() >= deadline:
                     log.info("owner %s is away; serving here", target.name)
+                    metrics.FORWARDED.labels("away").inc()
                     return None
                 time.sleep(0.05)
+            except GatewayError:
+                metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
+                raise
+        metrics.FORWARDED.labels("sent").inc()
         relayed = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
         return Reply(headers=relayed, stream=self._relay(response, relayed),
-                     status=response.status, close=once(response.close))
+                     status=response.status, close=response.close)
 
     @staticmethod
     def _relay(response, headers: dict) -> Iterator[bytes]:
