@@ -248,7 +248,8 @@ def _flask(system: System, engines: Engines, log_dir: str) -> Running:
     connections = int(system.options.get("worker_connections", WORKER_CONNECTIONS))
     argv = [sys.executable, "-m", "gunicorn", "--bind", urlsplit(url).netloc,
             "--worker-class", "gevent", "--workers", "1",
-            "--worker-connections", str(connections), "--keep-alive", "75", "--timeout", "60", "--chdir", ROOT]
+            "--worker-connections", str(connections), "--keep-alive", "75", "--timeout", "60",
+            "--chdir", ROOT]
     if _gunicorn_version() >= (25, 1):   # one control socket per user: not for several servers
         argv.append("--no-control-socket")
     env = {**os.environ, "FLASK_RELAY_UPSTREAM": engines.decode.url,
