@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.turn_budget --concurrency 8
     .venv/bin/python -m bench.turn_budget --concurrency 64
     .venv/bin/python -m bench.turn_budget --tables bench/out/turn-budget-c8.json \\
-        bench/out/turn-budget-c64.json          # both runs' tables together
+        bench/out/turn-budget-c64.json          # both runs' figures in one set of tables
 
 Starts the benchmark's engines (bench.systems.Engines, bench.run's timing), then the bare Flask
 relay (bench.flask_relay: one Flask view, a pooled requests.Session, D alone) and one pd-gateway
@@ -22,7 +22,8 @@ Then the gateway once more at each length under py-spy (bench.profile's sampling
 room's share of the worker's samples times the median CPU per turn at that length, split into
 per turn and per event the same way, with the floor's own a and b as a row to read against.
 Prints markdown tables and keeps every run's figures in `--out` (JSON), from which `--tables`
-prints them again, several runs' together.
+prints them again: several runs' pooled (each run's repeats, the rooms' samples summed), so a
+budget can come from a few short runs instead of one long one.
 """
 from __future__ import annotations
 
@@ -273,16 +274,43 @@ def budget_table(results: list[dict]) -> str:
         excess.append(f"{gw[0] - fl[0]:+.0f} | {gw[1] - fl[1]:+.1f}" if gw and fl else "– | –")
     lines.append("| pd-gateway over the floor | " + " | ".join(excess) + " |")
     counts = "; ".join(
-        f"C={c}: " + ", ".join(f"{r['words']} words {r['samples']:,}" for r in result["rooms"]
-                               if r["concurrency"] == c)
+        f"C={c}: " + ", ".join(f"{r['words']} words {r['samples']:,} in {r.get('runs', 1)} "
+                               f"run{'s' * (r.get('runs', 1) > 1)}"
+                               for r in result["rooms"] if r["concurrency"] == c)
         for c, result in columns)
-    return "\n".join(lines) + f"\n\npy-spy samples of the worker (one run per length): {counts}."
+    return "\n".join(lines) + f"\n\npy-spy samples of the worker: {counts}."
+
+
+def pooled(results: list[dict]) -> dict:
+    """Several runs' figures as one: every repeat of each, the samples of each room summed."""
+    lengths = {(r["args"]["short_words"], r["args"]["long_words"]) for r in results}
+    if len(lengths) != 1:
+        raise SystemExit(f"the runs have different reply lengths: {sorted(lengths)}")
+    merged = {"args": {**results[0]["args"], "concurrency": sorted(
+                  {c for r in results for c in r["args"]["concurrency"]})},
+              "runs": [{**run, "repeat": f"{i}.{run['repeat']}"}
+                       for i, r in enumerate(results) for run in r["runs"]],
+              "rooms": []}
+    for r in results:
+        for sampled in r["rooms"]:
+            into = next((x for x in merged["rooms"] if x["concurrency"] == sampled["concurrency"]
+                         and x["words"] == sampled["words"]), None)
+            if into is None:
+                merged["rooms"].append({**sampled, "rooms": dict(sampled["rooms"]), "runs": 1})
+                continue
+            into["samples"] += sampled["samples"]
+            into["runs"] += 1
+            for room, n in sampled["rooms"].items():
+                into["rooms"][room] = into["rooms"].get(room, 0) + n
+    return merged
 
 
 def tables(results: list[dict]) -> str:
+    """The tables of one run's figures, or of several runs' pooled (repeats, samples)."""
     runs = "; ".join(f"{r.get('date', '?')}, {r.get('revision', '?')}, C="
                      + ",".join(map(str, r["args"]["concurrency"])) for r in results)
-    return f"Runs: {runs}.\n\n" + fit_table(results) + "\n\n" + budget_table(results)
+    merged = [pooled(results)]
+    return f"Runs: {runs}.\n\n" + fit_table(merged) + "\n\n" + budget_table(merged)
 
 
 def main(argv: list[str] | None = None) -> None:
