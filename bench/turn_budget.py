@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.turn_budget --concurrency 8
     .venv/bin/python -m bench.turn_budget --concurrency 64
-    .venv/bin/python -m bench.turn_budget --tables bench/out/turn-budget-c8.json \\
-        bench/out/turn-budget-c64.json          # both runs' figures in one set of tables
+    .venv/bin/python -m bench.turn_budget --tables bench/out/turn-budget-c*.json
+                                                # the runs' figures in one set of tables
 
 Starts the benchmark's engines (bench.systems.Engines, bench.run's timing), then the bare Flask
 relay (bench.flask_relay: one Flask view, a pooled requests.Session, D alone) and one pd-gateway
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-factor", type=int, default=2,
                         help="the sampled runs have this many times the conversations")
     parser.add_argument("--out", help="where to keep the runs' figures (JSON); default "
-                        "bench/out/turn-budget-c<concurrency>.json")
+                        "bench/out/turn-budget-c<concurrency>-<UTC time>.json")
     parser.add_argument("--tables", nargs="+", metavar="JSON",
                         help="print the tables of these earlier runs instead of measuring")
     args = parser.parse_args(argv)
@@ -345,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     if args.long_words <= args.short_words:
         raise SystemExit("--long-words must exceed --short-words")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     out = args.out or os.path.join(ROOT, "bench", "out", "turn-budget-c"
-                                   + "-".join(map(str, args.concurrency)) + ".json")
+                                   + "-".join(map(str, args.concurrency)) + f"-{stamp}.json")
     out_dir = tempfile.mkdtemp(prefix="pd-turn-budget-")
     clock = time.monotonic()
     result = measure(args, out_dir)
