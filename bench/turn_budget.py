@@ -18,9 +18,10 @@ the client received per turn: a is what a turn costs besides its events (µs), b
 event costs (µs). Medians over the repeats, with their min–max. The ratio per turn is the
 gateway's CPU per turn over the floor's at the short length, repeat by repeat.
 
-Then the gateway once more at each length under py-spy (bench.profile's sampling and rooms): each
-room's share of the worker's samples times the median CPU per turn at that length, split into
-per turn and per event the same way, with the floor's own a and b as a row to read against.
+Then the gateway once more at each length under py-spy (bench.profile's sampling and rooms;
+`--sample-factor` times the conversations, for more samples): each room's share of the worker's
+samples times the median CPU per turn at that length, split into per turn and per event the
+same way, with the floor's own a and b as a row to read against.
 Prints markdown tables and keeps every run's figures in `--out` (JSON), from which `--tables`
 prints them again: several runs' pooled (each run's repeats, the rooms' samples summed), so a
 budget can come from a few short runs instead of one long one.
