@@ -1,5 +1,5 @@
-"""`make bench`: gateway configurations, the seed proxy, vllm-router and an nginx relay over the
-same engines."""
+"""`make bench`: gateway configurations, the seed proxy, vllm-router, an nginx relay and a bare
+Flask relay over the same engines."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,8 @@ SYSTEMS = {
     "vllm-router-rr": System("vllm-router, round_robin", "router", True,
                              {"argv": ("--policy", "round_robin")}),
     "nginx": System("nginx -> D only", "nginx", True),
+    # The design's floor (bench.flask_relay; bench.turn_budget reads the gateway against it).
+    "flask": System("Flask relay -> D only", "flask", True),
 }
 
 
@@ -67,7 +69,7 @@ class Plan:
 
 
 QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-redis-4", "gw-noid-1",
-                       "seed", "vllm-router", "nginx"),
+                       "seed", "vllm-router", "nginx", "flask"),
              (8, 64, 256), turns=5, duration=2, min_conversations=8, growth=growth.QUICK,
              reuse=((reuse.SCENARIOS[0], reuse.SCENARIOS[2]), (32,)))
 FULL = Plan("full", tuple(SYSTEMS), (8, 64, 256), turns=8, duration=60, min_conversations=32,

@@ -1,12 +1,14 @@
-"""The systems under test (gateway configurations, the seed proxy, vllm-router, an nginx relay)
-and the engines."""
+"""The systems under test (gateway configurations, the seed proxy, vllm-router, an nginx relay,
+a bare Flask relay) and the engines."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from urllib.parse import urlsplit
 
 import requests
@@ -15,6 +17,7 @@ from bench import venvs
 from devtools.processes import GatewayProcess, RedisClusterProcesses, RedisProcess
 from emulator.process import EmulatorProcess, free_port, wait_until
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROXY_HOST = "127.0.0.1"
 PREFILL_HOST = "127.0.0.2"
 DECODE_HOST = "127.0.0.3"
@@ -87,9 +90,10 @@ class System:
     """One configuration to measure; `ids` says whether the client sends conversation ids."""
 
     label: str
-    kind: str  # gateway | seed | router | nginx
+    kind: str  # gateway | seed | router | nginx | flask
     ids: bool = True
-    options: dict = field(default_factory=dict)  # gateway flags; vllm-router: extra "argv"
+    # gateway flags; vllm-router: extra "argv"; flask: "worker_connections"
+    options: dict = field(default_factory=dict)
 
 
 class Running:
@@ -118,7 +122,8 @@ def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
 
 
 def start(system: System, engines: Engines, log_dir: str) -> Running:
-    starters = {"gateway": _gateway, "seed": _seed, "router": _router, "nginx": _nginx}
+    starters = {"gateway": _gateway, "seed": _seed, "router": _router, "nginx": _nginx,
+                "flask": _flask}
     return starters[system.kind](system, engines, log_dir)
 
 
@@ -152,10 +157,11 @@ def slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label).strip("-")
 
 
-def _spawn(argv: list[str], log_path: str, url: str, ready_path: str) -> subprocess.Popen:
+def _spawn(argv: list[str], log_path: str, url: str, ready_path: str,
+           env: dict | None = None) -> subprocess.Popen:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, env=env)
     try:
         wait_until(lambda: requests.get(url + ready_path, timeout=2).status_code < 500, 30,
                    argv[0], process, log_path)
@@ -228,3 +234,30 @@ def _nginx(system: System, engines: Engines, log_dir: str) -> Running:
         shutil.rmtree(work, ignore_errors=True)
 
     return Running(url, process, stop)
+
+
+# The gateway's default --worker-connections, which its benchmark workers keep.
+WORKER_CONNECTIONS = 2000
+
+
+def _flask(system: System, engines: Engines, log_dir: str) -> Running:
+    """bench.flask_relay, the bare Flask relay to D alone (no P step, no KV parameters, like the
+    nginx relay), under gunicorn with the gateway's benchmark worker settings: one gevent worker
+    (gunicorn's own), the same worker connections, keep-alive and heartbeat timeout."""
+    url = f"http://{PROXY_HOST}:{quiet_ports(1)}"
+    connections = int(system.options.get("worker_connections", WORKER_CONNECTIONS))
+    argv = [sys.executable, "-m", "gunicorn", "--bind", urlsplit(url).netloc,
+            "--worker-class", "gevent", "--workers", "1",
+            "--worker-connections", str(connections), "--keep-alive", "75", "--timeout", "60",
+            "--chdir", ROOT]
+    if _gunicorn_version() >= (25, 1):   # one control socket per user: not for several servers
+        argv.append("--no-control-socket")
+    env = {**os.environ, "FLASK_RELAY_UPSTREAM": engines.decode.url,
+           "FLASK_RELAY_POOL": str(connections)}
+    return Running(url, _spawn([*argv, "bench.flask_relay:app"],
+                               os.path.join(log_dir, f"{slug(system.label)}.log"), url,
+                               "/health", env))
+
+
+def _gunicorn_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in version("gunicorn").split(".")[:2] if part.isdigit())
