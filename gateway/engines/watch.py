@@ -199,7 +199,24 @@ class _Tracked:
 
 
 class _TrackedHTTPConnection(_Tracked, HTTPConnection):
-    pass
+    @property
+    def is_connected(self) -> bool:
+        """urllib3's check of a pooled connection before each reuse (nothing to read, no EOF),
+        under gevent with one non-blocking peek: urllib3 polls the socket, which under gevent
+        builds and starts a poll object's watchers (measured: 35 us a call, two calls a turn).
+        Plain TCP only: a TLS socket takes no flags, and its bytes are records, not replies."""
+        # gevent's socket wraps a real one, kept non-blocking (a plain socket with a timeout
+        # would wait for the timeout before it peeks: urllib3's own check, a cheap poll there).
+        raw = getattr(self.sock, "_sock", None)
+        if raw is None:
+            return super().is_connected
+        try:
+            raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True         # nothing to read: still connected
+        except OSError:
+            return False        # reset, or closed meanwhile
+        return False            # EOF, or bytes nobody asked for: urllib3 drops it too
 
 
 class _TrackedHTTPSConnection(_Tracked, HTTPSConnection):

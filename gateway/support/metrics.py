@@ -7,8 +7,37 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge,
-                               Histogram, generate_latest, multiprocess)
+import prometheus_client
+from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest,
+                               multiprocess)
+
+
+class _Children:
+    """`labels(...)` found once per label values, then from a plain dict: prometheus_client's
+    own checks the values and takes a lock on every call (measured: about 6 us a call, some
+    ten calls a turn). No child is ever removed here, so none goes stale."""
+
+    def labels(self, *values: str, **by_name: str):  # type: ignore[no-untyped-def]
+        if by_name:
+            return super().labels(*values, **by_name)  # type: ignore[misc]
+        children = self.__dict__.setdefault("_pd_children", {})
+        child = children.get(values)
+        if child is None:
+            child = children[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+
+class Counter(_Children, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_Children, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_Children, prometheus_client.Histogram):
+    pass
+
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
