@@ -21,6 +21,8 @@ def public_url(url: str) -> str:
     """An engine URL (or an origin, "dns:<url>") without the user:password it may carry: never
     in logs, metrics or reports. The host is what follows the last "@" of the netloc, as
     urllib reads it, whatever the password holds."""
+    if "@" not in url:
+        return url            # most URLs, on every pinned-count update: no parse
     prefix = "dns:" if url.startswith("dns:") else ""
     parts = urlsplit(url[len(prefix):])
     if "@" not in parts.netloc:

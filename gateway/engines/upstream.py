@@ -251,7 +251,11 @@ class Upstream:
             response = self._adapter.send(request, stream=stream,
                                           timeout=timeout or self._timeout)
             if not stream:
-                response.content      # read whole, as Session.send does: the connection returns
+                # Read whole, as Session.send does (the connection returns to its pool), in
+                # one urllib3 read: requests' `content` reads through a generator of 10 KB
+                # chunks (measured: 40 us a P call).
+                response._content = response.raw.read(decode_content=True)
+                response._content_consumed = True
         except (requests.RequestException, ValueError) as exc:  # ValueError: a bad header
             raise _translate(exc, instance, current_watch()) from exc
         return response
