@@ -24,9 +24,13 @@ class Watch:
     """Ends one request's engine calls when its client goes away or its deadline passes.
 
     WSGI has no disconnect event: a gone client is only noticed at the next write, which
-    during a long prefill is never. So a background thread (a greenlet under gevent) polls the
-    client socket and, on EOF or at the deadline, shuts down the engine sockets this request
-    is using; the blocked read fails at once and the caller sees `ClientGone` or a timeout.
+    during a long prefill is never. So the client socket and the clock are watched beside the
+    request and, on EOF or at the deadline, the engine sockets this request is using are shut
+    down; the blocked read fails at once and the caller sees `ClientGone` or a timeout.
+    Under gevent the event loop watches them itself (a socket watcher and a timer whose
+    callbacks run in the hub: no greenlet, no poll object, no wake-up of the request's own
+    greenlet; measured: 0.3-0.5 ms of CPU a turn less than a watching greenlet at 64 turns at
+    once); with threads, a background thread polls.
     """
 
     POLL_SECONDS = 0.5   # how long a finished request's watcher may linger
@@ -50,11 +54,21 @@ class Watch:
         self._lock = threading.Lock()
         self._done = False
         self._token = _WATCH.set(self)
-        self._greenlet = None
+        self._io = self._timer = None       # the event loop's watchers, under gevent
+        self._looped = self._running and monkey.is_module_patched("threading")
         if self._running:
             with Watch._live_lock:
                 Watch.live += 1
-            self._greenlet = _start(self._watch)
+            if self._looped:
+                self._loop = gevent.get_hub().loop
+                if client is not None:
+                    self._raw = getattr(client, "_sock", client)
+                    self._io = self._loop.io(client.fileno(), 1)    # 1: readable
+                    self._io.start(self._readable)
+                self._arm()
+            else:
+                threading.Thread(target=self._watch, name="pd-gateway-watch",
+                                 daemon=True).start()
 
     def track(self, connection: HTTPConnection) -> None:
         """Register a connection this request is about to use; refuse if the request is
@@ -83,6 +97,8 @@ class Watch:
         self.quiet_source = source
         self.heard_at = time.monotonic()
         self.quiet_limit = seconds
+        if self._looped:
+            self._arm()
         return True
 
     def error(self) -> GatewayError | None:
@@ -98,17 +114,78 @@ class Watch:
         return None
 
     def stop(self) -> None:
+        if self._looped and not self._done:
+            with Watch._live_lock:
+                Watch.live -= 1
         self._done = True
         self.untrack()
-        if self._greenlet is not None:
-            # Now, not at its next wake: while its poll of the client socket is active, gevent
-            # defers closing that socket (loop.closing_fd) until the loop next wakes, so a
-            # `Connection: close` client saw every response end 0.1-0.5 s late.
-            self._greenlet.kill(block=False)
+        # Now, not at a next wake: while a watcher of the client socket is active, gevent
+        # defers closing that socket (loop.closing_fd) until the loop next wakes, so a
+        # `Connection: close` client saw every response end 0.1-0.5 s late.
+        self._stop_watchers()
         try:
             _WATCH.reset(self._token)
         except ValueError:        # stopped from another context (a generator's close)
             _WATCH.set(None)
+
+    # --- under gevent: the event loop's watchers, their callbacks run in the hub -------------
+
+    def _arm(self) -> None:
+        """(Re)start the timer for the earliest of the deadline and the stream's quiet limit."""
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        if self._done:
+            return
+        due = min(self.deadline if self.deadline is not None else NOT_WAITING,
+                  self.heard_at + self.quiet_limit if self.quiet_limit is not None
+                  else NOT_WAITING)
+        if due == NOT_WAITING:
+            if self.quiet_limit is None:
+                return        # no deadline, no stream's limit yet: only the socket is watched
+            due = time.monotonic() + self.quiet_limit   # its client takes the bytes: look again
+        self._timer = self._loop.timer(max(due - time.monotonic(), 0.0))
+        self._timer.start(self._tick)
+
+    def _tick(self) -> None:
+        if self._done:
+            return
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            self.expired = True
+        elif self.quiet_limit is not None and now >= self.heard_at + self.quiet_limit:
+            self.silent = True
+        else:
+            return self._arm()
+        self._stop_watchers()
+        gevent.spawn(self._cut)     # a greenlet may wait for the lock; the hub must not
+
+    def _readable(self) -> None:
+        if self._done:
+            return
+        try:
+            # The raw socket, without waiting: gevent's recv would wait on the socket's read
+            # event on EAGAIN, which the request's own greenlet may be using.
+            peeked = self._raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            peeked = b""
+        self._io.stop()           # readable it stays: look no more
+        if peeked:
+            return                # a pipelined next request: keep only the deadline
+        self.gone = True
+        self._stop_watchers()
+        gevent.spawn(self._cut)
+
+    def _stop_watchers(self) -> None:
+        for watcher in (self._io, self._timer):
+            if watcher is not None:
+                watcher.stop()
+                watcher.close()
+        self._io = self._timer = None
+
+    # --- with threads: a thread polls ----------------------------------------------------------
 
     def _watch(self) -> None:
         try:
@@ -169,15 +246,6 @@ class Watch:
                         sock.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
-
-
-def _start(target):  # type: ignore[no-untyped-def]
-    """Run `target` beside the request: a greenlet under gevent (a patched threading.Thread
-    costs some 120 Python calls more a request), returned; else a daemon thread (None)."""
-    if monkey.is_module_patched("threading"):
-        return gevent.spawn(target)
-    threading.Thread(target=target, name="pd-gateway-watch", daemon=True).start()
-    return None
 
 
 def current_watch() -> Watch | None:
