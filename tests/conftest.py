@@ -1,17 +1,49 @@
-"""Shared fixtures: apps from the factory, a fake clock, and real servers on free ports."""
+"""Shared fixtures: apps from the factory, a fake clock, and real servers on free ports. What
+tests share besides fixtures is in tests/helpers/."""
 from __future__ import annotations
 
-import contextlib
+import ast
+from pathlib import Path
 
 import pytest
 
-from devtools.workload import MODEL  # noqa: F401  (the tests' model name)
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.reuse.store import LocalStore
+from tests.helpers.payloads import D_URL, P_URL
+from tests.helpers.servers import gateway_process, reset
 
-P_URL = "http://10.9.0.1:8100"
-D_URL = "http://10.9.0.2:8200"
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every import, in the Python files under `root`, of a test module or of a conftest.py.
+    What tests share is in tests/helpers/: a test module imported as a library runs its module
+    code twice under two names, and so does a conftest.py (`conftest` to pytest, `tests.conftest`
+    to the test that imports it: two FakeClock classes, two sets of constants)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                # `from tests.test_x import y` names the module, `from tests import test_x` its item
+                names = [node.module] if _names_a_test_module(node.module) else [
+                    f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(root.parent)}:{node.lineno} imports {name}"
+                      for name in names if _names_a_test_module(name)]
+    return found
+
+
+def _names_a_test_module(name: str) -> bool:
+    return any(part == "conftest" or part.startswith("test_") for part in name.split("."))
+
+
+def pytest_configure(config):
+    imported = imports_of_test_modules(Path(__file__).resolve().parent)
+    if imported:
+        raise pytest.UsageError("test modules and conftest.py are not libraries (put what tests "
+                                "share in tests/helpers/):\n  " + "\n  ".join(imported))
 
 
 class FakeClock:
@@ -63,17 +95,6 @@ def client(app):
 P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
 
 
-@contextlib.contextmanager
-def two_of_each(first_host: int):
-    """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
-    from emulator.process import EmulatorProcess
-    with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(EmulatorProcess(role, bidirectional_kv_xfer=True, host=f"127.0.0.{first_host + i}",
-                                                       itl_ms=1))
-                   for i, role in enumerate(["prefill", "prefill", "decode", "decode"])]
-        yield engines[:2], engines[2:]
-
-
 @pytest.fixture(scope="session")
 def engines():
     from emulator.process import EmulatorProcess
@@ -87,22 +108,9 @@ def engines():
         yield p, d
 
 
-def reset(engines):
-    """Engines shared by several tests, as a test finds them: no fault, counters at zero."""
-    for engine in engines:
-        engine.set_fault("none")
-        engine.reset_stats()
-    return engines
-
-
 @pytest.fixture
 def fresh_engines(engines):
     return reset(engines)
-
-
-def gateway_process(prefill, decode, **settings):
-    from devtools.processes import GatewayProcess
-    return GatewayProcess(prefill, decode, **settings)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from gateway.config import Settings
 from gateway.reuse.conversation import identify
 from devtools import workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import gateway_process, two_of_each
+from tests.helpers.servers import gateway_process, two_of_each, workers_of
 
 
 def worker_health(gateway, slot: int) -> dict:
@@ -102,12 +102,6 @@ def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines
               f"{len(others)} others (in flight through it) missed once")
         wait_until(lambda: worker_health(gateway, 2)["pid"] != victim["pid"], 20, "replacement")
         assert worker_health(gateway, 2)["worker"] == 2
-
-
-def workers_of(gateway) -> set[int]:
-    pid = gateway.process.pid
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return {int(child) for child in f.read().split()}
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])

@@ -10,7 +10,7 @@ import pytest
 
 from devtools import workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import gateway_process, reset
+from tests.helpers.servers import gateway_process, reset
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import requests
 import yaml
 
 from emulator.process import EmulatorProcess, free_port, wait_until
-from tests.conftest import MODEL, gateway_process
+from tests.helpers.servers import MODEL, gateway_process
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RULES = DEPLOY / "prometheus" / "pd-gateway.rules.yml"

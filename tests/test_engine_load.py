@@ -13,7 +13,7 @@ from emulator.metrics import exposition
 from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.engine_load import EngineLoad, LoadTable, parse
 from gateway.engines.instances import Pool
-from tests.conftest import MODEL, gateway_process
+from tests.helpers.servers import MODEL, gateway_process
 
 VLLM_PAGE = b"""\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

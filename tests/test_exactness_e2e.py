@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from bench.exactness import MODES, measure
-from tests.conftest import MODEL
+from tests.helpers.servers import MODEL
 
 BY_NAME = {m.name: m for m in MODES}
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.reuse.kv_params import MISS_PARAMS
-from tests.conftest import D_URL, P_URL
+from tests.helpers.payloads import D_URL, P_URL
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

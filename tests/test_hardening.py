@@ -13,8 +13,7 @@ import requests
 import responses
 
 from emulator.process import wait_until
-from tests.conftest import MODEL, gateway_process
-from tests.test_reliability import open_and_abandon
+from tests.helpers.servers import MODEL, gateway_process, metric, open_and_abandon
 
 
 def history_of(size: int) -> list[dict]:
@@ -94,13 +93,6 @@ def test_a_client_gone_while_forwarded_is_not_served_again_locally(fresh_engines
         assert p.stats()["requests"] == sent
         p.set_fault("none")
         assert d.stats()["requests"] == 0
-
-
-def metric(gateway, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    text = requests.get(gateway.url + "/metrics", timeout=5).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 # --- 4. an entry keeps its own expiry when it is put back ------------------------------------

@@ -13,7 +13,7 @@ import requests
 
 from emulator.process import EmulatorProcess, free_port, wait_until
 from devtools import workload
-from tests.conftest import MODEL, gateway_process
+from tests.helpers.servers import MODEL, gateway_process
 
 BURST = 128
 

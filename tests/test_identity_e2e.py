@@ -11,7 +11,7 @@ import requests
 from openai import OpenAI
 
 from devtools import sse
-from tests.conftest import MODEL
+from tests.helpers.servers import MODEL
 
 
 def ask(gateway, messages, auth="Bearer tenant-a", stream=True, **extra):

@@ -13,8 +13,7 @@ from gateway.config import Settings
 from gateway.engines.discovery import resolvable, with_address
 from gateway.engines.instances import Policy, Pool
 from gateway.engines.membership import ChangeLog, Membership
-from tests.conftest import D_URL, P_URL
-from tests.test_disagg_payloads import MISS, chat_events, d_params, p_params, p_reply
+from tests.helpers.payloads import D_URL, MISS, P_URL, chat_events, d_params, p_params, p_reply
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,7 @@ import pytest
 
 from devtools import workload
 from emulator.process import EmulatorProcess
-from tests.conftest import gateway_process
+from tests.helpers.servers import gateway_process
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ import pytest
 import responses
 
 from gateway.support import logs
-from tests.conftest import D_URL, P_URL
-from tests.test_disagg_payloads import chat_events, d_params, p_params, p_reply
+from tests.helpers.payloads import D_URL, P_URL, chat_events, d_params, p_params, p_reply
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

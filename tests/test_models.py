@@ -9,7 +9,7 @@ import requests
 from devtools.processes import models_toml
 from emulator.process import EmulatorProcess
 from gateway.config import Settings, SettingsError
-from tests.conftest import gateway_process
+from tests.helpers.servers import gateway_process
 
 CHAT = "/v1/chat/completions"
 

@@ -17,9 +17,8 @@ import responses
 from flask import Flask
 
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import D_URL, MODEL, P_URL, gateway_process
-from tests.test_disagg_payloads import CHAT, MESSAGES, chat_events, d_params, p_params, p_reply
-from tests.test_hardening import metric
+from tests.helpers.payloads import CHAT, D_URL, MESSAGES, P_URL, chat_events, d_params, p_params, p_reply
+from tests.helpers.servers import MODEL, gateway_process, metric
 
 
 def _body(n: int, **extra) -> dict:

@@ -15,7 +15,7 @@ from devtools.processes import (GatewayProcess, RedisClusterProcesses, RedisProc
                                 RedisSentinelProcesses)
 from emulator.process import EmulatorProcess, wait_until
 from gateway.reuse.store import Entry, RedisClusterStore, RedisStore, redis_client
-from tests.conftest import MODEL
+from tests.helpers.servers import MODEL
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +11,7 @@ import requests
 
 from devtools import sse, workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import MODEL, gateway_process, two_of_each
+from tests.helpers.servers import MODEL, gateway_process, open_and_abandon, two_of_each
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +138,6 @@ def test_decode_failing_mid_stream_ends_with_an_error_event(fresh_engines, gatew
     again = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
                           json={"model": MODEL, "messages": follow, "conversation_id": fault})
     assert again.headers["X-Gateway-Cache"] == "miss"        # nothing was stored
-
-
-def open_and_abandon(gateway, body: dict, after) -> None:
-    """Send a request on a raw socket, wait for `after(sock)`, then close the connection."""
-    raw = json.dumps(body).encode()
-    sock = socket.create_connection((gateway.host, gateway.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw))
-    after(sock)
-    sock.close()
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])

@@ -26,7 +26,7 @@ import requests
 
 from devtools import sse, workload
 from emulator.process import wait_until
-from tests.conftest import MODEL, gateway_process, two_of_each
+from tests.helpers.servers import MODEL, gateway_process, two_of_each
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from gateway.front.admission import Admission
 from gateway.front.auth import ApiKeys
 from gateway.support.errors import Overloaded
 from gateway.front.tenants import KeyLimits, RateLimited, Tenants, duration
-from tests.conftest import MODEL, gateway_process
+from tests.helpers.servers import MODEL, gateway_process
 
 CHAT = "/v1/chat/completions"
 

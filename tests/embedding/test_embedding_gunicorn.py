@@ -16,9 +16,7 @@ from openai import OpenAI
 from devtools import workload
 from devtools.processes import GatewayProcess, Mount
 from emulator.process import wait_until
-from tests.conftest import MODEL
-from tests.test_affinity import workers_of
-from tests.test_e2e_core import chat_turns
+from tests.helpers.servers import MODEL, chat_turns, workers_of
 
 HERE = Path(__file__).parent
 # The GATEWAY_* variables name a closed port; the engines reach the app through its own config

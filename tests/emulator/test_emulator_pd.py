@@ -13,7 +13,7 @@ from devtools import sse as sse_client
 from emulator.process import EmulatorProcess, wait_until
 from emulator.tokens import render_chat
 
-from tests.emulator.conftest import PD, STUB
+from tests.helpers.emulator import PD, STUB
 
 
 def fresh_history() -> list[dict]:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from devtools import sse as sse_client
 from emulator.process import EmulatorProcess
 from emulator.tokens import EOS, THINK, Template, generate_chat, token_ids
-from tests.emulator.conftest import PD, stream_params
+from tests.helpers.emulator import PD, stream_params
 
 words = st.lists(st.sampled_from(["hi", "there", "kv", "cache"]), min_size=1, max_size=6).map(" ".join)
 SYSTEM = {"role": "system", "content": "be brief"}
