@@ -36,6 +36,10 @@ def gateway_process(prefill, decode, **settings):
     return GatewayProcess(prefill, decode, **settings)
 
 
+def health(gateway) -> dict:
+    return gateway.status()
+
+
 def metric(gateway, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
     text = requests.get(gateway.url + "/metrics", timeout=5).text
