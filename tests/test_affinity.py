@@ -15,7 +15,7 @@ from gateway.config import Settings
 from gateway.reuse.conversation import identify
 from devtools import workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.helpers.servers import gateway_process, metric, two_of_each, workers_of
+from tests.helpers.servers import gateway_process, metric, starts_processes, two_of_each, workers_of
 
 
 def worker_health(gateway, slot: int) -> dict:
@@ -153,6 +153,7 @@ def test_after_ttou_no_request_waits_for_a_worker_that_is_gone(fresh_engines):
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def two_by_two():
     with two_of_each(4) as engines:
         yield engines

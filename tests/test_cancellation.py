@@ -15,6 +15,8 @@ import requests
 from emulator.process import EmulatorProcess, wait_until
 from tests.helpers.servers import MODEL, gateway_process, health, metric, open_and_abandon
 
+pytestmark = pytest.mark.processes     # engines and gateways, every test
+
 
 def history_of(size: int) -> list[dict]:
     """A chat of about `size` bytes of JSON: long histories are this gateway's workload."""

@@ -7,10 +7,11 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.helpers.servers import MODEL, TURNS, chat_turns
+from tests.helpers.servers import MODEL, TURNS, chat_turns, starts_processes
 
 
 @pytest.fixture(params=["gevent", "gthread"])
+@starts_processes
 def gateway(request, fresh_engines, gateway_factory):
     p, d = fresh_engines
     return gateway_factory([p.url], [d.url], worker_class=request.param)

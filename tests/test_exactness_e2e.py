@@ -11,6 +11,8 @@ import requests
 from bench.exactness import MODES, measure
 from tests.helpers.servers import MODEL
 
+pytestmark = pytest.mark.processes     # engines and gateways, every test
+
 BY_NAME = {m.name: m for m in MODES}
 
 

@@ -10,7 +10,7 @@ import responses
 from devtools.processes import models_toml
 from emulator.process import EmulatorProcess
 from gateway.config import Settings, SettingsError
-from tests.helpers.servers import gateway_process
+from tests.helpers.servers import gateway_process, starts_processes
 
 CHAT = "/v1/chat/completions"
 
@@ -84,6 +84,7 @@ def test_models_asks_healthy_instances_first_with_a_short_timeout():
 # --- one gateway, two models, real engines ---------------------------------------------------
 
 @pytest.fixture(scope="module")
+@starts_processes
 def two_models(tmp_path_factory):
     engines = [EmulatorProcess("prefill", host="127.0.0.60", model="chat", itl_ms=1,
                                bidirectional_kv_xfer=True),

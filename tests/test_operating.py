@@ -40,6 +40,7 @@ def _events(response: requests.Response) -> list:
 
 # --- admission control ------------------------------------------------------------------------
 
+@pytest.mark.processes
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_a_worker_at_its_limit_refuses_with_429_and_never_cuts_its_streams(worker_class):
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.41", itl_ms=1) as p, \
@@ -97,6 +98,7 @@ def test_a_waiting_turn_takes_a_place_that_frees_up(clock):
     assert entered.is_set() and admission.inflight == 1 and admission.waiting == 0
 
 
+@pytest.mark.processes
 def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
     """The owner worker admits or refuses a conversation's turns; a worker that forwards one
     passes the owner's 429 on, Retry-After included."""
@@ -395,6 +397,7 @@ def test_each_key_is_its_own_tenant():
     assert not set(one.lookups()) & set(two.lookups())
 
 
+@pytest.mark.processes
 def test_api_keys_end_to_end_with_a_keys_file(tmp_path):
     """Real gunicorn, the OpenAI SDK: a key added to the file works without a restart, and
     the conversation cache survives (later turns still hit)."""

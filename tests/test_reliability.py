@@ -12,16 +12,20 @@ import requests
 
 from devtools import sse, workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.helpers.servers import MODEL, gateway_process, health, two_of_each
+from tests.helpers.servers import MODEL, gateway_process, health, starts_processes, two_of_each
+
+pytestmark = pytest.mark.processes     # engines and gateways, every test
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def pair_of_each():
     with two_of_each(11) as engines:
         yield engines
 
 
 @pytest.fixture
+@starts_processes
 def engines2(pair_of_each):
     ps, ds = pair_of_each
     for engine in ps + ds:

@@ -133,7 +133,8 @@ def test_a_foreign_value_under_a_key_is_a_miss(redis_server):
         assert store.take("foreign") is None
 
 
-@pytest.fixture(params=["local", "redis"])
+# redis_server is asked for only here: its tests are marked by hand.
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.processes)])
 def either_store(request, clock):
     if request.param == "local":
         return LocalStore(maxsize=100, ttl=450, timer=clock)

@@ -11,6 +11,7 @@ from emulator.config import EngineConfig
 from emulator.engine import Engine
 from emulator.process import EmulatorProcess
 from tests.helpers.emulator import PD, STUB, parse_sse
+from tests.helpers.servers import starts_processes
 
 
 @pytest.fixture
@@ -64,6 +65,7 @@ def sse():
 
 
 @pytest.fixture(scope="session")
+@starts_processes
 def pd_processes():
     # Distinct loopback addresses: remote_host "localhost" (127.0.0.1) reaches neither engine.
     # Not vLLM's default: bidirectional transfer on, as a P/D gateway's engines run.

@@ -15,6 +15,8 @@ from emulator.tokens import render_chat
 
 from tests.helpers.emulator import PD, STUB
 
+pytestmark = pytest.mark.processes     # engine processes, every test
+
 
 def fresh_history() -> list[dict]:
     """A conversation no engine has seen, so prefix caches left by other tests cannot blur counters."""

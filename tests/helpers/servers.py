@@ -12,6 +12,14 @@ import requests
 from devtools.workload import MODEL  # noqa: F401  (the tests' model name)
 
 
+def starts_processes(fixture_function):
+    """Tags a fixture that starts processes (itself, or through a factory such as
+    gateway_factory): every test that uses it is marked `processes` (tests/conftest.py).
+    Under @pytest.fixture."""
+    fixture_function.starts_processes = True
+    return fixture_function
+
+
 @contextlib.contextmanager
 def two_of_each(first_host: int):
     """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
