@@ -9,7 +9,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 PREFILL ?=
 DECODE ?=
 
-.PHONY: install run test bench bench-quick prometheus-tools
+.PHONY: install run test test-fast bench bench-quick prometheus-tools
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ prometheus-tools:
 test: $(STAMP) $(LOWEST_STAMP) prometheus-tools
 	$(BIN)/python -m pytest
 	$(LOWEST)/bin/python -m pytest tests/embedding
+
+# The quick loop: the tests that start no process (no engine, gateway, Redis or tool: those are
+# marked `processes`, tests/conftest.py), in .venv. Its -m replaces setup.cfg's, hence "not slow".
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not processes"
 
 # Benchmarks (docs/BENCHMARKS.md): the gateway beside the seed proxy and vllm-router (each in a venv
 # of its own under bench/, made on first use) over the same emulated engines.

@@ -1,17 +1,23 @@
-"""Shared fixtures: apps from the factory, a fake clock, and real servers on free ports."""
+"""Shared fixtures: apps from the factory, a fake clock, and real servers on free ports. What
+tests share besides fixtures is in tests/helpers/. Two checks on the suite itself: no test
+module is imported as a library, and every test that starts a process is marked `processes`."""
 from __future__ import annotations
 
+import _posixsubprocess
+import ast
 import contextlib
+import functools
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from devtools.workload import MODEL  # noqa: F401  (the tests' model name)
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.reuse.store import LocalStore
-
-P_URL = "http://10.9.0.1:8100"
-D_URL = "http://10.9.0.2:8200"
+from tests.helpers.payloads import D_URL, P_URL
+from tests.helpers.servers import gateway_process, reset, starts_processes
 
 
 class FakeClock:
@@ -63,18 +69,8 @@ def client(app):
 P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
 
 
-@contextlib.contextmanager
-def two_of_each(first_host: int):
-    """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
-    from emulator.process import EmulatorProcess
-    with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(EmulatorProcess(role, bidirectional_kv_xfer=True, host=f"127.0.0.{first_host + i}",
-                                                       itl_ms=1))
-                   for i, role in enumerate(["prefill", "prefill", "decode", "decode"])]
-        yield engines[:2], engines[2:]
-
-
 @pytest.fixture(scope="session")
+@starts_processes
 def engines():
     from emulator.process import EmulatorProcess
     # Not vLLM's defaults: bidirectional transfer on (what the gateway is for), and
@@ -87,25 +83,13 @@ def engines():
         yield p, d
 
 
-def reset(engines):
-    """Engines shared by several tests, as a test finds them: no fault, counters at zero."""
-    for engine in engines:
-        engine.set_fault("none")
-        engine.reset_stats()
-    return engines
-
-
 @pytest.fixture
 def fresh_engines(engines):
     return reset(engines)
 
 
-def gateway_process(prefill, decode, **settings):
-    from devtools.processes import GatewayProcess
-    return GatewayProcess(prefill, decode, **settings)
-
-
 @pytest.fixture(scope="session")
+@starts_processes
 def gateway_factory():
     """Start gateways under gunicorn, shared by settings; all stopped at the session's end."""
     started = {}
@@ -126,8 +110,144 @@ def gateway_factory():
 
 
 @pytest.fixture(scope="session")
+@starts_processes
 def redis_server():
     from devtools.processes import RedisProcess
     server = RedisProcess()
     yield server
     server.stop()
+
+
+# --- no test module is a library ----------------------------------------------------------------
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every import, in the Python files under `root`, of a test module or of a conftest.py.
+    What tests share is in tests/helpers/: a test module imported as a library runs its module
+    code twice under two names, and so does a conftest.py (`conftest` to pytest, `tests.conftest`
+    to the test that imports it: two FakeClock classes, two sets of constants)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                # `from tests.test_x import y` names the module, `from tests import test_x` its item
+                names = [node.module] if _names_a_test_module(node.module) else [
+                    f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(root.parent)}:{node.lineno} imports {name}"
+                      for name in names if _names_a_test_module(name)]
+    return found
+
+
+def _names_a_test_module(name: str) -> bool:
+    return any(part == "conftest" or part.startswith("test_") for part in name.split("."))
+
+
+def pytest_configure(config):
+    imported = imports_of_test_modules(Path(__file__).resolve().parent)
+    if imported:
+        raise pytest.UsageError("test modules and conftest.py are not libraries (put what tests "
+                                "share in tests/helpers/):\n  " + "\n  ".join(imported))
+
+
+# --- the `processes` mark -----------------------------------------------------------------------
+# A test that starts a process (an engine, a gateway, Redis, Prometheus, promtool, a fork) is
+# marked `processes`: `make test-fast` runs the others, in this process alone. A test is marked
+# by hand (a decorator, or a module's pytestmark), or here, when a fixture it uses is tagged
+# @starts_processes. Enforced whatever runs first: a test not marked fails if it (or a fixture
+# set up for it) starts a process, and any fixture that starts one untagged fails.
+
+class ProcessNotMarked(Exception):
+    pass
+
+
+class _Spawns:
+    """Counts the processes each fixture's setup starts, and refuses them while a test not
+    marked `processes` is set up or runs (`refusing` names it)."""
+
+    def __init__(self) -> None:
+        self.started = [0]                 # one count per fixture being set up, innermost last
+        self.refusing: str | None = None
+        self.refused: list[str] = []
+
+
+_spawns = _Spawns()
+
+
+def _counted(original, what: str):
+    @functools.wraps(original)
+    def spawn(*args, **kwargs):
+        if _spawns.refusing is not None:
+            message = (f"{_spawns.refusing} starts a process ({what}): mark it `processes` "
+                       "(@pytest.mark.processes), or tag the fixture that starts it "
+                       "@starts_processes (tests/helpers/servers.py)")
+            _spawns.refused.append(message)
+            raise ProcessNotMarked(message)
+        _spawns.started[-1] += 1
+        return original(*args, **kwargs)
+    return spawn
+
+
+# Every way a process starts here: subprocess (and so os.popen, asyncio's subprocesses),
+# multiprocessing (fork: os.fork; spawn and forkserver: _posixsubprocess), os.fork and the rest.
+for _owner, _name, _what in [(subprocess.Popen, "_execute_child", "subprocess"),
+                             (_posixsubprocess, "fork_exec", "fork_exec"), (os, "fork", "os.fork"),
+                             (os, "forkpty", "os.forkpty"), (os, "posix_spawn", "os.posix_spawn"),
+                             (os, "posix_spawnp", "os.posix_spawnp"), (os, "system", "os.system")]:
+    setattr(_owner, _name, _counted(getattr(_owner, _name), _what))
+
+
+def _starts_processes(fixturedef) -> bool:
+    return getattr(fixturedef.func, "starts_processes", False)
+
+
+@pytest.hookimpl(tryfirst=True)          # before -m deselects
+def pytest_collection_modifyitems(items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info and any(_starts_processes(fixturedef)
+                        for fixturedefs in info.name2fixturedefs.values()
+                        for fixturedef in fixturedefs):
+            item.add_marker(pytest.mark.processes)
+
+
+@contextlib.contextmanager
+def _refused_unless_marked(item):
+    if item.get_closest_marker("processes"):
+        yield
+        return
+    _spawns.refusing, _spawns.refused = item.nodeid, []
+    try:
+        yield
+    finally:
+        _spawns.refusing = None
+    if _spawns.refused:                    # raised, and caught by the code under test
+        raise ProcessNotMarked(_spawns.refused[0])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _refused_unless_marked(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _refused_unless_marked(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    _spawns.started.append(0)
+    try:
+        value = yield
+    finally:
+        started = _spawns.started.pop()
+    if started and not _starts_processes(fixturedef):
+        raise ProcessNotMarked(f"fixture {fixturedef.argname} ({fixturedef.baseid or '.'}) "
+                               "starts a process: tag it @starts_processes "
+                               "(tests/helpers/servers.py)")
+    return value

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -14,7 +15,7 @@ from gateway.config import Settings
 from gateway.reuse.conversation import identify
 from devtools import workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import gateway_process, two_of_each
+from tests.helpers.servers import gateway_process, metric, starts_processes, two_of_each, workers_of
 
 
 def worker_health(gateway, slot: int) -> dict:
@@ -104,12 +105,6 @@ def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines
         assert worker_health(gateway, 2)["worker"] == 2
 
 
-def workers_of(gateway) -> set[int]:
-    pid = gateway.process.pid
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return {int(child) for child in f.read().split()}
-
-
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_engines,
                                                                          worker_class):
@@ -139,7 +134,26 @@ def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_en
         assert p.stats()["wrong_reuse"] == 0
 
 
+def test_after_ttou_no_request_waits_for_a_worker_that_is_gone(fresh_engines):
+    from bench import procstat
+    from devtools import workload
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], workers=3) as gateway:
+        convs = workload.run(gateway.url, conversations=12, turns=1, concurrency=6)
+        gateway.process.send_signal(signal.SIGTTOU)
+        wait_until(lambda: len(procstat.children(gateway.process.pid)) == 2, 30, "2 workers")
+        started = time.monotonic()
+        workload.drive(convs, turns=2, concurrency=6)
+        assert workload.errors(convs) == []
+        # Before: requests owned by the stopped worker's slot waited --owner-wait (3 s) for it,
+        # then were served where they landed ("away").
+        assert metric(gateway, "pd_gateway_forwarded_total", result="away") == 0
+        assert time.monotonic() - started < 3.0
+        assert p.stats()["wrong_reuse"] == 0
+
+
 @pytest.fixture(scope="module")
+@starts_processes
 def two_by_two():
     with two_of_each(4) as engines:
         yield engines

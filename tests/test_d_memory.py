@@ -10,10 +10,13 @@ import pytest
 
 from devtools import workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import gateway_process, reset
+from tests.helpers.servers import gateway_process, reset, starts_processes
+
+pytestmark = pytest.mark.processes     # engines and gateways, every test
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def default_engines():
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.70", itl_ms=1) as p, \
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.71",

@@ -17,7 +17,7 @@ import requests
 import yaml
 
 from emulator.process import EmulatorProcess, free_port, wait_until
-from tests.conftest import MODEL, gateway_process
+from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RULES = DEPLOY / "prometheus" / "pd-gateway.rules.yml"
@@ -43,11 +43,13 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
+@pytest.mark.processes
 def test_promtool_accepts_the_rules():
     checked = _promtool("check", "rules", RULES.name)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+@pytest.mark.processes
 def test_every_alert_fires_and_clears_in_promtools_unit_tests():
     tested = _promtool("test", "rules", "pd-gateway.rules.test.yml")
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -65,6 +67,7 @@ def test_every_alert_fires_and_clears_in_promtools_unit_tests():
 
 # --- Kubernetes manifests ------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     import kubernetes_validate
     folder = DEPLOY / "kubernetes"
@@ -131,6 +134,7 @@ def test_the_dashboard_json_is_what_its_code_writes():
 # --- a real Prometheus scraping a gateway under traffic --------------------------------------
 
 @pytest.fixture(scope="module")
+@starts_processes
 def scraped(tmp_path_factory):
     """A gateway (2 workers) with traffic of every kind the rules look at, scraped every second
     by a real Prometheus that evaluates the rules every second."""

@@ -22,6 +22,7 @@ def test_ports_handed_out_are_never_handed_out_again_before_anyone_binds_them():
             sock.bind(("127.0.0.1", port))
 
 
+@pytest.mark.processes
 def test_wait_until_returns_the_value_and_fails_with_the_log_tail(tmp_path):
     assert wait_until(lambda: {"ready": 1}, 1, "a dict") == {"ready": 1}
     log = tmp_path / "log"

@@ -9,65 +9,8 @@ import responses
 from responses import matchers
 
 from gateway.reuse.conversation import identify
-from tests.conftest import D_URL, P_URL
-
-CHAT = "/v1/chat/completions"
-MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-def p_params(n=1):
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
-            "remote_engine_id": f"p-engine-{n}", "remote_request_id": f"p-req-{n}",
-            "remote_host": "localhost", "remote_port": 5600, "tp_size": 1,
-            "remote_num_tokens": 20}
-
-
-def d_params(n=1):
-    return {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 8, 9]],
-            "remote_engine_id": f"d-engine-{n}", "remote_request_id": f"d-req-{n}",
-            "remote_host": "localhost", "remote_port": 5700, "tp_size": 1,
-            "remote_num_tokens": 40, "remote_blocks_expiry_time": 123.5}
-
-
-def p_reply(params):
-    return {"id": "chatcmpl-x", "object": "chat.completion", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21},
-        "kv_transfer_params": params}
-
-
-def sse(*events) -> bytes:
-    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"
-                    for e in events)
-
-
-def chat_events(words, params, placement="final", finish="stop"):
-    events = [{"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                       "finish_reason": None}]}]
-    events += [{"id": "c", "choices": [{"index": 0, "delta": {"content": w},
-                                        "finish_reason": None}]} for w in words]
-    final = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": finish,
-                                     "stop_reason": None}]}
-    if placement == "final":
-        final["kv_transfer_params"] = params
-    events.append(final)
-    if placement == "separate":
-        events.append({"kv_transfer_params": params})
-    return sse(*events, b"[DONE]")
-
-
-def client_events(body: bytes) -> list:
-    out = []
-    for block in body.split(b"\n\n"):
-        if block.startswith(b"data: "):
-            payload = block[6:]
-            out.append(payload.decode() if payload == b"[DONE]" else json.loads(payload))
-    return out
-
-
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-
+from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, MISS, P_URL, REFUSED, chat_events, client_events,
+                                    d_params, p_params, p_reply, sse)
 
 @responses.activate
 @pytest.mark.parametrize("placement", ["final", "separate"])
@@ -311,16 +254,6 @@ def two_instance_app(store):
     yield make
     for app in apps:
         app.extensions["pd_gateway"].close()
-
-
-def _refused() -> requests.ConnectionError:
-    """What requests raises for a refused connection: the OS error is in the cause chain."""
-    exc = requests.ConnectionError("Max retries exceeded with url: /v1/chat/completions")
-    exc.__cause__ = ConnectionRefusedError(111, "Connection refused")
-    return exc
-
-
-REFUSED = _refused()
 
 
 @pytest.mark.parametrize("failure", ["refused", "error500", "broken"])

@@ -7,12 +7,11 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.conftest import MODEL
-
-TURNS = 5
+from tests.helpers.servers import MODEL, TURNS, chat_turns, starts_processes
 
 
 @pytest.fixture(params=["gevent", "gthread"])
+@starts_processes
 def gateway(request, fresh_engines, gateway_factory):
     p, d = fresh_engines
     return gateway_factory([p.url], [d.url], worker_class=request.param)
@@ -21,33 +20,6 @@ def gateway(request, fresh_engines, gateway_factory):
 def sdk(gateway, **headers) -> OpenAI:
     return OpenAI(base_url=gateway.url + "/v1", api_key="test-key", default_headers=headers,
                   max_retries=0)
-
-
-def chat_turns(client, stream: bool, explicit: bool) -> list[str]:
-    """Five turns of one conversation; returns the cache header of each turn."""
-    messages = [{"role": "system", "content": "you are terse"},
-                {"role": "user", "content": "first question about kv blocks"}]
-    extra = {"conversation_id": uuid.uuid4().hex} if explicit else {}
-    caches = []
-    for turn in range(TURNS):
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, stream=stream, max_tokens=8, extra_body=extra)
-        caches.append(raw.headers["X-Gateway-Cache"])
-        if stream:
-            chunks = list(raw.parse())
-            for chunk in chunks:
-                assert "kv_transfer_params" not in chunk.to_json()
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-        else:
-            reply = raw.parse()
-            assert "kv_transfer_params" not in reply.to_json()
-            assert reply.usage.completion_tokens == 8
-            text = reply.choices[0].message.content
-        assert text
-        messages += [{"role": "assistant", "content": text},
-                     {"role": "user", "content": f"follow up number {turn}"}]
-    return caches
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "nonstream"])
@@ -123,7 +95,7 @@ def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
 def test_the_metrics_directory_made_at_start_is_removed_at_exit(fresh_engines, tmp_path,
                                                                 monkeypatch):
     """Without PROMETHEUS_MULTIPROC_DIR the master makes its own directory; its exit removes it."""
-    from tests.conftest import gateway_process
+    from tests.helpers.servers import gateway_process
     p, d = fresh_engines
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))           # where the gateway's mkdtemp puts it

@@ -13,7 +13,7 @@ from emulator.metrics import exposition
 from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.engine_load import EngineLoad, LoadTable, parse
 from gateway.engines.instances import Pool
-from tests.conftest import MODEL, gateway_process
+from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
 VLLM_PAGE = b"""\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -148,6 +148,7 @@ def test_when_every_engine_is_busy_the_choice_is_in_flight_counts_alone():
 # --- end to end: a D whose KV memory is full -------------------------------------------------
 
 @pytest.fixture
+@starts_processes
 def full_d():
     """P, a roomy D1 and a D2 of 100 blocks that one long request fills, so the next waits
     there for KV memory (vLLM's waiting for capacity)."""

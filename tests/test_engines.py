@@ -14,7 +14,9 @@ import requests
 from devtools import workload
 from devtools.dns import LoopbackDNS
 from emulator.process import EmulatorProcess, free_port, wait_until
-from tests.conftest import gateway_process
+from tests.helpers.servers import gateway_process
+
+pytestmark = pytest.mark.processes     # engines and gateways, every test
 
 ITL_MS = 15          # streams of 8 tokens last about 120 ms: some are on an engine when it goes
 MAX_TOKENS = 8

@@ -9,7 +9,9 @@ import pytest
 import requests
 
 from bench.exactness import MODES, measure
-from tests.conftest import MODEL
+from tests.helpers.servers import MODEL
+
+pytestmark = pytest.mark.processes     # engines and gateways, every test
 
 BY_NAME = {m.name: m for m in MODES}
 

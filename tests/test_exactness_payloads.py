@@ -11,8 +11,8 @@ import pytest
 import responses
 
 from emulator.tokens import EOS, THINK, END_THINK, Template, token_ids
-from tests.conftest import D_URL, P_URL
-from tests.test_disagg_payloads import MISS, client_events, d_params, p_params, p_reply, sse
+from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, client_events, d_stream, p_params,
+                                    p_reply, sse, tokenizer)
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -34,41 +34,6 @@ def make_client(store):
         app.extensions["pd_gateway"].close()
 
 
-def tokenizer(template: Template, calls: list):
-    """A /tokenize mock rendering chat bodies with `template`; records each body."""
-    def tokenize(request):
-        body = json.loads(request.body)
-        calls.append(body)
-        tokens = template.render(body["messages"], body.get("tools"),
-                                 add_generation_prompt=body.get("add_generation_prompt", True),
-                                 continue_final_message=body.get("continue_final_message", False),
-                                 kwargs=body.get("chat_template_kwargs"))
-        return 200, {}, json.dumps({"count": len(tokens), "max_model_len": 4096,
-                                    "tokens": token_ids(tokens), "token_strs": None})
-    return tokenize
-
-
-def d_stream(prompt: list[str], steps: list[tuple[dict | None, str]], with_ids: bool,
-             params_n: int = 1, lossy: bool = False) -> bytes:
-    """D's stream as vLLM sends it: a role chunk, one chunk per (delta, token), EOS on the
-    finish chunk; with ids, the prompt's on the role chunk and each token's on its chunk (a
-    swallowed token's delta is {} then, or it is left out when `lossy`, vLLM before #29074)."""
-    held = len(prompt) + len(steps)          # prompt + generated (EOS included) - 1
-    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None}],
-               "prompt_token_ids": token_ids(prompt) if with_ids else None}]
-    for delta, token in steps:
-        if delta is None and (not with_ids or lossy):
-            continue
-        events.append({"choices": [{"index": 0, "delta": delta or {}, "finish_reason": None,
-                                    "token_ids": token_ids([token]) if with_ids else None}]})
-    events.append({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop",
-                                "token_ids": token_ids([EOS]) if with_ids else None}],
-                   "kv_transfer_params": {**d_params(params_n), "remote_num_tokens": held}})
-    return sse(*events, b"[DONE]")
-
-
-PLAIN = [({"content": "fine"}, "fine"), ({"content": " thanks"}, "thanks")]
 REASONING = [(None, THINK), ({"reasoning": "let"}, "let"), ({"reasoning": " me"}, "me"),
              ({"reasoning": " think"}, "think"), (None, END_THINK), ({"content": "answer"}, "answer")]
 REASONING_ECHO = {"role": "assistant", "content": "answer", "reasoning": "let me think"}

@@ -16,8 +16,9 @@ from openai import OpenAI
 from responses import matchers
 
 from emulator.process import wait_until
-from tests.conftest import D_URL, MODEL, P_URL
-from tests.test_disagg_payloads import MISS, chat_events, d_params, p_params, p_reply
+from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, chat_events, d_params, d_stream,
+                                    p_params, p_reply, tokenizer)
+from tests.helpers.servers import MODEL
 
 CHAT = "/v1/chat/completions"
 LONG = " ".join(f"detail{i}" for i in range(300))     # ~2,700 characters: far above 64 tokens
@@ -245,7 +246,6 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     from gateway.app import create_app
     from gateway.config import Settings
     from emulator.tokens import Template
-    from tests.test_exactness_payloads import PLAIN, d_stream, tokenizer
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               verify_reuse="always", fast_path_tokens=64), store=store)
     client = app.test_client()

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.reuse.kv_params import MISS_PARAMS
-from tests.conftest import D_URL, P_URL
+from tests.helpers.payloads import D_URL, P_URL
+from tests.helpers.servers import starts_processes
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -334,6 +335,7 @@ def test_odd_headers_framing_and_routes_get_envelopes(client, engines_mock):
 # --- a real gateway under gunicorn, raw sockets ------------------------------------------------
 # One worker: gunicorn reads bodies differently per worker class, not per worker count.
 @pytest.fixture(params=["gevent", "gthread"])
+@starts_processes
 def real_gateway(request, fresh_engines, gateway_factory):
     p, d = fresh_engines
     return gateway_factory([p.url], [d.url], worker_class=request.param, max_body_bytes=LIMIT)

@@ -11,7 +11,7 @@ import requests
 from openai import OpenAI
 
 from devtools import sse
-from tests.conftest import MODEL
+from tests.helpers.servers import MODEL, starts_processes
 
 
 def ask(gateway, messages, auth="Bearer tenant-a", stream=True, **extra):
@@ -38,6 +38,7 @@ def first_turns(gateway, n=2, **kw):
 
 
 @pytest.fixture
+@starts_processes
 def gateway(fresh_engines, gateway_factory):
     p, d = fresh_engines
     return gateway_factory([p.url], [d.url])

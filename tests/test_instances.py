@@ -1,5 +1,6 @@
-"""Pools whose instance set changes at run time, admin changes shared through their file, and
-what a request whose D has gone does (pinned at the wire with `responses`)."""
+"""Pools whose instance set changes at run time, an instance's state (its breaker, down until a
+probe answers, requests in flight), admin changes shared through their file, and what a request
+whose D has gone does (pinned at the wire with `responses`)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,7 @@ from gateway.config import Settings
 from gateway.engines.discovery import resolvable, with_address
 from gateway.engines.instances import Policy, Pool
 from gateway.engines.membership import ChangeLog, Membership
-from tests.conftest import D_URL, P_URL
-from tests.test_disagg_payloads import MISS, chat_events, d_params, p_params, p_reply
+from tests.helpers.payloads import D_URL, MISS, P_URL, chat_events, d_params, p_params, p_reply
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -185,6 +185,70 @@ def test_a_change_log_of_its_own_outside_gunicorn():
     log.append({"op": "add"})
     assert log.unread() == [{"op": "add"}] and log.unread() == [] and not log.shared
     log.close()
+
+
+# --- an instance's state: its breaker, down until a probe answers, requests in flight -----------
+
+def test_breaker_opens_after_consecutive_failures_then_half_opens(clock):
+    from gateway.engines.instances import Policy, Pool
+    pool = Pool("decode", ["http://a:1", "http://b:2"],
+                Policy(breaker_failures=3, breaker_cooldown=10), clock=clock)
+    a, b = pool.instances
+    for _ in range(2):
+        pool.failed(a, unreachable=False)
+    assert a.state(clock()) == "up" and pool.choose("k", prefer=a.url) is a
+    pool.failed(a, unreachable=False)
+    assert a.state(clock()) == "open"
+    assert all(pool.choose(str(k), prefer=a.url) is b for k in range(20))
+    clock.advance(10)
+    assert a.state(clock()) == "half-open"          # tried again after the cool-down
+    assert pool.choose("k", prefer=a.url) is a
+    pool.failed(a, unreachable=False)                # one more failure re-opens it at once
+    assert a.state(clock()) == "open"
+    clock.advance(10)
+    pool.succeeded(a)
+    assert a.state(clock()) == "up" and a.failures == 0
+
+
+def test_unreachable_marks_down_until_success(clock):
+    from gateway.engines.instances import Pool
+    pool = Pool("prefill", ["http://a:1", "http://b:2"], clock=clock)
+    a, b = pool.instances
+    woken = []
+    pool.on_down = lambda: woken.append(True)
+    pool.failed(a, unreachable=True)
+    assert a.state(clock()) == "down" and woken == [True]
+    clock.advance(3600)
+    assert all(pool.choose(str(k)) is b for k in range(20))
+    pool.succeeded(a)                                # what a successful /health probe does
+    assert a.state(clock()) == "up"
+
+
+def test_closing_a_gateway_stops_its_prober():
+    from gateway.service import Gateway
+    from gateway.config import Settings
+    gateway = Gateway(Settings(engine_metrics_interval=0, prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+                               probe_interval=0.05))
+    gateway.prefill.failed(gateway.prefill.instances[0], unreachable=True)   # wakes the prober
+    thread = gateway.prober._thread
+    assert thread is not None and thread.is_alive()
+    gateway.close()
+    assert not thread.is_alive()
+
+
+def test_an_unexpected_exception_never_leaks_an_in_flight_count():
+    from gateway.flow.disagg import Disagg
+    from gateway.reuse.store import LocalStore
+    from gateway.engines.instances import Pool
+    pool = Pool("prefill", ["http://10.9.0.1:8100"])
+    disagg = Disagg(LocalStore(10, 450), None, pool, pool)
+
+    def bug(instance, failure):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        disagg._attempt(pool, "k", None, bug)
+    assert pool.instances[0].inflight == 0
 
 
 # --- at the wire ----------------------------------------------------------------------------

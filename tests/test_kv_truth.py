@@ -10,10 +10,11 @@ import pytest
 
 from devtools import workload
 from emulator.process import EmulatorProcess
-from tests.conftest import gateway_process
+from tests.helpers.servers import gateway_process, starts_processes
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def setup():
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.74", itl_ms=1) as p, \
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.75",

@@ -1,4 +1,5 @@
-"""Logs that trace a turn: the request id on every line of a request, W3C trace context to P and D."""
+"""Logs that trace a turn: the request id on every line of a request, W3C trace context to P and D;
+no client can forge a line of the text log."""
 from __future__ import annotations
 
 import json
@@ -6,11 +7,12 @@ import logging
 import re
 
 import pytest
+import requests
 import responses
 
+from emulator.process import wait_until
 from gateway.support import logs
-from tests.conftest import D_URL, P_URL
-from tests.test_disagg_payloads import chat_events, d_params, p_params, p_reply
+from tests.helpers.payloads import D_URL, P_URL, chat_events, d_params, p_params, p_reply
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -63,3 +65,16 @@ def test_json_lines_hold_the_request_id():
     line = json.loads(logs.JsonFormatter().format(record))
     assert line["request_id"] == "req-7" and line["message"] == "D said no"
     assert line["level"] == "WARNING" and line["logger"] == "gateway.flow.disagg"
+
+
+def test_a_client_cannot_forge_a_line_of_the_text_log(fresh_engines, gateway_factory):
+    """vLLM's 404 quotes the model a client sent; the gateway logs what the engine answered.
+    A model name with a newline stays inside its line, escaped."""
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url])
+    forged = "2026-12-05 00:00:00,000 1 ERROR gateway.admin [-]: admin token rotated"
+    reply = requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+        "model": f"nope\n{forged}\r\n{forged}", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 404
+    wait_until(lambda: "nope\\n2026" in gateway.log(), 10, "the engine's answer logged")
+    assert not any(line.startswith(forged) for line in gateway.log().splitlines())

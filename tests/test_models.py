@@ -1,15 +1,16 @@
 """Several models behind one gateway (--models, --models-file): each model its own P and D
 pools, a request routed by the model it names, an unknown model vLLM's 404 before any engine
-call, no conversation crossing models."""
+call, no conversation crossing models; /v1/models asked of a healthy instance first."""
 from __future__ import annotations
 
 import pytest
 import requests
+import responses
 
 from devtools.processes import models_toml
 from emulator.process import EmulatorProcess
 from gateway.config import Settings, SettingsError
-from tests.conftest import gateway_process
+from tests.helpers.servers import gateway_process, starts_processes
 
 CHAT = "/v1/chat/completions"
 
@@ -63,9 +64,27 @@ def test_a_models_file_that_is_not_model_tables_is_refused(tmp_path):
         Settings(models_file=str(path))
 
 
+@responses.activate
+def test_models_asks_healthy_instances_first_with_a_short_timeout():
+    from gateway.service import Gateway
+    from gateway.config import Settings
+    gateway = Gateway(Settings(engine_metrics_interval=0, prefill=["http://10.9.0.1:8100"],
+                               decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"]))
+    try:
+        gateway.decode.failed(gateway.decode.instances[0], unreachable=True)
+        responses.get("http://10.9.0.3:8200/v1/models", json={"object": "list", "data": []})
+        assert gateway.models() == {"object": "list", "data": []}
+        (call,) = responses.calls
+        assert call.request.url.startswith("http://10.9.0.3:8200")
+        assert call.request.req_kwargs["timeout"][1] <= 5
+    finally:
+        gateway.close()
+
+
 # --- one gateway, two models, real engines ---------------------------------------------------
 
 @pytest.fixture(scope="module")
+@starts_processes
 def two_models(tmp_path_factory):
     engines = [EmulatorProcess("prefill", host="127.0.0.60", model="chat", itl_ms=1,
                                bidirectional_kv_xfer=True),

@@ -1,11 +1,14 @@
 """Operating it in production: admission control (a bound on turns in flight, 429 with
-Retry-After before any engine is called), client API keys, and the one cleanup a reply owes
-whatever becomes of it."""
+Retry-After before any engine is called, a burst past capacity refused in part without
+deadlocking forwarding workers), client API keys, and the one cleanup a reply owes whatever
+becomes of it."""
 from __future__ import annotations
 
 import json
 import logging
 import os
+import selectors
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +20,9 @@ import responses
 from flask import Flask
 
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import D_URL, MODEL, P_URL, gateway_process
-from tests.test_disagg_payloads import CHAT, MESSAGES, chat_events, d_params, p_params, p_reply
-from tests.test_hardening import metric
+from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, P_URL, chat_events, d_params, p_params,
+                                    p_reply)
+from tests.helpers.servers import MODEL, gateway_process, metric
 
 
 def _body(n: int, **extra) -> dict:
@@ -37,6 +40,7 @@ def _events(response: requests.Response) -> list:
 
 # --- admission control ------------------------------------------------------------------------
 
+@pytest.mark.processes
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_a_worker_at_its_limit_refuses_with_429_and_never_cuts_its_streams(worker_class):
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.41", itl_ms=1) as p, \
@@ -94,6 +98,7 @@ def test_a_waiting_turn_takes_a_place_that_frees_up(clock):
     assert entered.is_set() and admission.inflight == 1 and admission.waiting == 0
 
 
+@pytest.mark.processes
 def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
     """The owner worker admits or refuses a conversation's turns; a worker that forwards one
     passes the owner's 429 on, Retry-After included."""
@@ -115,6 +120,93 @@ def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
             assert d.stats()["streams_in_flight"] == 1, "the held stream ended too soon"
             assert metric(gw, "pd_gateway_forwarded_total", result="sent") == before + 1
             assert held.result()[-1] == b"[DONE]"
+
+
+def test_a_gthread_worker_always_keeps_a_thread_beyond_its_turns():
+    """Turns and relays share a gthread worker's threads: whatever --max-turns says, one thread
+    stays free for the requests relays wait on (and refusals, /health); one thread with
+    several forwarding workers is refused at start."""
+    from gateway.app import create_app
+    from gateway.config import Settings, SettingsError
+
+    for max_turns, limit in [(0, 6), (20, 7), (3, 3)]:
+        app = create_app(Settings(engine_metrics_interval=0, worker_class="gthread", threads=8, max_turns=max_turns,
+                                  release_rate=0))
+        try:
+            assert app.extensions["pd_gateway"].gateway.admission.limit == limit
+        finally:
+            app.extensions["pd_gateway"].close()
+    with pytest.raises(SettingsError, match="--threads must be 2"):
+        Settings(worker_class="gthread", threads=1, workers=2)
+    Settings(worker_class="gthread", threads=1, workers=2, affinity=False)   # nothing relayed
+
+
+BURST = 128
+
+
+def _burst_request(i: int, host: str, port: int) -> bytes:
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": f"burst conversation {i}"}]})
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n{body}").encode()
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_burst_past_capacity_gets_refusals_and_health_answers(fresh_engines, worker_class,
+                                                                workers):
+    """128 streams at once on workers of 8 threads (or 32 connections): every turn is either
+    admitted (held at P, which hangs) or refused with 429, and /health answers while they are
+    held. Before, a request relayed to its owner held a thread and no place: 4 gthread workers
+    filled every thread with relays whose owners' requests queued behind them, for good."""
+    p, _ = fresh_engines
+    p.set_fault("hang", max_s=120)          # every admitted turn is held until its client leaves
+    sizing = {"threads": 8} if worker_class == "gthread" else {"worker_connections": 32}
+    with gateway_process([p.url], [fresh_engines[1].url], worker_class=worker_class,
+                         workers=workers, **sizing) as gateway:
+        host, port = "127.0.0.1", gateway.port
+        clients = [socket.create_connection((host, port)) for _ in range(BURST)]
+        selector = selectors.DefaultSelector()
+        replies: dict[socket.socket, bytes] = {}
+        try:
+            for i, sock in enumerate(clients):
+                sock.sendall(_burst_request(i, host, port))
+                selector.register(sock, selectors.EVENT_READ)
+                replies[sock] = b""
+            ended: list[int] = []        # statuses of the replies that ended
+
+            def settled() -> bool:
+                for key, _ in selector.select(0.2):
+                    sock = key.fileobj
+                    chunk = sock.recv(65536)
+                    replies[sock] += chunk
+                    if not chunk:
+                        # The gateway's close (Connection: close). Waiting for it, rather than
+                        # hanging up first, is what a client may do: gunicorn 27's gthread
+                        # main loop lingered up to 2 s for such a client's own close.
+                        selector.unregister(sock)
+                        ended.append(int(replies[sock].split(b" ", 2)[1]) if replies[sock]
+                                     else 0)
+                return len(ended) + p.stats()["requests"] == BURST
+
+            # Bounded for a deadlock's sake only: settled in well under a second when it works.
+            wait_until(settled, 60, "every turn of the burst admitted or refused",
+                       gateway.process, gateway.log_path)
+            admitted = p.stats()["requests"]
+            assert set(ended) <= {429} and admitted + len(ended) == BURST
+            assert ended, "a burst of 128 on these workers is refused in part"
+            for _ in range(5):                    # the admitted turns are still held
+                assert requests.get(gateway.url + "/health", timeout=10).status_code == 200
+            print(f"\n{worker_class} x{workers}: {admitted} admitted, {len(ended)} x 429")
+        finally:
+            for sock in clients:
+                sock.close()
+            selector.close()
+        # Their clients gone, the held turns end: no place stays taken.
+        wait_until(lambda: p.stats()["fault_responses"] == p.stats()["requests"], 30,
+                   "P's held requests ended")
+        p.set_fault("none")
 
 
 # --- the one cleanup a reply owes -------------------------------------------------------------
@@ -305,6 +397,7 @@ def test_each_key_is_its_own_tenant():
     assert not set(one.lookups()) & set(two.lookups())
 
 
+@pytest.mark.processes
 def test_api_keys_end_to_end_with_a_keys_file(tmp_path):
     """Real gunicorn, the OpenAI SDK: a key added to the file works without a restart, and
     the conversation cache survives (later turns still hit)."""

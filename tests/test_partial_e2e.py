@@ -9,6 +9,8 @@ import pytest
 
 from bench.partial import CASES, HYBRID, measure
 
+pytestmark = pytest.mark.processes     # engines and gateways, every test
+
 BY_NAME = {c.name: c for c in CASES}
 
 

@@ -15,10 +15,11 @@ from devtools.processes import (GatewayProcess, RedisClusterProcesses, RedisProc
                                 RedisSentinelProcesses)
 from emulator.process import EmulatorProcess, wait_until
 from gateway.reuse.store import Entry, RedisClusterStore, RedisStore, redis_client
-from tests.conftest import MODEL
+from tests.helpers.servers import MODEL, starts_processes
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def cluster():
     processes = RedisClusterProcesses("127.0.0.160")
     yield processes
@@ -188,6 +189,7 @@ def shared_store_run(store_url: str, first_host: int, kill) -> None:  # type: ig
         assert p.stats()["wrong_reuse"] == 0
 
 
+@pytest.mark.processes
 def test_three_gateways_share_a_cluster_and_ride_out_a_primary_failing_over():
     cluster = RedisClusterProcesses("127.0.0.162")
     try:
@@ -201,6 +203,7 @@ def test_three_gateways_share_a_cluster_and_ride_out_a_primary_failing_over():
         cluster.stop()
 
 
+@pytest.mark.processes
 def test_three_gateways_follow_a_sentinel_failover():
     sentinels = RedisSentinelProcesses("127.0.0.166")
     try:

@@ -8,7 +8,7 @@ import requests
 
 from devtools import workload
 from devtools.processes import RedisProcess
-from tests.conftest import gateway_process
+from tests.helpers.servers import gateway_process
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])

@@ -1,9 +1,9 @@
-"""Faults: failover, breakers, mid-stream deaths, disconnects, timeouts, graceful shutdown."""
+"""Faults: failover, breakers, mid-stream deaths, timeouts, graceful shutdown. (Clients that go
+away: tests/test_cancellation.py.)"""
 from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,16 +12,20 @@ import requests
 
 from devtools import sse, workload
 from emulator.process import EmulatorProcess, wait_until
-from tests.conftest import MODEL, gateway_process, two_of_each
+from tests.helpers.servers import MODEL, gateway_process, health, starts_processes, two_of_each
+
+pytestmark = pytest.mark.processes     # engines and gateways, every test
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def pair_of_each():
     with two_of_each(11) as engines:
         yield engines
 
 
 @pytest.fixture
+@starts_processes
 def engines2(pair_of_each):
     ps, ds = pair_of_each
     for engine in ps + ds:
@@ -30,33 +34,6 @@ def engines2(pair_of_each):
         engine.set_fault("none")
         engine.reset_stats()
     return ps, ds
-
-
-def health(gateway) -> dict:
-    return gateway.status()
-
-
-def live_tasks(gateway) -> tuple[int, int, int, int]:
-    """(request watchers, threads, greenlets, requests in flight) in the gateway's worker."""
-    report = gateway.status(debug=True)
-    inflight = sum(i["inflight"] for i in report["prefill"] + report["decode"])
-    return report["watchers"], report["threads"], report["greenlets"], inflight
-
-
-def settle(gateway, before: tuple[int, int, int, int]) -> None:
-    """Wait until no watcher or engine call is left and threads and greenlets are back."""
-    seen = []
-
-    def settled():
-        seen.append(live_tasks(gateway))
-        watchers, threads, greenlets, inflight = seen[-1]
-        return (watchers == 0 and inflight == 0 and threads <= before[1]
-                and greenlets <= before[2])
-
-    try:
-        wait_until(settled, 5, "tasks to end")
-    except RuntimeError:
-        raise AssertionError(f"leak: before {before}, after {seen[-1]}") from None
 
 
 @pytest.mark.parametrize("fault", ["refused", "error500", "hang"])
@@ -139,69 +116,6 @@ def test_decode_failing_mid_stream_ends_with_an_error_event(fresh_engines, gatew
     again = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
                           json={"model": MODEL, "messages": follow, "conversation_id": fault})
     assert again.headers["X-Gateway-Cache"] == "miss"        # nothing was stored
-
-
-def open_and_abandon(gateway, body: dict, after) -> None:
-    """Send a request on a raw socket, wait for `after(sock)`, then close the connection."""
-    raw = json.dumps(body).encode()
-    sock = socket.create_connection((gateway.host, gateway.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw))
-    after(sock)
-    sock.close()
-
-
-@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
-def test_client_disconnect_during_prefill_closes_the_engine_call(worker_class):
-    # Engines of its own: the shared ones also get releases from the session's other gateways
-    # (entries that expire), which P counts among its requests.
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.17", itl_ms=1) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.18", itl_ms=1) as d, \
-            gateway_process([p.url], [d.url], worker_class=worker_class) as gateway:
-        requests.post(gateway.url + "/v1/chat/completions", timeout=10,   # warm up (gthread pool)
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "warm"}]})
-        before, stored = live_tasks(gateway), health(gateway)["conversations"]
-        p.set_fault("hang")
-        open_and_abandon(gateway, {"model": MODEL, "messages": [{"role": "user", "content": "h"}],
-                                   "stream": True, "conversation_id": "gone"},
-                         lambda sock: wait_until(lambda: p.stats()["requests"] == 2, 10, "P call"))
-        closed_at = time.monotonic()
-        wait_until(lambda: p.stats()["fault_responses"] == 1, 5, "P connection closed")
-        assert time.monotonic() - closed_at < 1.0
-        p.set_fault("none")
-        assert d.stats()["requests"] == 1                       # only the warm-up
-        settle(gateway, before)
-        assert health(gateway)["conversations"] == stored       # nothing stored for it
-
-
-@pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
-def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.15", itl_ms=1) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.16", itl_ms=3000) as d, \
-            gateway_process([p.url], [d.url], worker_class=worker_class) as gateway:
-        # Warm up, so gthread's pool has its request thread before we count.
-        requests.post(gateway.url + "/v1/chat/completions", timeout=10,
-                      json={"model": MODEL, "max_tokens": 1, "stream": True,
-                            "messages": [{"role": "user", "content": "warm"}]}).content
-        before, stored = live_tasks(gateway), health(gateway)["conversations"]
-
-        def first_event(sock):
-            sock.settimeout(10)
-            received = b""
-            while b"data: " not in received:
-                chunk = sock.recv(65536)
-                assert chunk, received
-                received += chunk
-
-        open_and_abandon(gateway, {"model": MODEL, "stream": True, "max_tokens": 5,
-                                   "messages": [{"role": "user", "content": "slow"}]},
-                         first_event)
-        closed_at = time.monotonic()
-        wait_until(lambda: d.stats()["aborted_streams"] == 1, 5, "D stream aborted")
-        # Tokens come every 3 s: only the disconnect watcher can close D this early.
-        assert time.monotonic() - closed_at < 1.0
-        settle(gateway, before)
-        assert health(gateway)["conversations"] == stored   # nothing stored for it
 
 
 def test_hung_prefill_gives_504(fresh_engines, gateway_factory):

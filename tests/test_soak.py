@@ -26,9 +26,9 @@ import requests
 
 from devtools import sse, workload
 from emulator.process import wait_until
-from tests.conftest import MODEL, gateway_process, two_of_each
+from tests.helpers.servers import MODEL, gateway_process, two_of_each
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "120"))
 CLIENTS = 24

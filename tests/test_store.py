@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,39 +57,15 @@ def test_put_replaces(store):
     assert bare(store.take("k")) == entry(2) and len(store) == 0
 
 
-def test_breaker_opens_after_consecutive_failures_then_half_opens(clock):
-    from gateway.engines.instances import Policy, Pool
-    pool = Pool("decode", ["http://a:1", "http://b:2"],
-                Policy(breaker_failures=3, breaker_cooldown=10), clock=clock)
-    a, b = pool.instances
-    for _ in range(2):
-        pool.failed(a, unreachable=False)
-    assert a.state(clock()) == "up" and pool.choose("k", prefer=a.url) is a
-    pool.failed(a, unreachable=False)
-    assert a.state(clock()) == "open"
-    assert all(pool.choose(str(k), prefer=a.url) is b for k in range(20))
-    clock.advance(10)
-    assert a.state(clock()) == "half-open"          # tried again after the cool-down
-    assert pool.choose("k", prefer=a.url) is a
-    pool.failed(a, unreachable=False)                # one more failure re-opens it at once
-    assert a.state(clock()) == "open"
-    clock.advance(10)
-    pool.succeeded(a)
-    assert a.state(clock()) == "up" and a.failures == 0
-
-
-def test_unreachable_marks_down_until_success(clock):
-    from gateway.engines.instances import Pool
-    pool = Pool("prefill", ["http://a:1", "http://b:2"], clock=clock)
-    a, b = pool.instances
-    woken = []
-    pool.on_down = lambda: woken.append(True)
-    pool.failed(a, unreachable=True)
-    assert a.state(clock()) == "down" and woken == [True]
-    clock.advance(3600)
-    assert all(pool.choose(str(k)) is b for k in range(20))
-    pool.succeeded(a)                                # what a successful /health probe does
-    assert a.state(clock()) == "up"
+def test_a_put_back_entry_keeps_its_expiry_locally(clock):
+    from gateway.reuse.store import Entry, LocalStore
+    store = LocalStore(maxsize=10, ttl=450, timer=clock)
+    store.put("k", Entry({"a": 1}, "http://d", "h", 1))
+    clock.advance(400)
+    entry = store.take("k")
+    store.put("k", entry)                    # e.g. another history under the same id
+    clock.advance(60)                        # 460 s after D kept the blocks: they are gone
+    assert store.take("k") is None
 
 
 # --- RedisStore, against a real redis-server ------------------------------------------------
@@ -111,6 +88,17 @@ def test_redis_entries_expire_at_ttl(redis_server):
     store.put("ttl", entry())
     # Redis expires the key itself; what the gateway controls is the expiry it sets.
     assert 449_000 < redis_server.client.pttl(RedisStore.PREFIX + "ttl") <= 450_000
+
+
+def test_a_put_back_entry_keeps_its_expiry_in_redis(redis_server):
+    from gateway.reuse.store import Entry, RedisStore
+    store = RedisStore(redis_server.url, ttl=450, timeout=2)
+    key = uuid.uuid4().hex
+    store.put(key, Entry({"a": 1}, "http://d", "h", 1))
+    entry = store.take(key)
+    entry = type(entry)(**{**entry.__dict__, "expires_at": time.time() + 5})   # 445 s later
+    store.put(key, entry)
+    assert 0 < redis_server.client.pttl(RedisStore.PREFIX + key) <= 5000
 
 
 def test_redis_concurrent_takes_get_the_entry_once(redis_server):
@@ -145,7 +133,8 @@ def test_a_foreign_value_under_a_key_is_a_miss(redis_server):
         assert store.take("foreign") is None
 
 
-@pytest.fixture(params=["local", "redis"])
+# redis_server is asked for only here: its tests are marked by hand.
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.processes)])
 def either_store(request, clock):
     if request.param == "local":
         return LocalStore(maxsize=100, ttl=450, timer=clock)
@@ -161,18 +150,6 @@ def test_take_first_takes_only_the_first_key_that_has_an_entry(either_store):
     assert either_store.take_first(["a", "b"]) is None
     assert either_store.take_first([]) is None
     assert bare(either_store.take("c")) == entry(3)
-
-
-def test_closing_a_gateway_stops_its_prober():
-    from gateway.service import Gateway
-    from gateway.config import Settings
-    gateway = Gateway(Settings(engine_metrics_interval=0, prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
-                               probe_interval=0.05))
-    gateway.prefill.failed(gateway.prefill.instances[0], unreachable=True)   # wakes the prober
-    thread = gateway.prober._thread
-    assert thread is not None and thread.is_alive()
-    gateway.close()
-    assert not thread.is_alive()
 
 
 # --- what an entry becomes in the store (gateway.reuse.packing) -------------------------------------

@@ -16,7 +16,7 @@ from gateway.front.admission import Admission
 from gateway.front.auth import ApiKeys
 from gateway.support.errors import Overloaded
 from gateway.front.tenants import KeyLimits, RateLimited, Tenants, duration
-from tests.conftest import MODEL, gateway_process
+from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
 CHAT = "/v1/chat/completions"
 
@@ -214,6 +214,7 @@ def test_a_keys_turns_at_once_are_bounded():
 # --- through gunicorn, the OpenAI SDK, real engines ------------------------------------------
 
 @pytest.fixture(scope="module")
+@starts_processes
 def engines():
     with EmulatorProcess("prefill", host="127.0.0.67", itl_ms=1, bidirectional_kv_xfer=True) as p, \
             EmulatorProcess("decode", host="127.0.0.68", itl_ms=1, bidirectional_kv_xfer=True) as d:

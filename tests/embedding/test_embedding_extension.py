@@ -61,6 +61,7 @@ def test_one_extension_mounts_on_several_apps_each_with_its_settings():
         second.extensions["pd_gateway"].close()
 
 
+@pytest.mark.processes
 def test_the_gateway_is_built_on_first_use_once_per_process(monkeypatch):
     built = []
 

@@ -16,9 +16,9 @@ from openai import OpenAI
 from devtools import workload
 from devtools.processes import GatewayProcess, Mount
 from emulator.process import wait_until
-from tests.conftest import MODEL
-from tests.test_affinity import workers_of
-from tests.test_e2e_core import chat_turns
+from tests.helpers.servers import MODEL, chat_turns, starts_processes, workers_of
+
+pytestmark = pytest.mark.processes     # every test here runs the legacy service under gunicorn
 
 HERE = Path(__file__).parent
 # The GATEWAY_* variables name a closed port; the engines reach the app through its own config
@@ -37,6 +37,7 @@ def legacy_mount(worker_class: str, engines=None, workers: int = 4, **env: str) 
 
 
 @pytest.fixture(scope="module", params=list(WORKER_CLASSES))
+@starts_processes
 def legacy(request, engines):
     mount = legacy_mount(WORKER_CLASSES[request.param], engines)
     with GatewayProcess(NOWHERE, NOWHERE, mount=mount) as gateway:

@@ -7,7 +7,11 @@ import selectors
 import socket
 import time
 
+import pytest
+
 from emulator.process import EmulatorProcess
+
+pytestmark = pytest.mark.processes     # an engine process
 
 STREAMS = 500
 

@@ -13,7 +13,9 @@ from devtools import sse as sse_client
 from emulator.process import EmulatorProcess, wait_until
 from emulator.tokens import render_chat
 
-from tests.emulator.conftest import PD, STUB
+from tests.helpers.emulator import PD, STUB
+
+pytestmark = pytest.mark.processes     # engine processes, every test
 
 
 def fresh_history() -> list[dict]:

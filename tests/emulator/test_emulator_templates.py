@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from devtools import sse as sse_client
 from emulator.process import EmulatorProcess
 from emulator.tokens import EOS, THINK, Template, generate_chat, token_ids
-from tests.emulator.conftest import PD, stream_params
+from tests.helpers.emulator import PD, stream_params
+from tests.helpers.servers import starts_processes
 
 words = st.lists(st.sampled_from(["hi", "there", "kv", "cache"]), min_size=1, max_size=6).map(" ".join)
 SYSTEM = {"role": "system", "content": "be brief"}
@@ -132,6 +133,7 @@ def test_truncation_keeps_the_last_tokens(make_api):
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def dropping_pd():
     with EmulatorProcess("prefill", host="127.0.0.2", itl_ms=1, output_tokens=4, reasoning_share=1.0,
                          template_quirks="drop_reasoning", bidirectional_kv_xfer=True) as p, \

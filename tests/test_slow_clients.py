@@ -1,0 +1,126 @@
+"""Clients that stall or send too much cost their own connections, not the worker: a request
+stalled in its headers or its body is closed after --client-timeout, a stream its client stops
+reading ends and lets go of its place and of D, and bodies beyond the worker's
+--max-bodies-bytes are refused before they are read."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import requests
+
+from emulator.process import EmulatorProcess, wait_until
+from tests.helpers.servers import MODEL, gateway_process
+
+
+# --- clients that stall cost their connections, not the worker ----------------------------------
+
+STALLED = {
+    "headers": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl",
+    "body": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+             b"\r\nContent-Length: 1000\r\n\r\n{\"model\": "),
+}
+
+
+@pytest.mark.parametrize("stall", ["headers", "body"])
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_clients_that_stall_their_request_cost_their_connections_not_the_worker(
+        fresh_engines, worker_class, stall):
+    """8 clients send part of their request and stop, on a worker of 4 threads (or 16
+    connections): /health still answers, a stalled body gets 408 and a stalled gthread request
+    is closed, each after --client-timeout, quietly. Before, gthread's threads were theirs for
+    as long as they stayed, /health included."""
+    p, d = fresh_engines
+    sizing = {"threads": 4} if worker_class == "gthread" else {"worker_connections": 16}
+    with gateway_process([p.url], [d.url], worker_class=worker_class, client_timeout=1,
+                         **sizing) as gateway:
+        stalled = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(8)]
+        try:
+            for sock in stalled:
+                sock.sendall(STALLED[stall])
+            assert requests.get(gateway.url + "/health", timeout=30).status_code == 200
+            if stall == "body" or worker_class == "gthread":
+                for sock in stalled:
+                    sock.settimeout(30)
+                    reply = sock.recv(4096)          # what the gateway sends, then its close
+                    assert reply.startswith(b"HTTP/1.1 408") if stall == "body" else True
+                    while reply:
+                        reply = sock.recv(4096)
+            assert p.stats()["requests"] == 0
+            # A stalled client is no error of the gateway's: no traceback (clients could fill
+            # the log with them).
+            assert "Traceback" not in gateway.log()
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(fresh_engines,
+                                                                         worker_class):
+    """A client that asks for a long stream and reads none of it: once the socket buffers
+    are full and a write waits --client-timeout, the turn ends, its place is free and D's
+    stream is closed. Before, both were held until the 900 s total deadline. The reply (up
+    to 400,000 tokens, some 60 MB of events, as fast as D makes them) is far beyond what any
+    socket buffers hold; a D of its own, as that needs a long context."""
+    p, _ = fresh_engines
+    with EmulatorProcess("decode", host="127.0.0.9", itl_ms=0, max_model_len=500_000,
+                         kv_capacity_blocks=40_000) as d, \
+            gateway_process([p.url], [d.url], worker_class=worker_class,
+                            client_timeout=1) as gateway:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", gateway.port))
+        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 400_000,
+                           "messages": [{"role": "user", "content": "say a lot"}]})
+        try:
+            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                          f"\r\n\r\n{body}").encode())
+            wait_until(lambda: d.stats()["aborted_streams"] == 1, 60, "D's stream closed",
+                       gateway.process, gateway.log_path)
+            wait_until(lambda: gateway.status()["turns_in_flight"] == 0, 10, "the place free")
+            assert d.stats()["completed"] == 0
+            assert "Traceback" not in gateway.log()
+        finally:
+            sock.close()
+
+
+# --- bodies in flight within a budget, refused before they are read -----------------------------
+
+def _headers_of(length: int) -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(fresh_engines,
+                                                                          worker_class):
+    """A worker holds at most --max-bodies-bytes of bodies, counted as they arrive: with
+    150 KB of one body in (its client slow to send the last byte), a 100 KB one gets 429 before it
+    is parsed; once the first is gone the same request is served. Before, every body was read
+    and parsed whatever the others."""
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], worker_class=worker_class,
+                         max_body_bytes=160_000, max_bodies_bytes=200_000) as gateway:
+        slow = socket.create_connection(("127.0.0.1", gateway.port))
+        slow.sendall(_headers_of(150_001) + b"x" * 150_000)        # and then nothing
+        try:
+            # Counted as read, 64 KiB at a time: two reads in, the third waits for the rest.
+            wait_until(lambda: gateway.status()["body_bytes_held"] == 2 * 65536, 10,
+                       "the slow body counted")
+            second = socket.create_connection(("127.0.0.1", gateway.port))
+            second.sendall(_headers_of(100_000) + b"y" * 100_000)
+            second.settimeout(30)
+            reply = second.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 429") and b"retry-after" in reply.lower()
+            second.close()
+        finally:
+            slow.close()
+        wait_until(lambda: gateway.status()["body_bytes_held"] == 0, 10, "the budget free")
+        padding = "x" * 99_000
+        served = requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": padding}]})
+        assert served.status_code == 200
+        assert gateway.metric("pd_gateway_admissions_total", result="rejected_bodies") == 1
