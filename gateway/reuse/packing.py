@@ -87,9 +87,9 @@ def expiry(packed: bytes) -> float:
     return _HEAD.unpack_from(packed)[3]
 
 
-def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float | None,
-                                   bytes | None]:
-    """The fields `pack` took; ValueError if `packed` is not one of its outputs."""
+def unpack(packed: bytes) -> dict[str, Any]:
+    """The fields `pack` took, by the names of the entry's fields (store.Entry); ValueError if
+    `packed` is not one of its outputs."""
     try:
         version, flags, history_len, expires = _HEAD.unpack_from(packed)
         if version not in (_VERSION, _VERSION_PREFIXES):
@@ -123,8 +123,10 @@ def unpack(packed: bytes) -> tuple[dict, str, str, int, bool, str | None, float 
     history_digest = history_digest or history_text
     if not isinstance(decode_url, str) or not isinstance(history_digest, str):
         raise ValueError("not a conversation entry")
-    return (params, decode_url, history_digest, history_len, bool(flags & _PLAIN),
-            token_digest or tokens_text, expires if flags & _EXPIRES else None, prefixes)
+    return {"params": params, "decode_url": decode_url, "history_digest": history_digest,
+            "history_len": history_len, "plain": bool(flags & _PLAIN),
+            "token_digest": token_digest or tokens_text,
+            "expires_at": expires if flags & _EXPIRES else None, "prefixes": prefixes}
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:

@@ -73,7 +73,7 @@ def encode(entry: Entry) -> bytes:
 
 def decode(packed: bytes) -> Entry:
     """The entry `encode` packed; ValueError for anything else (a foreign value in Redis)."""
-    return Entry(*unpack(packed))
+    return Entry(**unpack(packed))
 
 
 def _key(key: str) -> bytes:
