@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from bench import procstat
 from bench.measure import Load, run_load
 from bench.metrics import summarize
-from bench.run import ENGINE_TIMING
-from bench.systems import PROXY_HOST, Engines, Running, System, start
+from bench.systems import ENGINE_TIMING, PROXY_HOST, Engines, Running, System, start
 from devtools.processes import GatewayProcess, Mount
 
 CPROFILE_ENV = "BENCH_CPROFILE"  # where bench.gunicorn_cprofile writes the worker's stats

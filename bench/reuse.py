@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import requests
 
 from bench import venvs
 from bench.metrics import percentile

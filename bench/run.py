@@ -17,13 +17,10 @@ from importlib.metadata import version
 from bench import growth, history_cost, report, reuse, venvs
 from bench.measure import Load, run_load
 from bench.metrics import summarize
-from bench.systems import Engines, System, nginx_binary, start
+from bench.systems import ENGINE_TIMING, Engines, System, nginx_binary, start
 from devtools.workload import REPLY_WORDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Small fixed engine timings, so the figures are about the proxies: 8 ms between tokens,
-# 0.02 ms per computed prompt token (a 1,000-token miss costs 20 ms), 0.05 ms per pulled block.
-ENGINE_TIMING = {"itl_ms": 8, "prefill_ms_per_token": 0.02, "pull_ms_per_block": 0.05}
 GTHREADS = 256  # one thread per stream: enough for 256 conversations in one worker
 # Admission control (--max-turns) must admit the whole offered load: 256 turns in flight in one
 # worker, and with four workers each owner's share of them (rendezvous hashing is uneven), with

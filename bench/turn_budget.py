@@ -41,8 +41,8 @@ from datetime import datetime, timezone
 
 from bench import procstat, profile
 from bench.measure import Load, run_load
-from bench.run import ENGINE_TIMING, machine, revision
-from bench.systems import ROOT, Engines, System, slug, start
+from bench.run import machine, revision
+from bench.systems import ENGINE_TIMING, ROOT, Engines, System, slug, start
 
 FLOOR = System("bare Flask relay", "flask", True)
 GATEWAY_LABEL = "pd-gateway"
