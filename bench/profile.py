@@ -34,7 +34,8 @@ CPROFILE_ENV = "BENCH_CPROFILE"  # where bench.gunicorn_cprofile writes the work
 # "service" if any gateway frame is on the stack, else to the innermost of Flask and the server,
 # else to gevent's hub (its loop and callbacks: waking greenlets), else "other".
 SPECIFIC: list[tuple[str, tuple[str, ...]]] = [
-    ("watcher", ("Watch._run (", "Watch.__init__ (", "Watch.stop (")),
+    ("watcher", ("Watch._run (", "Watch.__init__ (", "Watch.stop (", "Watch._arm (",
+                 "Watch._tick (", "Watch._readable (")),
     ("metrics", ("prometheus_client/",)),
     ("logging", ("logging/", "gateway/support/logs.py")),
     ("relay: write", ("write (gunicorn/", "write_chunk (gunicorn/", "sendall (gunicorn/")),
