@@ -3,7 +3,10 @@ engine and worker, a connection handed back to its pool never cut by the watch o
 that used it, and failures classified by their type, not their message."""
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import socket
+import threading
 import time
 
 import pytest
@@ -76,3 +79,43 @@ def test_a_rejected_stream_leaves_no_connection_for_its_watch_to_cut(fresh_engin
 
     assert contextvars.copy_context().run(second).endswith(b"data: [DONE]\n\n")
     upstream.session.close()
+
+
+@contextlib.contextmanager
+def engine_that_answers(head: bytes, then_close: bool):
+    """A raw engine on loopback: reads one request, sends `head` (a status line, headers and
+    the start of a body), then closes the connection or stays silent."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(head)
+            if not then_close:
+                done.wait(10)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        done.set()
+        thread.join(10)
+        server.close()
+
+
+@pytest.mark.parametrize("then_close, error", [(True, "BadGateway"), (False, "GatewayTimeout")],
+                         ids=["cut", "silent"])
+def test_a_json_reply_that_breaks_off_is_a_gateway_error(then_close, error):
+    """P's headers came, its body did not all come: the engine's failure (502, or 504 when it
+    goes silent past the read timeout), never an exception the view would answer with a 500."""
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
+    from gateway.support import errors
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    with engine_that_answers(head, then_close) as url:
+        upstream = Upstream(2, 0.5, pool_size=1)
+        with pytest.raises(getattr(errors, error)):
+            upstream.post_json(Instance(url, "prefill", 0), "/v1/chat/completions", {}, {})
+        upstream.session.close()

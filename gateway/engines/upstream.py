@@ -256,7 +256,9 @@ class Upstream:
                 # chunks (measured: 40 us a P call).
                 response._content = response.raw.read(decode_content=True)
                 response._content_consumed = True
-        except (requests.RequestException, ValueError) as exc:  # ValueError: a bad header
+        # urllib3's own errors: the body read above is urllib3's (requests would wrap them);
+        # ValueError: a bad header.
+        except (requests.RequestException, Urllib3Error, ValueError) as exc:
             raise _translate(exc, instance, current_watch()) from exc
         return response
 
