@@ -248,3 +248,66 @@ def test_chaos_with_long_bodies_leaves_nothing_behind(worker_class):
                 i["inflight"] for i in r["prefill"] + r["decode"]) == 0)(
                     gateway.status(port=gateway.port + 1 + slot)), 10, f"worker {slot} idle")
         assert p.stats()["wrong_reuse"] == 0
+
+
+# Under gevent the watch is the event loop's own watchers; run where gevent has patched
+# threading, as in a gevent worker (a script of its own: this process is not patched).
+UNDER_GEVENT = """
+from gevent import monkey; monkey.patch_all()
+import socket, sys, time
+import gevent
+from gateway.engines.watch import NOT_WAITING, Watch
+{body}
+"""
+
+
+def under_gevent(body: str) -> str:
+    import subprocess
+    import sys
+    import textwrap
+    done = subprocess.run([sys.executable, "-c", UNDER_GEVENT.format(body=textwrap.dedent(body))],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_under_gevent_a_stream_silent_after_its_client_took_bytes_is_cut_at_its_read_timeout():
+    """The timer fired while the client was taking bytes (not waiting for D): the next look must
+    come within the read timeout, not at the far total deadline."""
+    print(under_gevent("""
+        watch = Watch(None, time.monotonic() + 600)      # a total deadline far away
+        watch.keep_quiet_limit(0.05, "D")
+        watch.heard_at = NOT_WAITING
+        watch._tick()                  # the timer's fire, while the client takes bytes
+        watch.heard_at = time.monotonic()                # now waiting for D, which is silent
+        bound = time.monotonic() + 30
+        while not (watch.silent or watch.expired) and time.monotonic() < bound:
+            gevent.sleep(0.01)
+        assert watch.silent and not watch.expired, (watch.silent, watch.expired)
+        watch.stop()
+        assert Watch.live == 0, Watch.live
+    """))
+
+
+def test_under_gevent_a_client_gone_cuts_and_a_closed_socket_is_let_go():
+    out = under_gevent("""
+        ours, client = socket.socketpair()
+        watch = Watch(ours, None)
+        assert Watch.live == 1
+        client.close()
+        bound = time.monotonic() + 30
+        while not watch.gone and time.monotonic() < bound:
+            gevent.sleep(0.01)
+        assert watch.gone and Watch.live == 0, (watch.gone, Watch.live)
+        watch.stop()
+        ours, client = socket.socketpair()
+        watch = Watch(ours, None)
+        ours.close()                   # closed before the watch stopped: gevent tells it so
+        bound = time.monotonic() + 30
+        while Watch.live and time.monotonic() < bound:
+            gevent.sleep(0.01)
+        assert not watch.gone and Watch.live == 0, (watch.gone, Watch.live)
+        watch.stop()
+        print("ok")
+    """)
+    assert out == "ok"

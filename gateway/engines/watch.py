@@ -53,22 +53,24 @@ class Watch:
         self._connections: list[HTTPConnection] = []
         self._lock = threading.Lock()
         self._done = False
-        self._token = _WATCH.set(self)
         self._io = self._timer = None       # the event loop's watchers, under gevent
         self._looped = self._running and monkey.is_module_patched("threading")
+        self._counted = False               # in Watch.live, under gevent
+        if self._looped:
+            self._loop = gevent.get_hub().loop
+            if client is not None:
+                self._raw = getattr(client, "_sock", client)
+                self._io = self._loop.io(client.fileno(), 1)    # 1: readable
+                self._io.start(self._readable)
+            self._arm()
+            self._counted = True
         if self._running:
             with Watch._live_lock:
                 Watch.live += 1
-            if self._looped:
-                self._loop = gevent.get_hub().loop
-                if client is not None:
-                    self._raw = getattr(client, "_sock", client)
-                    self._io = self._loop.io(client.fileno(), 1)    # 1: readable
-                    self._io.start(self._readable)
-                self._arm()
-            else:
+            if not self._looped:
                 threading.Thread(target=self._watch, name="pd-gateway-watch",
                                  daemon=True).start()
+        self._token = _WATCH.set(self)
 
     def track(self, connection: HTTPConnection) -> None:
         """Register a connection this request is about to use; refuse if the request is
@@ -114,9 +116,6 @@ class Watch:
         return None
 
     def stop(self) -> None:
-        if self._looped and not self._done:
-            with Watch._live_lock:
-                Watch.live -= 1
         self._done = True
         self.untrack()
         # Now, not at a next wake: while a watcher of the client socket is active, gevent
@@ -134,17 +133,20 @@ class Watch:
         """(Re)start the timer for the earliest of the deadline and the stream's quiet limit."""
         if self._timer is not None:
             self._timer.stop()
+            self._timer.close()
             self._timer = None
         if self._done:
             return
-        due = min(self.deadline if self.deadline is not None else NOT_WAITING,
-                  self.heard_at + self.quiet_limit if self.quiet_limit is not None
-                  else NOT_WAITING)
+        now = time.monotonic()
+        due = self.deadline if self.deadline is not None else NOT_WAITING
+        if self.quiet_limit is not None:
+            # While its client takes the bytes (NOT_WAITING) the stream is not silent: look
+            # again a whole limit from now, never later (the thread looks every 0.5 s).
+            waiting_since = self.heard_at if self.heard_at != NOT_WAITING else now
+            due = min(due, waiting_since + self.quiet_limit)
         if due == NOT_WAITING:
-            if self.quiet_limit is None:
-                return        # no deadline, no stream's limit yet: only the socket is watched
-            due = time.monotonic() + self.quiet_limit   # its client takes the bytes: look again
-        self._timer = self._loop.timer(max(due - time.monotonic(), 0.0))
+            return        # no deadline, no stream's limit yet: only the socket is watched
+        self._timer = self._loop.timer(max(due - now, 0.0))
         self._timer.start(self._tick)
 
     def _tick(self) -> None:
@@ -163,6 +165,9 @@ class Watch:
     def _readable(self) -> None:
         if self._done:
             return
+        if self.client.fileno() < 0:     # closed under us (gevent tells its watchers so)
+            self._stop_watchers()
+            return
         try:
             # The raw socket, without waiting: gevent's recv would wait on the socket's read
             # event on EAGAIN, which the request's own greenlet may be using.
@@ -179,10 +184,15 @@ class Watch:
         gevent.spawn(self._cut)
 
     def _stop_watchers(self) -> None:
+        """Stop and close the loop's watchers; the watch is no longer live (cut or stopped)."""
         for watcher in (self._io, self._timer):
             if watcher is not None:
                 watcher.stop()
                 watcher.close()
+        if self._counted:
+            self._counted = False
+            with Watch._live_lock:
+                Watch.live -= 1
         self._io = self._timer = None
 
     # --- with threads: a thread polls ----------------------------------------------------------
