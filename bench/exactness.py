@@ -122,7 +122,10 @@ def chat_conversation(url: str, mode: Mode, client: Client, turns: int, seed: in
     sdk = OpenAI(base_url=url + "/v1", api_key=f"tenant-{seed % 3}", max_retries=0, timeout=60)
     outcome = Outcome()
     messages = [{"role": "system", "content": "answer briefly"},
-                {"role": "user", "content": f"conversation {uuid.uuid4().hex} number {seed}"}]
+                # Which replies reason or call a tool follows from the prompt (the emulator's
+                # shares hash it): the same prompts each run give the same turns, so what a run
+                # exercises does not change from run to run. Each run has engines of its own.
+                {"role": "user", "content": f"conversation of {client.name} number {seed}"}]
     extra = dict(mode.request.get("extra_body") or {})
     headers = {"X-Conversation-Id": uuid.uuid4().hex} if client.explicit_id else {}
     kwargs = {k: v for k, v in mode.request.items() if k != "extra_body"}
