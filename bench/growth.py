@@ -20,8 +20,13 @@ from emulator.process import wait_until
 class GrowthPlan:
     history_kb: tuple[int, ...]
     cached: tuple[int, ...]
-    conversations: int  # per point, 4 in flight for history, 8 for cached
+    conversations: int  # per point, HISTORY_CONCURRENCY in flight for history, 8 for cached
     turns: int
+
+
+# As many conversations in flight as OpenAI SDK clients in the comparison with vllm-router that
+# issue 30 names (16 concurrent, 32-token replies, every history length).
+HISTORY_CONCURRENCY = 16
 
 
 QUICK = GrowthPlan(history_kb=(1, 10, 100), cached=(0, 10_000, 100_000), conversations=8, turns=2)
@@ -29,7 +34,8 @@ FULL = GrowthPlan(history_kb=(1, 3, 10, 30, 100), cached=(0, 1_000, 10_000, 30_0
                   conversations=32, turns=5)
 HISTORY_SYSTEMS = (System("gateway, ids", "gateway", True, {"workers": 1}),
                    System("gateway, no ids", "gateway", False, {"workers": 1}),
-                   System("seed, ids", "seed", True))
+                   System("seed, ids", "seed", True),
+                   System("vllm-router", "router", True))
 
 
 def cpu_ms_per_turn(measured) -> float:
@@ -45,7 +51,7 @@ def history_growth(plan: GrowthPlan, systems: list[System], engines: Engines,
         running = start(system, engines, out_dir)
         try:
             for kb in plan.history_kb:
-                load = Load(concurrency=4, conversations=plan.conversations, turns=plan.turns,
+                load = Load(concurrency=HISTORY_CONCURRENCY, conversations=plan.conversations, turns=plan.turns,
                             duration=60, ids=system.ids, history_bytes=kb * 1024)
                 m = run_load(system.label, running, engines, load, f"hist{kb}k-{len(rows)}", out_dir)
                 rows.append({"system": system.label, "history_kb": kb,

@@ -141,6 +141,23 @@ def _save(fig, path: str) -> None:
 HISTORY_COLUMNS = (("system", "system", "{}"), ("history KB", "history_kb", "{}"),
                    ("turns", "turns", "{}"), ("err", "errors", "{}"),
                    ("CPU ms/turn", "cpu_ms_per_turn", "{:.2f}"))
+
+
+def history_ratios(history: list[dict]) -> list[dict]:
+    """Each gateway row of the history runs over the seed's and vllm-router's at the same size."""
+    peers = {(r["system"], r["history_kb"]): r for r in history
+             if not r["system"].startswith("gateway")}
+    out = []
+    for r in (r for r in history if r["system"].startswith("gateway")):
+        for (peer, kb), base in peers.items():
+            if kb == r["history_kb"] and base["cpu_ms_per_turn"]:
+                out.append({"system": f"{r['system']} / {peer}", "history_kb": kb,
+                            "ratio": r["cpu_ms_per_turn"] / base["cpu_ms_per_turn"]})
+    return out
+
+
+HISTORY_RATIO_COLUMNS = (("gateway / peer", "system", "{}"), ("history KB", "history_kb", "{}"),
+                         ("CPU per turn", "ratio", "{:.2f}x"))
 CACHED_COLUMNS = (("cached conversations", "entries", "{:,}"), ("turns", "turns", "{}"),
                   ("err", "errors", "{}"), ("CPU ms/turn", "cpu_ms_per_turn", "{:.2f}"),
                   ("worker RSS MB (filled)", "rss_mb_filled", "{:.0f}"),

@@ -160,6 +160,12 @@ def cpu_rooms(plan: Plan, engines: Engines, out_dir: str, notes: list[str]) -> s
     return profile.room_table(profiles)
 
 
+def history_systems(systems: list[System]) -> list[System]:
+    """The history runs' systems whose kind the plan could start (the seed, vllm-router)."""
+    kinds = {s.kind for s in systems}
+    return [s for s in growth.HISTORY_SYSTEMS if s.kind == "gateway" or s.kind in kinds]
+
+
 def partial(plan: Plan, args: argparse.Namespace) -> None:
     """A few systems at a few concurrencies, for work in progress: tables printed, no doc."""
     keys = args.systems.split(",") if args.systems else list(plan.systems)
@@ -174,11 +180,19 @@ def partial(plan: Plan, args: argparse.Namespace) -> None:
     systems = available(plan, notes)
     engines = Engines.start(**ENGINE_TIMING)
     try:
-        rows = matrix(plan, systems, engines, args.out, notes)
+        if args.history:
+            history = growth.history_growth(plan.growth, history_systems(systems), engines,
+                                            args.out)
+        else:
+            rows = matrix(plan, systems, engines, args.out, notes)
     finally:
         engines.stop()
-    print("\n" + report.table(rows) + "\n\n"
-          + report.table(report.ratios(rows, systems), report.RATIO_COLUMNS))
+    if args.history:
+        print("\n" + report.table(history, report.HISTORY_COLUMNS) + "\n\n"
+              + report.table(report.history_ratios(history), report.HISTORY_RATIO_COLUMNS))
+    else:
+        print("\n" + report.table(rows) + "\n\n"
+              + report.table(report.ratios(rows, systems), report.RATIO_COLUMNS))
     for note in notes:
         print("note:", note)
 
@@ -192,9 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", help="only these (comma separated keys of SYSTEMS); with "
                         "--concurrency: a partial run that prints its tables and writes no doc")
     parser.add_argument("--concurrency", help="only these concurrencies (comma separated)")
+    parser.add_argument("--history", action="store_true", help="with --systems: the history "
+                        "runs instead (the gateway, and those of the systems that are the seed "
+                        "or vllm-router)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    if args.systems or args.concurrency:
+    if args.systems or args.concurrency or args.history:
         return partial(plan, args)
     os.makedirs(args.out, exist_ok=True)
     began, load_before, clock = datetime.now(timezone.utc), os.getloadavg(), time.monotonic()
@@ -207,9 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     engines = Engines.start(**ENGINE_TIMING)
     try:
         rows = matrix(plan, systems, engines, args.out, notes)
-        history_systems = [s for s in growth.HISTORY_SYSTEMS if s.kind != "seed" or
-                           any(x.kind == "seed" for x in systems)]
-        history = growth.history_growth(plan.growth, history_systems, engines, args.out)
+        history = growth.history_growth(plan.growth, history_systems(systems), engines, args.out)
         cached = growth.cache_growth(plan.growth, engines, args.out)
         rooms = cpu_rooms(plan, engines, args.out, notes)
     finally:

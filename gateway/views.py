@@ -78,9 +78,16 @@ _UNSENT = "pd_gateway.stream_response"
 
 
 class _StreamResponse(Response):
-    """A streamed reply that knows whether the WSGI server took it."""
+    """A streamed reply that knows whether the WSGI server took it, and whose chunks go to the
+    server as they are (`direct_passthrough`: werkzeug wraps each event in two generators of
+    its own otherwise) unless a host app asks to be called on close, which werkzeug's wrapper
+    does."""
 
     served = False
+
+    def call_on_close(self, func):  # type: ignore[no-untyped-def]
+        self.direct_passthrough = False
+        return super().call_on_close(func)
 
     def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
         app_iter = super().__call__(environ, start_response)   # start_response may raise
@@ -158,7 +165,8 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                 closing.callback(_forget_request_id)
                 closing.callback(reply.close)
                 response = _StreamResponse(_Chunks(reply.stream, closing.close),
-                                           status=reply.status, content_type=reply.content_type)
+                                           status=reply.status, content_type=reply.content_type,
+                                           direct_passthrough=True)
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:

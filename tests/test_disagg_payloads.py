@@ -348,6 +348,27 @@ def test_an_empty_user_in_an_engine_url_sends_no_authorization():
 
 
 @responses.activate
+def test_a_stream_reaches_the_server_as_the_relays_own_chunks(app):
+    """No werkzeug generators around every event (direct passthrough); the server's close of
+    them releases the turn."""
+    from werkzeug.test import EnvironBuilder
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events([" a", " b"], d_params()),
+                   content_type="text/event-stream")
+    environ = EnvironBuilder(path=CHAT, method="POST",
+                             json={"messages": MESSAGES, "stream": True}).get_environ()
+    started = []
+    body = app.wsgi_app(environ, lambda status, headers, exc_info=None: started.append(status))
+    try:
+        assert started == ["200 OK"]
+        assert type(body).__name__ == "_Chunks"      # the relay's, not a ClosingIterator
+        assert b"[DONE]" in b"".join(body)
+    finally:
+        body.close()
+    assert app.extensions["pd_gateway"].gateway.admission.inflight == 0
+
+
+@responses.activate
 def test_a_host_apps_call_on_close_runs_after_a_stream(store):
     """The relay's bytes reach the server without werkzeug's wrappers, and still a host app's
     `call_on_close` runs when the server closes the stream, after the reply is released."""

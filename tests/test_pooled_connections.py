@@ -11,7 +11,7 @@ import socket
 import gevent.socket
 import pytest
 
-from gateway.engines.watch import _TrackedHTTPConnection
+from gateway.engines.watch import ONE_SEND_BYTES, _TrackedHTTPConnection
 
 
 @contextlib.contextmanager
@@ -57,3 +57,61 @@ def test_a_connection_with_bytes_nobody_asked_for_is_dropped(kind):
 
 def test_a_connection_never_opened_is_not_connected():
     assert not _TrackedHTTPConnection("127.0.0.1", 9).is_connected
+
+
+class _Recording:
+    """A socket whose writes are recorded, one entry a `sendall`."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.writes: list[bytes] = []
+
+    def sendall(self, data) -> None:
+        self.writes.append(bytes(data))
+        self.sock.sendall(data)
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self.sock, name)
+
+
+def _receive(engine, size: int) -> bytes:
+    got = b""
+    while len(got) < size:
+        chunk = engine.recv(1 << 16)
+        assert chunk, "the engine's end closed early"
+        got += chunk
+    return got
+
+
+@pytest.mark.parametrize("body_bytes", [1, 10_000, ONE_SEND_BYTES])
+def test_a_request_goes_out_in_one_write(body_bytes):
+    """Head and body in one send: one segment and one wake-up of the engine, not two."""
+    body = b"x" * body_bytes
+    with connected("plain") as (connection, engine):
+        connection.sock = recording = _Recording(connection.sock)
+        connection.request("POST", "/v1/completions", body=body,
+                           headers={"Content-Length": str(len(body))})
+        assert len(recording.writes) == 1
+        sent = recording.writes[0]
+        assert sent.endswith(b"\r\n\r\n" + body)
+        assert _receive(engine, len(sent)) == sent
+
+
+def test_a_larger_body_goes_after_its_head():
+    body = b"x" * (ONE_SEND_BYTES + 1)
+    with connected("plain") as (connection, engine):
+        connection.sock = recording = _Recording(connection.sock)
+        connection.request("POST", "/v1/completions", body=body,
+                           headers={"Content-Length": str(len(body))})
+        head, sent_body = recording.writes
+        assert head.endswith(b"\r\n\r\n") and sent_body == body
+        assert _receive(engine, len(head) + len(body)) == head + body
+
+
+def test_a_request_without_a_body_is_its_head():
+    with connected("plain") as (connection, engine):
+        connection.sock = recording = _Recording(connection.sock)
+        connection.request("GET", "/health")
+        [head] = recording.writes
+        assert head.startswith(b"GET /health ") and head.endswith(b"\r\n\r\n")
+        assert _receive(engine, len(head)) == head

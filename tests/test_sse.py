@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -84,9 +86,12 @@ def test_an_event_python_json_reads_and_orjson_does_not_is_still_cleaned():
     assert b"kv_transfer_params" not in out and b"NaN" in out and decoded.params == {"x": 1}
 
 
-def test_an_integer_beyond_64_bits_stays_exact_in_an_event_that_is_rewritten():
+@pytest.mark.parametrize("number", [b"123456789012345678901234567890",
+                                    b"-9223372036854775809",     # below -2**63, in 19 digits
+                                    b"-18446744073709551617"])
+def test_an_integer_beyond_64_bits_stays_exact_in_an_event_that_is_rewritten(number):
     wire = (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],'
-            b'"seed_used":123456789012345678901234567890,"kv_transfer_params":{"x":1}}\n\n')
+            b'"seed_used":' + number + b',"kv_transfer_params":{"x":1}}\n\n')
     out, decoded = relay(wire, [], general=False, strip=False)
-    assert b'"seed_used":123456789012345678901234567890' in out
+    assert b'"seed_used":' + number + b"}" in out
     assert b"kv_transfer_params" not in out and decoded.params == {"x": 1}

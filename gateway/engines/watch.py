@@ -263,17 +263,40 @@ def current_watch() -> Watch | None:
     return _WATCH.get()
 
 
+ONE_SEND_BYTES = 1 << 20    # a request's head and body go out together up to this size
+
+
 class _Tracked:
-    """A urllib3 connection that registers with the current request's Watch when used."""
+    """A urllib3 connection that registers with the current request's Watch when used, and
+    sends a request's head and body in one write.
+
+    urllib3 (like http.client) writes the head, then the body: two sends on a socket with
+    TCP_NODELAY, two segments, two wake-ups of the engine. On loopback each send runs the
+    receiver's side of TCP too; the head's send cost about 95 us and the body's 20 (py-spy, 16
+    turns at once), for every P and D call."""
 
     pd_watch: Watch | None = None
+    _head: bytes | None = None      # held until the body comes, while `_one_send`
+    _one_send = False
 
-    def request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def request(self, method, url, body=None, headers=None, **kwargs):  # type: ignore[no-untyped-def]  # noqa: E501
         watch = _WATCH.get()
         if watch is not None:
             self.pd_watch = watch
             watch.track(self)
-        return super().request(*args, **kwargs)
+        self._one_send = type(body) is bytes and 0 < len(body) <= ONE_SEND_BYTES
+        try:
+            return super().request(method, url, body=body, headers=headers, **kwargs)
+        finally:
+            self._one_send, self._head = False, None
+
+    def send(self, data):  # type: ignore[no-untyped-def]
+        if self._one_send:
+            if self._head is None:           # the head (http.client's _send_output)
+                self._head = data
+                return
+            data, self._one_send, self._head = self._head + data, False, None
+        super().send(data)
 
 
 class _TrackedHTTPConnection(_Tracked, HTTPConnection):

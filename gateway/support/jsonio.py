@@ -13,13 +13,16 @@ writes all of it back.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
 
 _HUGE = 2.0 ** 63     # orjson reads integer literals it cannot hold as floats at least this big
-_LONG_NUMBER = re.compile(rb"\d{19}")   # 2**63 has 19 digits: a number orjson may not hold
+# 2**63 has 19 digits: a run of 19 digits is a number orjson may not hold. Found by mapping every
+# digit to "0" and looking for 19 of them (bytes.translate and a substring search, both in C):
+# 0.36 us for a token's event where the regex \d{19} took 2.6 (it tries a match at every digit).
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_LONG_RUN = b"0" * 19
 _CONTAINERS = frozenset((dict, list))
 
 
@@ -43,7 +46,7 @@ def loads_engine(raw: bytes, exact: bool = True) -> Any:
     if `exact`, numbers too long for orjson to hold exactly (a value only read, never written
     back, needs no such scan: 1.3 against 4.1 us for a token's event). ValueError if it is not
     JSON."""
-    if not (exact and _LONG_NUMBER.search(raw)):
+    if not (exact and _LONG_RUN in raw.translate(_DIGITS_AS_ZERO)):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
