@@ -119,3 +119,135 @@ def test_a_json_reply_that_breaks_off_is_a_gateway_error(then_close, error):
         with pytest.raises(getattr(errors, error)):
             upstream.post_json(Instance(url, "prefill", 0), "/v1/chat/completions", {}, {})
         upstream.session.close()
+
+
+@contextlib.contextmanager
+def engine_of_replies(replies: list[bytes]):
+    """A raw engine on loopback that answers each request it reads with the next of `replies`
+    (whole HTTP responses), on whatever connection it came; yields (its URL, the connections
+    it accepted)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    pending = list(replies)
+    stop = threading.Event()
+
+    def serve_one(connection: socket.socket) -> None:
+        with connection:
+            while pending and not stop.is_set():
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = connection.recv(65536)
+                    if not chunk:
+                        return
+                    request += chunk
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), b"0"))
+                while len(body) < length:
+                    body += connection.recv(65536)
+                connection.sendall(pending.pop(0))
+
+    def serve() -> None:
+        while pending and not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(connection)
+            threading.Thread(target=serve_one, args=(connection,), daemon=True).start()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", accepted
+    finally:
+        stop.set()
+        with contextlib.suppress(OSError):
+            socket.create_connection(server.getsockname(), timeout=1).close()   # ends accept()
+        thread.join(10)
+        server.close()
+
+
+OK_JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}'
+STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+          b"Transfer-Encoding: chunked\r\n\r\n"
+          b"10\r\ndata: {\"a\": 1}\n\n\r\n0\r\n\r\n")
+
+
+def _upstream_and_instance(url: str):
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
+    return Upstream(2, 5, pool_size=4), Instance(url, "prefill", 0)
+
+
+def test_an_engine_connection_is_used_again_once_its_reply_was_read():
+    with engine_of_replies([OK_JSON, STREAM, OK_JSON]) as (url, accepted):
+        upstream, instance = _upstream_and_instance(url)
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+        stream = upstream.open_stream(instance, "/v1/completions", {}, {})
+        assert b"".join(stream.chunks()) == b'data: {"a": 1}\n\n'
+        stream.close()
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+        assert len(accepted) == 1
+        upstream.session.close()
+
+
+@pytest.mark.parametrize("first", ["stream cut short", "connection: close"])
+def test_an_engine_connection_is_not_used_again_after(first):
+    """A stream closed before its end still has bytes coming on its connection; an engine that
+    said `Connection: close` closes it: the next call opens a new one."""
+    reply = (STREAM if first == "stream cut short" else
+             OK_JSON.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+    with engine_of_replies([reply, OK_JSON]) as (url, accepted):
+        upstream, instance = _upstream_and_instance(url)
+        if first == "stream cut short":
+            stream = upstream.open_stream(instance, "/v1/completions", {}, {})
+            stream.close()                        # nothing of it read
+        else:
+            assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+        assert len(accepted) == 2
+        upstream.session.close()
+
+
+def test_an_engine_that_answers_no_http_is_a_bad_gateway():
+    from gateway.support.errors import BadGateway
+    with engine_of_replies([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"]) as (url, _):
+        upstream, instance = _upstream_and_instance(url)
+        with pytest.raises(BadGateway):
+            upstream.post_json(instance, "/v1/completions", {}, {})
+        upstream.session.close()
+
+
+def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
+    """A refused connection and one not accepted within the connect timeout: 503 (the engine
+    never saw the request), not 502 or 504."""
+    from gateway.engines.upstream import Upstream
+    from gateway.engines.instances import Instance
+    from gateway.support.errors import ServiceUnavailable
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    upstream = Upstream(0.3, 5, pool_size=4)
+    with pytest.raises(ServiceUnavailable, match="refused"):
+        upstream.post_json(Instance(f"http://127.0.0.1:{port}", "prefill", 0), "/x", {}, {})
+    # A listener whose queue is full: Linux drops further SYNs, so connect waits.
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        queued = [socket.create_connection(full.getsockname(), timeout=1)]
+        try:
+            while True:      # fill the accept queue (its size is the backlog, plus one)
+                extra = socket.socket()
+                extra.settimeout(0.2)
+                try:
+                    extra.connect(full.getsockname())
+                except OSError:
+                    extra.close()
+                    break
+                queued.append(extra)
+            with pytest.raises(ServiceUnavailable, match="in time"):
+                upstream.post_json(Instance("http://%s:%d" % full.getsockname(), "prefill", 0),
+                                   "/x", {}, {})
+        finally:
+            for sock in queued:
+                sock.close()
+    upstream.session.close()

@@ -20,6 +20,7 @@ from urllib3.exceptions import ReadTimeoutError
 from urllib3.util import parse_url
 
 from gateway.engines.instances import Instance
+from gateway.engines.transport import EnginePool
 from gateway.engines.watch import (NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPool, Watch,
                                    current_watch)
 from gateway.support import jsonio
@@ -143,15 +144,21 @@ class EngineAdapter(HTTPAdapter):
     filled (engines set none). Measured: about 300 Python calls less a call.
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, pool_maxsize: int = 10, **kwargs) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+        super().__init__(*args, pool_maxsize=pool_maxsize, **kwargs)
         self._pools: dict[str, Any] = {}
+        self._engine_pools: dict[str, EnginePool] = {}     # the engine calls' (transport.py)
+        self._maxsize = pool_maxsize
+
+    @staticmethod
+    def _origin(url: str) -> str:
+        return url[:url.find("/", url.find("//") + 2) % (len(url) + 1)]
 
     def _pool(self, url: str):  # type: ignore[no-untyped-def]
         # The pool manager's own lookup builds a 30-field pool key each call (measured: 20 us
         # a call, two a turn); a pool it has since closed (its LRU, past `hosts` pools) is
         # looked up again.
-        origin = url[:url.find("/", url.find("//") + 2) % (len(url) + 1)]
+        origin = self._origin(url)
         pool = self._pools.get(origin)
         if pool is None or pool.pool is None:
             parsed = parse_url(origin)
@@ -161,8 +168,29 @@ class EngineAdapter(HTTPAdapter):
                 self._pools = {origin: pool}
         return pool
 
+    def _engine_pool(self, url: str) -> EnginePool:
+        origin = self._origin(url)
+        pool = self._engine_pools.get(origin)
+        if pool is None:
+            parsed = parse_url(origin)
+            if len(self._engine_pools) >= 1024:   # engines come and go: keep it bounded
+                for old in self._engine_pools.values():
+                    old.close()
+                self._engine_pools = {}
+            pool = self._engine_pools[origin] = EnginePool(parsed.host, parsed.port or 80,
+                                                           self._maxsize)
+        return pool
+
     def get_connection_with_tls_context(self, request, verify, proxies=None, cert=None):  # type: ignore[no-untyped-def]  # noqa: E501
+        # The gateway's own POSTs (`pd_path`) to plain-HTTP engines: gateway.engines.transport.
+        if getattr(request, "pd_path", None) is not None and request.url.startswith("http://"):
+            return self._engine_pool(request.url)
         return self._pool(request.url)
+
+    def close(self) -> None:
+        super().close()
+        for pool in self._engine_pools.values():
+            pool.close()
 
     def get_connection(self, url, proxies=None):  # type: ignore[no-untyped-def]
         return self._pool(url)              # requests before 2.32 calls this one
@@ -258,7 +286,11 @@ class Upstream:
                 response._content_consumed = True
         # urllib3's own errors: the body read above is urllib3's (requests would wrap them);
         # ValueError: a bad header.
-        except (requests.RequestException, Urllib3Error, ValueError) as exc:
+        # http.client's own (a bad status line, a header line too long: engine calls go over
+        # http.client connections, gateway.engines.transport, which nothing wraps).
+        # OSError: a body that breaks off or times out there (http.client raises the socket's).
+        except (requests.RequestException, Urllib3Error, http.client.HTTPException, OSError,
+                ValueError) as exc:
             raise _translate(exc, instance, current_watch()) from exc
         return response
 

@@ -12,6 +12,7 @@ import gevent
 from gevent import monkey
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.util.wait import wait_for_read
 
 from gateway.support.errors import ClientGone, GatewayError, GatewayTimeout
 
@@ -266,8 +267,8 @@ def current_watch() -> Watch | None:
 ONE_SEND_BYTES = 1 << 20    # a request's head and body go out together up to this size
 
 
-class _Tracked:
-    """A urllib3 connection that registers with the current request's Watch when used, and
+class Tracked:
+    """An engine connection (urllib3's, or gateway.engines.transport's) that registers with the current request's Watch when used, and
     sends a request's head and body in one write.
 
     urllib3 (like http.client) writes the head, then the body: two sends on a socket with
@@ -299,28 +300,43 @@ class _Tracked:
         super().send(data)
 
 
-class _TrackedHTTPConnection(_Tracked, HTTPConnection):
+class _TrackedHTTPConnection(Tracked, HTTPConnection):
     @property
     def is_connected(self) -> bool:
         """urllib3's check of a pooled connection before each reuse (nothing to read, no EOF),
         under gevent with one non-blocking peek: urllib3 polls the socket, which under gevent
         builds and starts a poll object's watchers (measured: 35 us a call, two calls a turn).
         Plain TCP only: a TLS socket takes no flags, and its bytes are records, not replies."""
-        # gevent's socket wraps a real one, kept non-blocking (a plain socket with a timeout
-        # would wait for the timeout before it peeks: urllib3's own check, a cheap poll there).
-        raw = getattr(self.sock, "_sock", None)
-        if raw is None:
-            return super().is_connected
-        try:
-            raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True         # nothing to read: still connected
-        except OSError:
-            return False        # reset, or closed meanwhile
-        return False            # EOF, or bytes nobody asked for: urllib3 drops it too
+        if self.sock is None:
+            return False
+        return still_open(self.sock)
 
 
-class _TrackedHTTPSConnection(_Tracked, HTTPSConnection):
+def still_open(sock: socket.socket) -> bool:
+    """May a kept-alive engine connection be used again: nothing to read, no EOF? Under gevent
+    one non-blocking peek of the real socket gevent's wraps (kept non-blocking); a plain socket
+    is polled, as urllib3 does (a peek on a socket with a timeout would wait for it)."""
+    raw = getattr(sock, "_sock", None)
+    if raw is None:
+        return not wait_for_read(sock, timeout=0.0)
+    try:
+        raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True         # nothing to read: still connected
+    except OSError:
+        return False        # reset, or closed meanwhile
+    return False            # EOF, or bytes nobody asked for: urllib3 drops it too
+
+
+def untrack(connection) -> None:  # type: ignore[no-untyped-def]
+    """Before a connection goes back to its pool, where another request may take it."""
+    watch = getattr(connection, "pd_watch", None)
+    if watch is not None:
+        watch.untrack(connection)
+        connection.pd_watch = None
+
+
+class _TrackedHTTPSConnection(Tracked, HTTPSConnection):
     pass
 
 
@@ -329,10 +345,7 @@ class TrackedPool:
     (a response closed, fully read, or a rejected reply: every release comes through here)."""
 
     def _put_conn(self, conn):  # type: ignore[no-untyped-def]
-        watch = getattr(conn, "pd_watch", None)
-        if watch is not None:
-            watch.untrack(conn)
-            conn.pd_watch = None
+        untrack(conn)
         return super()._put_conn(conn)
 
 
