@@ -80,16 +80,19 @@ _UNSENT = "pd_gateway.stream_response"
 class _StreamResponse(Response):
     """A streamed reply that knows whether the WSGI server took it, and whose chunks go to the
     server as they are (`direct_passthrough`: werkzeug wraps each event in two generators of
-    its own otherwise) unless a host app asks to be called on close, which werkzeug's wrapper
-    does."""
+    its own otherwise) unless a host app read them or asked to be called on close."""
 
     served = False
+    _host_closes = False        # a host app asked to be called on close
 
     def call_on_close(self, func):  # type: ignore[no-untyped-def]
-        self.direct_passthrough = False
+        self._host_closes = True
         return super().call_on_close(func)
 
     def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
+        # Decided when served: a host's after_request may have read the body (get_data makes
+        # it a list) or asked to be called on close, which werkzeug's wrapper does.
+        self.direct_passthrough = not self._host_closes and type(self.response) is _Chunks
         app_iter = super().__call__(environ, start_response)   # start_response may raise
         self.served = True
         return app_iter
@@ -165,8 +168,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                 closing.callback(_forget_request_id)
                 closing.callback(reply.close)
                 response = _StreamResponse(_Chunks(reply.stream, closing.close),
-                                           status=reply.status, content_type=reply.content_type,
-                                           direct_passthrough=True)
+                                           status=reply.status, content_type=reply.content_type)
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:

@@ -369,6 +369,37 @@ def test_a_stream_reaches_the_server_as_the_relays_own_chunks(app):
 
 
 @responses.activate
+def test_a_host_app_may_read_a_streams_body_after_the_request(store):
+    """A host's after_request that reads the body (a request logger, say) gets it whole, and so
+    does the client (werkzeug refuses to read a body passed through: a 500)."""
+    from flask import Flask
+
+    from gateway.extension import PDGateway
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(D_URL + CHAT, body=chat_events([" a", " b"], d_params()),
+                   content_type="text/event-stream")
+    host = Flask("host")
+    logged = []
+
+    @host.after_request
+    def log_body(response):
+        logged.append(response.get_data())
+        return response
+
+    PDGateway(host, url_prefix="/llm", conversation_store=store, engine_metrics_interval=0,
+              prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
+              verify_reuse="off")
+    try:
+        reply = host.test_client().post("/llm" + CHAT, json={"messages": MESSAGES, "stream": True})
+        assert reply.status_code == 200 and reply.data.endswith(b"data: [DONE]\n\n")
+        assert logged == [reply.data]
+        reply.close()
+        assert host.extensions["pd_gateway"].gateway.admission.inflight == 0
+    finally:
+        host.extensions["pd_gateway"].close()
+
+
+@responses.activate
 def test_a_host_apps_call_on_close_runs_after_a_stream(store):
     """The relay's bytes reach the server without werkzeug's wrappers, and still a host app's
     `call_on_close` runs when the server closes the stream, after the reply is released."""

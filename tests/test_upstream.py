@@ -251,3 +251,112 @@ def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
             for sock in queued:
                 sock.close()
     upstream.session.close()
+
+
+def test_a_failed_body_read_closes_the_engine_connection_at_once():
+    """P sent its head and part of its body, then stalled: 504, and P sees its connection
+    closed then (vLLM stops a request whose client left), not when the error is forgotten."""
+    from gateway.support.errors import GatewayTimeout
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    seen: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def engine() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(head)
+                connection.settimeout(10)
+                seen.append(connection.recv(10))       # b"": the gateway closed it
+        thread = threading.Thread(target=engine, daemon=True)
+        thread.start()
+        from gateway.engines.instances import Instance
+        from gateway.engines.upstream import Upstream
+        upstream = Upstream(2, 0.3, pool_size=1)
+        instance = Instance("http://127.0.0.1:%d" % server.getsockname()[1], "prefill", 0)
+        with pytest.raises(GatewayTimeout) as held:      # the error kept while P is checked
+            upstream.post_json(instance, "/v1/completions", {}, {})
+        thread.join(10)
+        assert seen == [b""] and held.value is not None
+        upstream.session.close()
+
+
+def test_an_error_reply_whose_body_stalls_is_a_gateway_error():
+    """A 500 whose body stops coming, on a stream call: 504, not an exception the view answers
+    with a 500 of its own."""
+    from gateway.support.errors import GatewayTimeout
+    head = b"HTTP/1.1 500 Oops\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    with engine_that_answers(head, then_close=False) as url:
+        from gateway.engines.instances import Instance
+        from gateway.engines.upstream import Upstream
+        upstream = Upstream(2, 0.3, pool_size=1)
+        with pytest.raises(GatewayTimeout):
+            upstream.open_stream(Instance(url, "decode", 0), "/v1/completions", {}, {})
+        upstream.session.close()
+
+
+def test_an_unreachable_engine_is_unavailable():
+    """No route to it (a pod's address gone): 503 as for a refusal, so it is marked down and P's
+    params may go to another D; not 502."""
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
+    from gateway.support.errors import ServiceUnavailable
+    upstream = Upstream(1, 5, pool_size=1)
+    with pytest.raises(ServiceUnavailable):
+        upstream.post_json(Instance("http://255.255.255.255:9", "decode", 0), "/x", {}, {})
+    upstream.session.close()
+
+
+def test_an_ipv6_engine_with_credentials_and_a_base_path():
+    requests_seen: list[bytes] = []
+    try:
+        server = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    port = server.getsockname()[1]
+
+    def engine() -> None:
+        connection, _ = server.accept()
+        with connection:
+            for _ in range(2):
+                request = b""
+                while not request.endswith(b"{}"):
+                    request += connection.recv(65536)
+                requests_seen.append(request)
+                connection.sendall(OK_JSON)
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    try:
+        upstream, instance = _upstream_and_instance(f"http://u:p%40w@[::1]:{port}/base")
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}   # same connection
+        thread.join(10)
+        first = requests_seen[0]
+        assert first.startswith(b"POST /base/v1/completions ")
+        assert f"Host: [::1]:{port}".encode() in first
+        assert b"Authorization: Basic dTpwQHc=" in first      # u:p@w
+        upstream.session.close()
+    finally:
+        server.close()
+
+
+def test_threads_share_an_engine_pool():
+    """gthread: calls from 8 threads at once on one engine's pool, none failing, at most
+    `pool_size` connections kept."""
+    with engine_of_replies([OK_JSON] * 240) as (url, accepted):
+        upstream, instance = _upstream_and_instance(url)
+        errors: list[BaseException] = []
+
+        def calls() -> None:
+            try:
+                for _ in range(30):
+                    assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+        threads = [threading.Thread(target=calls) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        [pool] = upstream._adapter._engine_pools.values()
+        assert not errors and len(pool._idle) <= 4
+        upstream.session.close()

@@ -192,6 +192,8 @@ class Pool:
                     if chosen in candidates:
                         self._turn = (self._turn + step + 1) % len(instances)
                         return chosen
+            if len(candidates) == 1:      # what the ranking below would end on, in any case
+                return candidates[0]
             limit = self._limit(candidates)
             busy = self.busy
             preferred = self._by_url.get(prefer) if prefer else None

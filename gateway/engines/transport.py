@@ -24,7 +24,7 @@ import collections
 import http.client
 import socket
 
-from urllib3.exceptions import ConnectTimeoutError
+from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConnectionError
 
 from gateway.engines.watch import Tracked, still_open, untrack
 
@@ -39,6 +39,10 @@ class EngineConnection(Tracked, http.client.HTTPConnection):
             sock = socket.create_connection((self.host, self.port), self.connect_timeout)
         except TimeoutError as exc:
             raise ConnectTimeoutError(f"connecting to {self.host}:{self.port} timed out") from exc
+        except socket.gaierror as exc:
+            raise NameResolutionError(self.host, self, exc) from exc
+        except OSError as exc:
+            raise NewConnectionError(self, f"Failed to establish a new connection: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout)
@@ -66,18 +70,26 @@ class EngineResponse:
         """Up to `amt` bytes of the body (all of it with None); the connection goes back to the
         pool once the body has been read to its end. (No content decoding: the engines are
         asked for `identity`.)"""
-        data = self._fp.read(amt)
+        try:
+            data = self._fp.read(amt)
+        except BaseException:
+            self.close()          # at once: an engine computes a request until its socket closes
+            raise
         if self._fp.isclosed():
             self.release_conn()
         return data
 
     def release_conn(self) -> None:
+        """The body was read to its end (`read`, or a stream's last read): the connection may
+        serve another call. http.client closes a response read to its end."""
         self._let_go(self._fp.isclosed())
 
     def close(self) -> None:
-        whole = self._fp.isclosed()       # http.client closes a response read to its end
+        """Done with the response, maybe before its end (a stream cut short, a failed read):
+        its connection is closed, never reused (bytes of this reply may still come on it). A
+        response read whole gave its connection back already."""
         self._fp.close()
-        self._let_go(whole)
+        self._let_go(False)
 
     def _let_go(self, whole: bool) -> None:
         connection, self.connection = self.connection, None

@@ -113,6 +113,8 @@ def _translate(exc: Exception, instance: Instance,
     if cut is not None:
         return cut
     log.warning("%s (%s) failed: %r", instance.name, instance.public_url, exc)
+    if _caused_by(exc, ConnectionRefusedError):
+        return ServiceUnavailable(f"{instance.name} refused the connection")
     if _caused_by(exc, requests.ConnectTimeout, ConnectTimeoutError):
         return ServiceUnavailable(f"{instance.name} did not accept a connection in time")
     if _caused_by(exc, requests.Timeout, ReadTimeoutError, TimeoutError, socket.timeout):
@@ -174,11 +176,12 @@ class EngineAdapter(HTTPAdapter):
         if pool is None:
             parsed = parse_url(origin)
             if len(self._engine_pools) >= 1024:   # engines come and go: keep it bounded
-                for old in self._engine_pools.values():
-                    old.close()
-                self._engine_pools = {}
-            pool = self._engine_pools[origin] = EnginePool(parsed.host, parsed.port or 80,
-                                                           self._maxsize)
+                old, self._engine_pools = self._engine_pools, {}   # (other threads read it)
+                for each in list(old.values()):
+                    each.close()
+            # An IPv6 host without its brackets: http.client keeps them when given a port.
+            pool = self._engine_pools[origin] = EnginePool(parsed.host.strip("[]"),
+                                                           parsed.port or 80, self._maxsize)
         return pool
 
     def get_connection_with_tls_context(self, request, verify, proxies=None, cert=None):  # type: ignore[no-untyped-def]  # noqa: E501
@@ -299,8 +302,13 @@ class Upstream:
         response = self._send(instance, path, jsonio.dumps(body),
                               {**headers, "Content-Type": "application/json"}, stream, timeout)
         if response.status_code >= 400:
-            message = _error_message(response)
-            response.close()
+            try:
+                message = _error_message(response)
+            except (requests.RequestException, Urllib3Error, http.client.HTTPException,
+                    OSError) as exc:
+                raise _translate(exc, instance, current_watch()) from exc
+            finally:
+                response.close()
             log.warning("%s answered %d: %s", instance.name, response.status_code, message)
             if response.status_code < 500:
                 raise UpstreamRejected(message, status=response.status_code)
