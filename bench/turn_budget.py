@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="max_tokens of the short runs (D streams that many events + 2)")
     parser.add_argument("--long-words", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    parser.add_argument("--short-conversations", type=int, default=32,
+    parser.add_argument("--short-conversations", type=int, default=64,
                         help="short runs: at least this many conversations (else twice the "
                              "concurrency; long runs: the concurrency, at least 8)")
     parser.add_argument("--duration", type=float, default=60,
