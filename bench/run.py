@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         "reuse_d_capacity": f"{reuse.D_CAPACITY:,}", "reuse_turns": reuse.TURNS,
         "table": report.table(rows, markdown=True),
         "ratios": report.table(ratio_rows, report.RATIO_COLUMNS, markdown=True),
-        "history": report.table(history, report.HISTORY_COLUMNS, markdown=True),
+        "history": report.table(history, report.HISTORY_COLUMNS, markdown=True) + "\n\n"
+        + report.table(report.history_ratios(history), report.HISTORY_RATIO_COLUMNS,
+                       markdown=True),
         "cached": report.table(cached, report.CACHED_COLUMNS, markdown=True),
         "rooms": rooms, "history_cost": history_cost.table(),
         "notes": "\n".join(f"- {n}" for n in notes) or "- Nothing was skipped.",
