@@ -368,10 +368,9 @@ def test_a_stream_reaches_the_server_as_the_relays_own_chunks(app):
     assert app.extensions["pd_gateway"].gateway.admission.inflight == 0
 
 
-@responses.activate
-def test_a_host_app_may_read_a_streams_body_after_the_request(store):
-    """A host's after_request that reads the body (a request logger, say) gets it whole, and so
-    does the client (werkzeug refuses to read a body passed through: a 500)."""
+def streaming_host(store, after_request):
+    """A host Flask app whose `after_request` is given, the gateway mounted under /llm, and P
+    and D mocked for one streamed turn."""
     from flask import Flask
 
     from gateway.extension import PDGateway
@@ -379,16 +378,24 @@ def test_a_host_app_may_read_a_streams_body_after_the_request(store):
     responses.post(D_URL + CHAT, body=chat_events([" a", " b"], d_params()),
                    content_type="text/event-stream")
     host = Flask("host")
+    host.after_request(after_request)
+    PDGateway(host, url_prefix="/llm", conversation_store=store, engine_metrics_interval=0,
+              prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
+              verify_reuse="off")
+    return host
+
+
+@responses.activate
+def test_a_host_app_may_read_a_streams_body_after_the_request(store):
+    """A host's after_request that reads the body (a request logger, say) gets it whole, and so
+    does the client (werkzeug refuses to read a body passed through: a 500)."""
     logged = []
 
-    @host.after_request
     def log_body(response):
         logged.append(response.get_data())
         return response
 
-    PDGateway(host, url_prefix="/llm", conversation_store=store, engine_metrics_interval=0,
-              prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
-              verify_reuse="off")
+    host = streaming_host(store, log_body)
     try:
         reply = host.test_client().post("/llm" + CHAT, json={"messages": MESSAGES, "stream": True})
         assert reply.status_code == 200 and reply.data.endswith(b"data: [DONE]\n\n")
@@ -403,22 +410,13 @@ def test_a_host_app_may_read_a_streams_body_after_the_request(store):
 def test_a_host_apps_call_on_close_runs_after_a_stream(store):
     """The relay's bytes reach the server without werkzeug's wrappers, and still a host app's
     `call_on_close` runs when the server closes the stream, after the reply is released."""
-    from flask import Flask
-
-    from gateway.extension import PDGateway
-    responses.post(P_URL + CHAT, json=p_reply(p_params()))
-    responses.post(D_URL + CHAT, body=chat_events([" a", " b"], d_params()),
-                   content_type="text/event-stream")
-    host = Flask("host")
     closed = []
 
-    @host.after_request
     def remember_close(response):
         response.call_on_close(lambda: closed.append(len(store)))
         return response
 
-    PDGateway(host, url_prefix="/llm", conversation_store=store, engine_metrics_interval=0, prefill=[P_URL],
-              decode=[D_URL], worker_class="gthread", threads=8, verify_reuse="off")
+    host = streaming_host(store, remember_close)
     try:
         reply = host.test_client().post("/llm" + CHAT, json={"messages": MESSAGES, "stream": True,
                                                              "conversation_id": "c"})
