@@ -89,6 +89,13 @@ class _StreamResponse(Response):
         self._host_closes = True
         return super().call_on_close(func)
 
+    def get_data(self, as_text: bool = False):  # type: ignore[no-untyped-def]
+        # A host reads the body (`data` and `json` come here too): werkzeug then iterates it,
+        # which it refuses to do for a body passed through. Until then a host that asks
+        # `direct_passthrough` is told the truth: a stream, better left unread.
+        self.direct_passthrough = False
+        return super().get_data(as_text)
+
     def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
         # Decided when served: a host's after_request may have read the body (get_data makes
         # it a list) or asked to be called on close, which werkzeug's wrapper does.
@@ -168,7 +175,8 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                 closing.callback(_forget_request_id)
                 closing.callback(reply.close)
                 response = _StreamResponse(_Chunks(reply.stream, closing.close),
-                                           status=reply.status, content_type=reply.content_type)
+                                           status=reply.status, content_type=reply.content_type,
+                                           direct_passthrough=True)
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:

@@ -407,6 +407,27 @@ def test_a_host_app_may_read_a_streams_body_after_the_request(store):
 
 
 @responses.activate
+def test_a_host_app_that_leaves_a_body_passed_through_unread_leaves_it_streaming(store):
+    """werkzeug's advice: a body passed through is not to be read. A host's after_request that
+    follows it (a logger, a compressor) sees `direct_passthrough` and leaves the stream alone;
+    told otherwise, it would read all of D's stream before the client got a byte."""
+    seen = []
+
+    def log_preview(response):
+        seen.append("stream" if response.direct_passthrough else response.get_data()[:40])
+        return response
+
+    host = streaming_host(store, log_preview)
+    try:
+        reply = host.test_client().post("/llm" + CHAT, json={"messages": MESSAGES, "stream": True})
+        assert reply.status_code == 200 and reply.data.endswith(b"data: [DONE]\n\n")
+        assert seen == ["stream"]
+        reply.close()
+    finally:
+        host.extensions["pd_gateway"].close()
+
+
+@responses.activate
 def test_a_host_apps_call_on_close_runs_after_a_stream(store):
     """The relay's bytes reach the server without werkzeug's wrappers, and still a host app's
     `call_on_close` runs when the server closes the stream, after the reply is released."""

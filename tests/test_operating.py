@@ -17,7 +17,6 @@ import openai
 import pytest
 import requests
 import responses
-from flask import Flask
 
 from emulator.process import EmulatorProcess, wait_until
 from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, P_URL, chat_events, d_params, p_params,
@@ -106,8 +105,12 @@ def test_a_429_is_relayed_through_forwarding_with_its_retry_after():
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.44", itl_ms=100) as d, \
             gateway_process([p.url], [d.url], workers=2, max_turns=1, admission_queue=0) as gw:
         with ThreadPoolExecutor(2) as pool:
-            # The owner's one place, held for 60 x 100 ms.
-            held = pool.submit(lambda: _events(_chat(gw, 0, max_tokens=60)))
+            # The owner's one place, held for 60 x 100 ms: sent to its private listener, which
+            # serves what lands there. (Through the public port the other worker may get it and
+            # relay it, its one relay place then taken: the next request refused there.)
+            owner = f"http://{gw.host}:{gw.owner_port(_body(0))}{gw.prefix}"
+            held = pool.submit(lambda: _events(requests.post(
+                owner + CHAT, timeout=20, json=_body(0, max_tokens=60))))
             wait_until(lambda: d.stats()["streams_in_flight"] == 1, 10, "the stream open")
             before = metric(gw, "pd_gateway_forwarded_total", result="sent")
             with gw.forwarded(_body(0)) as arrived:

@@ -253,11 +253,11 @@ def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
     upstream.session.close()
 
 
-def test_a_failed_body_read_closes_the_engine_connection_at_once():
-    """P sent its head and part of its body, then stalled: 504, and P sees its connection
-    closed then (vLLM stops a request whose client left), not when the error is forgotten."""
-    from gateway.support.errors import GatewayTimeout
-    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+@contextlib.contextmanager
+def engine_that_stalls(head: bytes):
+    """A raw engine on loopback that reads one request, sends `head`, then waits for the
+    gateway to close the connection; yields (its URL, a list that gets what its next read
+    returned: b"" once the gateway closed it) and its thread, to join."""
     seen: list[bytes] = []
     with socket.create_server(("127.0.0.1", 0)) as server:
         def engine() -> None:
@@ -266,15 +266,23 @@ def test_a_failed_body_read_closes_the_engine_connection_at_once():
                 connection.recv(65536)
                 connection.sendall(head)
                 connection.settimeout(10)
-                seen.append(connection.recv(10))       # b"": the gateway closed it
+                seen.append(connection.recv(10))
         thread = threading.Thread(target=engine, daemon=True)
         thread.start()
-        from gateway.engines.instances import Instance
-        from gateway.engines.upstream import Upstream
+        yield "http://127.0.0.1:%d" % server.getsockname()[1], seen, thread
+
+
+def test_a_failed_body_read_closes_the_engine_connection_at_once():
+    """P sent its head and part of its body, then stalled: 504, and P sees its connection
+    closed then (vLLM stops a request whose client left), not when the error is forgotten."""
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
+    from gateway.support.errors import GatewayTimeout
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    with engine_that_stalls(head) as (url, seen, thread):
         upstream = Upstream(2, 0.3, pool_size=1)
-        instance = Instance("http://127.0.0.1:%d" % server.getsockname()[1], "prefill", 0)
         with pytest.raises(GatewayTimeout) as held:      # the error kept while P is checked
-            upstream.post_json(instance, "/v1/completions", {}, {})
+            upstream.post_json(Instance(url, "prefill", 0), "/v1/completions", {}, {})
         thread.join(10)
         assert seen == [b""] and held.value is not None
         upstream.session.close()
@@ -301,7 +309,7 @@ def test_an_unreachable_engine_is_unavailable():
     from gateway.engines.upstream import Upstream
     from gateway.support.errors import ServiceUnavailable
     upstream = Upstream(1, 5, pool_size=1)
-    with pytest.raises(ServiceUnavailable):
+    with pytest.raises(ServiceUnavailable, match="could not be reached"):
         upstream.post_json(Instance("http://255.255.255.255:9", "decode", 0), "/x", {}, {})
     upstream.session.close()
 
@@ -359,4 +367,23 @@ def test_threads_share_an_engine_pool():
             thread.join(30)
         [pool] = upstream._adapter._engine_pools.values()
         assert not errors and len(pool._idle) <= 4
+        upstream.session.close()
+
+
+def test_a_failed_stream_read_closes_the_engine_connection_at_once():
+    """D's stream stalls past the read timeout: the read's error closes D's connection before
+    the relay writes its error event (D computes a request until its connection closes)."""
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
+    from gateway.support.errors import GatewayTimeout
+    with engine_that_stalls(STREAM.split(b"0\r\n\r\n")[0]) as (url, seen, thread):
+        upstream = Upstream(2, 0.3, pool_size=1)
+        stream = upstream.open_stream(Instance(url, "decode", 0), "/v1/completions", {}, {})
+        chunks = stream.chunks()
+        assert next(chunks) == b'data: {"a": 1}\n\n'
+        with pytest.raises(GatewayTimeout):
+            next(chunks)
+        thread.join(10)                                # the stream itself not closed yet
+        assert seen == [b""]
+        stream.close()
         upstream.session.close()

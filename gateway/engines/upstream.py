@@ -14,7 +14,7 @@ from requests.auth import HTTPBasicAuth
 from requests.models import PreparedRequest
 from requests.structures import CaseInsensitiveDict
 from urllib3 import Timeout
-from urllib3.exceptions import ConnectTimeoutError
+from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 from urllib3.exceptions import HTTPError as Urllib3Error
 from urllib3.exceptions import ReadTimeoutError
 from urllib3.util import parse_url
@@ -71,6 +71,7 @@ class Stream:
                 yield data
         except (Urllib3Error, requests.RequestException, http.client.HTTPException, OSError,
                 ValueError) as exc:
+            self.close()        # at once: D computes the request until its connection closes
             raise _translate(exc, self.instance, self._watch) from exc
 
     def _ended(self, response, raw) -> None:  # type: ignore[no-untyped-def]
@@ -115,12 +116,14 @@ def _translate(exc: Exception, instance: Instance,
     log.warning("%s (%s) failed: %r", instance.name, instance.public_url, exc)
     if _caused_by(exc, ConnectionRefusedError):
         return ServiceUnavailable(f"{instance.name} refused the connection")
+    # (urllib3's NewConnectionError, a connection not made for another reason, no route or no
+    # such name, is a ConnectTimeoutError too: the engine never saw the request either way.)
+    if _caused_by(exc, NewConnectionError):
+        return ServiceUnavailable(f"{instance.name} could not be reached")
     if _caused_by(exc, requests.ConnectTimeout, ConnectTimeoutError):
         return ServiceUnavailable(f"{instance.name} did not accept a connection in time")
     if _caused_by(exc, requests.Timeout, ReadTimeoutError, TimeoutError, socket.timeout):
         return GatewayTimeout(f"{instance.name} timed out")
-    if _caused_by(exc, ConnectionRefusedError):
-        return ServiceUnavailable(f"{instance.name} refused the connection")
     return BadGateway(f"{instance.name} broke the connection")
 
 
