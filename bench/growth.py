@@ -50,6 +50,12 @@ def history_growth(plan: GrowthPlan, systems: list[System], engines: Engines,
     for system in systems:
         running = start(system, engines, out_dir)
         try:
+            # Unmeasured first: a system's first turns pay for connections, first-use code and
+            # (the gateway) its template probes, which belong to no history size.
+            run_load(system.label, running, engines,
+                     Load(concurrency=HISTORY_CONCURRENCY, conversations=HISTORY_CONCURRENCY,
+                          turns=2, duration=60, ids=system.ids, history_bytes=1024),
+                     f"hist-warm-{len(rows)}", out_dir)
             for kb in plan.history_kb:
                 load = Load(concurrency=HISTORY_CONCURRENCY, conversations=plan.conversations, turns=plan.turns,
                             duration=60, ids=system.ids, history_bytes=kb * 1024)
