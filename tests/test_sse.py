@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gateway.flow.sse import EventFilter
 from gateway.flow.decoded import Decoded
+from gateway.support.errors import ClientGone
 
 content = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
 chunks = st.one_of(
@@ -95,3 +96,46 @@ def test_an_integer_beyond_64_bits_stays_exact_in_an_event_that_is_rewritten(num
     out, decoded = relay(wire, [], general=False, strip=False)
     assert b'"seed_used":' + number + b"}" in out
     assert b"kv_transfer_params" not in out and decoded.params == {"x": 1}
+
+
+class _CutAfter:
+    """D's stream as the relay reads it: these chunks, then the watch's cut (the client went)."""
+
+    instance = None
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = chunks
+        self.closed = False
+
+    def chunks(self):  # type: ignore[no-untyped-def]
+        yield from self._chunks
+        raise ClientGone("the client left")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("last, outcome", [(b"data: [DONE]\n\n", "completed"),
+                                           (b'data: {"choices":[]}\n\n', "client_gone")])
+def test_a_client_that_leaves_after_done_had_a_completed_turn(last, outcome):
+    """The OpenAI SDK closes its response at [DONE]; the watch then cuts D's stream before its
+    last bytes. The turn completed (logged so, no disconnect counted); before [DONE], it did not."""
+    from prometheus_client import REGISTRY
+
+    from gateway.engines.instances import Pool
+    from gateway.flow.reply import StreamRelay
+
+    def disconnects() -> float:
+        return REGISTRY.get_sample_value("pd_gateway_client_disconnects_total") or 0.0
+    pool = Pool("decode", ["http://127.0.0.3:8200"])
+    decode = pool.instances[0]
+    pool.acquire(decode)
+    logged = []
+    stream = _CutAfter([b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', last])
+    relay = StreamRelay(stream, Decoded(), decode, pool, 0.0, lambda: None,
+                        lambda ttft, outcome: logged.append(outcome))
+    before = disconnects()
+    sent = b"".join(relay.chunks())
+    assert sent.endswith(last) and stream.closed and decode.inflight == 0
+    assert logged == [outcome]
+    assert disconnects() - before == (outcome == "client_gone")

@@ -71,7 +71,13 @@ class StreamRelay:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
             self.outcome = "completed"
         except ClientGone:
-            metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
+            if decoded.done:
+                # [DONE] went out: the client had the whole reply and left before D's stream
+                # ended (the OpenAI SDK closes its response at [DONE], and the watch then cuts
+                # D's connection while the relay waits for D's last bytes). A completed turn.
+                self.outcome = "completed"
+            else:
+                metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
         except GatewayError as exc:
             self.outcome = f"error_{exc.status}"
             # Bytes are out, so the status can't change: finish with an error event instead.
