@@ -11,9 +11,9 @@ then D) and a release one.
 
 What a call keeps of urllib3's behaviour: a kept-alive connection is checked before reuse
 (nothing to read, no EOF: `watch.still_open`) and used again only after its whole response was
-read; separate connect and read timeouts, a connect timeout raised as urllib3's
-`ConnectTimeoutError` (503), other failures as the OS's or http.client's errors, which
-upstream translates as before; TCP_NODELAY; every connection tracked by the request's watch
+read; separate connect and read timeouts; a connection not made raised as urllib3 raises it
+(`ConnectTimeoutError`, `NewConnectionError`, `NameResolutionError`: 503), other failures as the
+OS's or http.client's errors, which upstream translates as before; TCP_NODELAY; every connection tracked by the request's watch
 while in use (gateway.engines.watch), head and body in one write. HTTPS engines, GETs (probes,
 /metrics, /v1/models) and requests before 2.32 (whose adapter does not say which request asks
 for a pool) keep urllib3's pools.
