@@ -23,10 +23,20 @@ Every token of every stream is one write to its client (gunicorn's `sock.sendall
 `sendall` asks the kernel for SO_SNDBUF (a system call) and walks the data in memoryview
 slices on every call, for a few hundred bytes that the socket's buffer takes at once. The
 client sockets here try one plain send first and leave anything it did not take to gevent.
+
+Python's cyclic garbage collector runs its youngest generation every 700 net new containers: with
+64 turns in flight, some 250 times a second, each pass walking the live requests' young objects
+(gevent's greenlets and waiters among them) only to keep them. Once the app is loaded, each worker
+freezes what it has (the modules and the app: never garbage, and no longer walked by the full
+collections, nor touched after fork, so those pages stay shared with the master) and collects the
+young generation every `GC_YOUNG` containers instead. Measured in the worker with `gc.callbacks`,
+`bench.profile --concurrency 64`: 77-120 ms of 1.5 s of CPU in collections before (5-8 %), 41 ms
+after (cycles are still collected, at most some 10,000 containers later).
 """
 from __future__ import annotations
 
 import errno
+import gc
 import socket
 
 import gevent
@@ -37,11 +47,21 @@ from gunicorn.workers.gthread import ThreadWorker as _ThreadWorker
 from gateway.config import Settings
 
 STOP_KEEPALIVE_LINGER = 2.0   # as gunicorn's gthread worker
+GC_YOUNG = 10_000             # net new containers between two collections of the young (700)
 _THREAD_CLIENT_TIMEOUT: float | None = None    # this gthread worker's --client-timeout
 
 
 def _client_timeout() -> float:
     return Settings.from_env().client_timeout
+
+
+def _collect_less() -> None:
+    """After the app is loaded: what the worker has is kept for good (`gc.freeze`), and the young
+    generation is collected less often (never more often than the interpreter was told)."""
+    gc.freeze()
+    young, *older = gc.get_threshold()
+    if young:        # 0: collection is off; leave it so
+        gc.set_threshold(max(young, GC_YOUNG), *older)
 
 
 class GeventWorker(_GeventWorker):
@@ -50,6 +70,10 @@ class GeventWorker(_GeventWorker):
         self._clients: dict = {}  # greenlet -> the client socket it serves
         self._client_timeout = _client_timeout()
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        _collect_less()
 
     def handle(self, listener, client, addr) -> None:
         if type(client) is gevent.socket.socket:     # not TLS sockets, whose send differs
@@ -191,6 +215,10 @@ class ThreadWorker(_ThreadWorker):
         global _THREAD_CLIENT_TIMEOUT
         _THREAD_CLIENT_TIMEOUT = _client_timeout()
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        _collect_less()
 
     def enqueue_req(self, conn):  # type: ignore[no-untyped-def]
         # Before gunicorn makes the socket blocking for its thread (in `enqueue_req` up to
