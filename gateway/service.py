@@ -282,7 +282,7 @@ class Gateway:
         self.engine_load.stop()
         self.membership.stop()
         self.releaser.stop()
-        self.upstream.session.close()
+        self.upstream.close()
 
 
 def _charge(ticket: Ticket, reply: Reply, body_bytes: int) -> Callable[[], None]:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+from hypothesis import given, settings, strategies as st
 
 from tests.helpers.servers import MODEL
 
@@ -78,7 +79,7 @@ def test_a_rejected_stream_leaves_no_connection_for_its_watch_to_cut(fresh_engin
             stream.close()
 
     assert contextvars.copy_context().run(second).endswith(b"data: [DONE]\n\n")
-    upstream.session.close()
+    upstream.close()
 
 
 @contextlib.contextmanager
@@ -118,7 +119,7 @@ def test_a_json_reply_that_breaks_off_is_a_gateway_error(then_close, error):
         upstream = Upstream(2, 0.5, pool_size=1)
         with pytest.raises(getattr(errors, error)):
             upstream.post_json(Instance(url, "prefill", 0), "/v1/chat/completions", {}, {})
-        upstream.session.close()
+        upstream.close()
 
 
 @contextlib.contextmanager
@@ -188,7 +189,7 @@ def test_an_engine_connection_is_used_again_once_its_reply_was_read():
         stream.close()
         assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
         assert len(accepted) == 1
-        upstream.session.close()
+        upstream.close()
 
 
 @pytest.mark.parametrize("first", ["stream cut short", "connection: close"])
@@ -206,7 +207,7 @@ def test_an_engine_connection_is_not_used_again_after(first):
             assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
         assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
         assert len(accepted) == 2
-        upstream.session.close()
+        upstream.close()
 
 
 def test_an_engine_that_answers_no_http_is_a_bad_gateway():
@@ -215,7 +216,7 @@ def test_an_engine_that_answers_no_http_is_a_bad_gateway():
         upstream, instance = _upstream_and_instance(url)
         with pytest.raises(BadGateway):
             upstream.post_json(instance, "/v1/completions", {}, {})
-        upstream.session.close()
+        upstream.close()
 
 
 def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
@@ -250,7 +251,7 @@ def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
         finally:
             for sock in queued:
                 sock.close()
-    upstream.session.close()
+    upstream.close()
 
 
 @contextlib.contextmanager
@@ -285,7 +286,7 @@ def test_a_failed_body_read_closes_the_engine_connection_at_once():
             upstream.post_json(Instance(url, "prefill", 0), "/v1/completions", {}, {})
         thread.join(10)
         assert seen == [b""] and held.value is not None
-        upstream.session.close()
+        upstream.close()
 
 
 def test_an_error_reply_whose_body_stalls_is_a_gateway_error():
@@ -299,7 +300,7 @@ def test_an_error_reply_whose_body_stalls_is_a_gateway_error():
         upstream = Upstream(2, 0.3, pool_size=1)
         with pytest.raises(GatewayTimeout):
             upstream.open_stream(Instance(url, "decode", 0), "/v1/completions", {}, {})
-        upstream.session.close()
+        upstream.close()
 
 
 def test_an_unreachable_engine_is_unavailable():
@@ -311,7 +312,7 @@ def test_an_unreachable_engine_is_unavailable():
     upstream = Upstream(1, 5, pool_size=1)
     with pytest.raises(ServiceUnavailable, match="could not be reached"):
         upstream.post_json(Instance("http://255.255.255.255:9", "decode", 0), "/x", {}, {})
-    upstream.session.close()
+    upstream.close()
 
 
 def test_an_ipv6_engine_with_credentials_and_a_base_path():
@@ -342,7 +343,7 @@ def test_an_ipv6_engine_with_credentials_and_a_base_path():
         assert first.startswith(b"POST /base/v1/completions ")
         assert f"Host: [::1]:{port}".encode() in first
         assert b"Authorization: Basic dTpwQHc=" in first      # u:p@w
-        upstream.session.close()
+        upstream.close()
     finally:
         server.close()
 
@@ -365,9 +366,9 @@ def test_threads_share_an_engine_pool():
             thread.start()
         for thread in threads:
             thread.join(30)
-        [pool] = upstream._adapter._engine_pools.values()
+        [pool] = upstream._engine_pools.values()
         assert not errors and len(pool._idle) <= 4
-        upstream.session.close()
+        upstream.close()
 
 
 def test_a_failed_stream_read_closes_the_engine_connection_at_once():
@@ -386,4 +387,85 @@ def test_a_failed_stream_read_closes_the_engine_connection_at_once():
         thread.join(10)                                # the stream itself not closed yet
         assert seen == [b""]
         stream.close()
-        upstream.session.close()
+        upstream.close()
+
+
+@pytest.mark.parametrize("head, reused", [
+    # field names in any case, a field folded over two lines, a repeated field (the first
+    # counts), a line without a colon (ignored), the chunked coding named in capitals
+    (b"HTTP/1.1 200 OK\r\nCONTENT-type: application/json\r\nX-Note: one\r\n  two\r\n"
+     b"x-note: three\r\nno colon here\r\nTransfer-Encoding: Chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+     True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: Close\r\n\r\n{}", False),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),       # 1.0 without keep-alive
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\n{}", True),
+    (b"HTTP/1.1 100 Continue\r\nX-Skipped: 1\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+     True),
+])
+def test_an_engine_reply_head_is_read_as_http_client_reads_it(head, reused):
+    """The engine calls read a reply's head with their own field parser (transport.read_fields),
+    not the email package's: the same fields, framing and keep-alive as http.client's."""
+    with engine_of_replies([head, OK_JSON]) as (url, accepted):
+        upstream, instance = _upstream_and_instance(url)
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
+        assert len(accepted) == (1 if reused else 2)
+        upstream.close()
+
+
+def test_a_streamed_reply_s_fields_are_found_in_any_case():
+    """What the gateway reads of a stream's head (its content type; through forwarding, the
+    owner's Retry-After and rate-limit fields) is found whatever the case either side wrote."""
+    head = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+            b"RETRY-AFTER: 7\r\nx-ratelimit-remaining-requests: 0\r\nContent-Length: 2\r\n\r\n{}")
+    with engine_of_replies([head]) as (url, _):
+        upstream, instance = _upstream_and_instance(url)
+        stream = upstream.post_raw(instance, "/v1/completions", b"{}", {})
+        assert (stream.status, stream.content_type) == (429, "application/json")
+        assert "Retry-After" in stream.headers and stream.headers["Retry-After"] == "7"
+        assert stream.headers.get("X-RateLimit-Remaining-Requests") == "0"
+        assert "Retry-After-Ms" not in stream.headers and 7 not in stream.headers
+        assert b"".join(stream.chunks()) == b"{}"
+        stream.close()
+        upstream.close()
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 101 + b"Content-Length: 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+    b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+])
+def test_an_engine_reply_head_past_http_client_s_limits_is_a_bad_gateway(head):
+    """More fields than http.client takes (100), a field line longer than it takes (64 KiB),
+    an HTTP version it does not speak: 502, as with http.client's own parser."""
+    from gateway.support.errors import BadGateway
+    with engine_of_replies([head]) as (url, _):
+        upstream, instance = _upstream_and_instance(url)
+        with pytest.raises(BadGateway):
+            upstream.post_json(instance, "/v1/completions", {}, {})
+        upstream.close()
+
+
+_FIELD_NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_",
+                       min_size=1, max_size=20)
+_FIELD_VALUES = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0xFF,
+                                               blacklist_characters="\x7f"),
+                        max_size=40).map(str.strip)
+
+
+@given(st.lists(st.tuples(_FIELD_NAMES, _FIELD_VALUES), max_size=30))
+@settings(max_examples=300, deadline=None)
+def test_read_fields_finds_what_http_client_finds(fields):
+    """Any well-formed head: each field, looked up in any case, is http.client's own first
+    value of it (the email package's parser)."""
+    import http.client
+    import io
+
+    from gateway.engines.transport import read_fields
+    raw = b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in fields) + b"\r\n"
+    ours, theirs = read_fields(io.BytesIO(raw)), http.client.parse_headers(io.BytesIO(raw))
+    for name, _ in fields:
+        for variant in (name, name.lower(), name.upper()):
+            assert ours.get(variant) == theirs.get(variant).rstrip()
+            assert variant in ours
+    assert len(ours) == len({name.lower() for name, _ in fields})

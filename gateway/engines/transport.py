@@ -1,22 +1,24 @@
-"""The engine calls' connections over plain HTTP: http.client's, kept alive in a pool of our own.
+"""The engine POSTs' connections over plain HTTP: http.client's, kept alive in a pool of our own.
 
-requests still makes every engine call (gateway.engines.upstream: its adapter's `send`, which
-`responses` mocks in the payload tests), but below it, for the POSTs the gateway sends to an
-`http://` engine, the pool is this one instead of urllib3's. Measured with one process calling
-an emulated P, 8 calls at once under gevent, client CPU a call: 216 us through urllib3's pool,
-118 us for the same call on http.client alone. urllib3 spends the difference on what an engine
-call never needs: retries, redirects, proxies, content decoding, a second wrapper of every
-header and of the response, a URL parsed again on every call. A turn makes two such calls (P,
-then D) and a release one.
+The gateway's POSTs to an `http://` engine (P's call, D's stream, releases, /tokenize) are made
+here without requests (gateway.engines.upstream: `Upstream._send`). Measured with one process
+calling an emulated P, 8 calls at once under gevent, client CPU a call (`python -m
+bench.engine_call`): 234 us through requests and urllib3's pool, 150 through requests' adapter
+on this pool, 105 here (bare http.client: 116). urllib3 and requests spend the difference on
+what an engine call never needs: retries, redirects, proxies, cookies, content decoding, a
+second wrapper of every header and of the response, a URL parsed again on every call; and
+http.client reads a reply's head through the email package (17.6 us for an engine's five
+fields; `read_fields`, 2.5).
 
 What a call keeps of urllib3's behaviour: a kept-alive connection is checked before reuse
 (nothing to read, no EOF: `watch.still_open`) and used again only after its whole response was
 read; separate connect and read timeouts; a connection not made raised as urllib3 raises it
 (`ConnectTimeoutError`, `NewConnectionError`, `NameResolutionError`: 503), other failures as the
-OS's or http.client's errors, which upstream translates as before; TCP_NODELAY; every connection tracked by the request's watch
-while in use (gateway.engines.watch), head and body in one write. HTTPS engines, GETs (probes,
-/metrics, /v1/models) and requests before 2.32 (whose adapter does not say which request asks
-for a pool) keep urllib3's pools.
+OS's or http.client's errors, which upstream translates as before; TCP_NODELAY; every
+connection tracked by the request's watch while in use (gateway.engines.watch), head and body
+in one write. HTTPS engines, GETs (probes, /metrics, /v1/models), and every call while
+something patches requests' `HTTPAdapter.send` (`responses` in the payload tests), go through
+requests and urllib3's pools.
 """
 from __future__ import annotations
 
@@ -29,10 +31,96 @@ from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConn
 from gateway.engines.watch import Tracked, still_open, untrack
 
 
+class Fields(dict):
+    """A response's header fields by lower-cased name (the first of repeated ones), looked up
+    in any case: `get`, `in`, `[]` (and http.client's `get_all`)."""
+
+    def get(self, name: str, default=None):  # type: ignore[no-untyped-def, override]
+        return dict.get(self, name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and dict.__contains__(self, name.lower())
+
+    def get_all(self, name: str, failobj=None):  # type: ignore[no-untyped-def]
+        value = self.get(name)
+        return failobj if value is None else [value]
+
+
+def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
+    """A response head's header fields, read up to its blank line, within http.client's limits
+    (a line, the number of fields). http.client hands the lines to the email package's parser:
+    17.6 us for an engine's five fields here, 2.5 us so (two or three responses a turn)."""
+    fields = Fields()
+    name = ""
+    for _ in range(http.client._MAXHEADERS + 1):
+        line = fp.readline(http.client._MAXLINE + 1)
+        if len(line) > http.client._MAXLINE:
+            raise http.client.LineTooLong("header line")
+        if line in (b"\r\n", b"\n", b""):
+            return fields
+        text = line.decode("iso-8859-1")
+        if text[0] in " \t" and name:          # a folded line continues the field before it
+            dict.__setitem__(fields, name, f"{dict.__getitem__(fields, name)} {text.strip()}")
+            continue
+        field, colon, value = text.partition(":")
+        if colon:
+            name = field.strip().lower()
+            if not dict.__contains__(fields, name):
+                dict.__setitem__(fields, name, value.strip())
+    raise http.client.HTTPException(f"got more than {http.client._MAXHEADERS} headers")
+
+
+class EngineHTTPResponse(http.client.HTTPResponse):
+    """http.client's response, its head's fields read by `read_fields`."""
+
+    def begin(self) -> None:
+        # http.client's own (Python 3.11's `HTTPResponse.begin`), but for the fields' parser,
+        # which it takes from its module: no hook to give it another.
+        if self.headers is not None:
+            return
+        while True:
+            version, status, reason = self._read_status()
+            if status != http.client.CONTINUE:
+                break
+            read_fields(self.fp)             # a 100 response's fields
+        self.code = self.status = status
+        self.reason = reason.strip()
+        if version in ("HTTP/1.0", "HTTP/0.9"):
+            self.version = 10
+        elif version.startswith("HTTP/1."):
+            self.version = 11
+        else:
+            raise http.client.UnknownProtocol(version)
+        self.headers = self.msg = read_fields(self.fp)  # type: ignore[assignment]
+        encoding = self.headers.get("transfer-encoding")
+        self.chunked = bool(encoding) and encoding.lower() == "chunked"
+        self.chunk_left = None
+        self.will_close = self._check_close()
+        self.length = None
+        length = self.headers.get("content-length")
+        if length and not self.chunked:
+            try:
+                self.length = int(length)
+            except ValueError:
+                self.length = None
+            else:
+                if self.length < 0:
+                    self.length = None
+        if status in (http.client.NO_CONTENT, http.client.NOT_MODIFIED) or 100 <= status < 200 \
+                or self._method == "HEAD":
+            self.length = 0
+        if not self.will_close and not self.chunked and self.length is None:
+            self.will_close = True
+
+
 class EngineConnection(Tracked, http.client.HTTPConnection):
     """http.client's connection, connected with its own timeout and TCP_NODELAY."""
 
     connect_timeout: float | None = None
+    response_class = EngineHTTPResponse
 
     def connect(self) -> None:
         try:
@@ -64,7 +152,7 @@ class EngineResponse:
         self._fp = response
         self.status = response.status
         self.reason = response.reason
-        self.headers = response.msg          # case-insensitive `get`, `in` and `[]`
+        self.headers = response.msg          # Fields
 
     def read(self, amt: int | None = None, decode_content: bool = True) -> bytes:
         """Up to `amt` bytes of the body (all of it with None); the connection goes back to the

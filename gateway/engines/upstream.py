@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import requests
 from requests.adapters import HTTPAdapter
-from requests.auth import HTTPBasicAuth
+from requests.auth import _basic_auth_str
 from requests.models import PreparedRequest
 from requests.structures import CaseInsensitiveDict
 from urllib3 import Timeout
@@ -20,7 +20,7 @@ from urllib3.exceptions import ReadTimeoutError
 from urllib3.util import parse_url
 
 from gateway.engines.instances import Instance
-from gateway.engines.transport import EnginePool
+from gateway.engines.transport import EnginePool, EngineResponse
 from gateway.engines.watch import (NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPool, Watch,
                                    current_watch)
 from gateway.support import jsonio
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class Stream:
     """An open streamed response from an engine; iterate its raw bytes, always `close()`."""
 
-    def __init__(self, response: requests.Response, instance: Instance) -> None:
+    def __init__(self, response: requests.Response | DirectReply, instance: Instance) -> None:
         self._response = response
         self.instance = instance
         self.status = response.status_code
@@ -139,7 +139,9 @@ def _error_message(response: requests.Response) -> str:
 
 
 class EngineAdapter(HTTPAdapter):
-    """requests' adapter for engine calls, without what an engine call never needs.
+    """requests' adapter for the engine calls that go through requests (HTTPS engines, GETs,
+    and every call while something patches `HTTPAdapter.send`), without what an engine call
+    never needs.
 
     The hooks requests documents for subclasses (`get_connection*`, `request_url`,
     `build_response`), so `HTTPAdapter.send` itself still runs (and `responses` still mocks
@@ -149,21 +151,15 @@ class EngineAdapter(HTTPAdapter):
     filled (engines set none). Measured: about 300 Python calls less a call.
     """
 
-    def __init__(self, *args, pool_maxsize: int = 10, **kwargs) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
-        super().__init__(*args, pool_maxsize=pool_maxsize, **kwargs)
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
         self._pools: dict[str, Any] = {}
-        self._engine_pools: dict[str, EnginePool] = {}     # the engine calls' (transport.py)
-        self._maxsize = pool_maxsize
-
-    @staticmethod
-    def _origin(url: str) -> str:
-        return url[:url.find("/", url.find("//") + 2) % (len(url) + 1)]
 
     def _pool(self, url: str):  # type: ignore[no-untyped-def]
         # The pool manager's own lookup builds a 30-field pool key each call (measured: 20 us
         # a call, two a turn); a pool it has since closed (its LRU, past `hosts` pools) is
         # looked up again.
-        origin = self._origin(url)
+        origin = _origin(url)
         pool = self._pools.get(origin)
         if pool is None or pool.pool is None:
             parsed = parse_url(origin)
@@ -173,30 +169,8 @@ class EngineAdapter(HTTPAdapter):
                 self._pools = {origin: pool}
         return pool
 
-    def _engine_pool(self, url: str) -> EnginePool:
-        origin = self._origin(url)
-        pool = self._engine_pools.get(origin)
-        if pool is None:
-            parsed = parse_url(origin)
-            if len(self._engine_pools) >= 1024:   # engines come and go: keep it bounded
-                old, self._engine_pools = self._engine_pools, {}   # (other threads read it)
-                for each in list(old.values()):
-                    each.close()
-            # An IPv6 host without its brackets: http.client keeps them when given a port.
-            pool = self._engine_pools[origin] = EnginePool(parsed.host.strip("[]"),
-                                                           parsed.port or 80, self._maxsize)
-        return pool
-
     def get_connection_with_tls_context(self, request, verify, proxies=None, cert=None):  # type: ignore[no-untyped-def]  # noqa: E501
-        # The gateway's own POSTs (`pd_path`) to plain-HTTP engines: gateway.engines.transport.
-        if getattr(request, "pd_path", None) is not None and request.url.startswith("http://"):
-            return self._engine_pool(request.url)
         return self._pool(request.url)
-
-    def close(self) -> None:
-        super().close()
-        for pool in self._engine_pools.values():
-            pool.close()
 
     def get_connection(self, url, proxies=None):  # type: ignore[no-untyped-def]
         return self._pool(url)              # requests before 2.32 calls this one
@@ -216,6 +190,38 @@ class EngineAdapter(HTTPAdapter):
         return response
 
 
+_ADAPTER_SEND = HTTPAdapter.send      # requests' own, unless something patches it
+
+
+def _origin(url: str) -> str:
+    return url[:url.find("/", url.find("//") + 2) % (len(url) + 1)]
+
+
+class DirectReply:
+    """An engine's reply to a POST made on `EnginePool` without requests: what the gateway reads
+    of a `requests.Response` (status, reason, headers, the raw response, the body once read)."""
+
+    def __init__(self, raw: EngineResponse) -> None:
+        self.raw = raw
+        self.status_code = raw.status
+        self.reason = raw.reason
+        self.headers = raw.headers
+        self._content: bytes | None = None
+
+    @property
+    def content(self) -> bytes:
+        """The whole body (read now if it was not)."""
+        if self._content is None:
+            self._content = self.raw.read()
+        return self._content
+
+    def json(self) -> Any:
+        return jsonio.loads_engine(self.content, exact=False)
+
+    def close(self) -> None:
+        self.raw.close()        # a whole body gave its connection back already
+
+
 class Upstream:
     """One `requests.Session` per process (created after fork) for all calls to the engines."""
 
@@ -232,6 +238,8 @@ class Upstream:
         # pools than hosts would close and reopen connections all the time.
         adapter = EngineAdapter(pool_connections=max(hosts, 1), pool_maxsize=pool_size,
                                 max_retries=0, pool_block=False)
+        self._engine_pools: dict[str, EnginePool] = {}    # the direct POSTs' (transport.py)
+        self._pool_size = pool_size
         adapter.poolmanager.pool_classes_by_scheme = {"http": TrackedHTTPPool,
                                                       "https": TrackedHTTPSPool}
         self.session.mount("http://", adapter)
@@ -240,6 +248,12 @@ class Upstream:
         self.timeout = (connect_timeout, read_timeout)
         self._timeout = Timeout(connect=connect_timeout, read=read_timeout)
         self.api_key = api_key
+
+    def close(self) -> None:
+        """Close every kept connection (requests' pools and the direct POSTs')."""
+        self.session.close()
+        for pool in list(self._engine_pools.values()):
+            pool.close()
 
     def headers(self, request_id: str, authorization: str | None, traceparent: str = "",
                 tracestate: str | None = None) -> dict[str, str]:
@@ -261,33 +275,46 @@ class Upstream:
             out["Authorization"] = authorization
         return out
 
-    def _send(self, instance: Instance, path: str, body: bytes, headers: dict,
-              stream: bool, timeout: Timeout | None = None) -> requests.Response:
-        """POST `body` through the session's adapter, whatever the status; raise a GatewayError
-        if it failed.
+    def _engine_pool(self, url: str) -> EnginePool:
+        origin = _origin(url)
+        pool = self._engine_pools.get(origin)
+        if pool is None:
+            parsed = parse_url(origin)
+            if len(self._engine_pools) >= 1024:   # engines come and go: keep it bounded
+                old, self._engine_pools = self._engine_pools, {}   # (other threads read it)
+                for each in list(old.values()):
+                    each.close()
+            # An IPv6 host without its brackets: http.client keeps them when given a port.
+            pool = self._engine_pools[origin] = EnginePool(parsed.host.strip("[]"),
+                                                           parsed.port or 80, self._pool_size)
+        return pool
 
-        Straight to `HTTPAdapter.send`, with the request prepared here: the Session's layers
-        (merging settings, cookies, hooks, redirects) do nothing for an engine call and cost
-        about 0.4 ms of CPU each (measured: 1.5 -> 1.1 ms a call). `responses` mocks the
-        adapter, so the payload tests see every call as before.
+    def _send(self, instance: Instance, path: str, body: bytes, headers: dict,
+              stream: bool, timeout: Timeout | None = None) -> requests.Response | DirectReply:
+        """POST `body`, whatever the reply's status; raise a GatewayError if it failed.
+
+        To a plain-HTTP engine, on a connection of the gateway's own pool (gateway.engines.
+        transport): requests' layers (the Session's settings, cookies, hooks and redirects, the
+        adapter's certificate, proxy and timeout handling, its request and response objects) do
+        nothing for an engine call; measured with `python -m bench.engine_call`. Through
+        requests' adapter for HTTPS engines, and whenever something patches `HTTPAdapter.send`:
+        `responses`, which the payload tests pin every call with, sees every call as before.
         """
-        request = PreparedRequest()
-        request.method = "POST"
-        request.url = instance.url + path
-        # The path the engine is asked for (EngineAdapter.request_url), after its URL's own.
-        request.pd_path = instance.base_path + path   # type: ignore[attr-defined]
-        request.headers = CaseInsensitiveDict(headers)
-        request.headers["Content-Length"] = str(len(body))
-        request.body = body
+        headers = {**headers, "Content-Length": str(len(body))}
         if instance.credentials:      # user:password in the URL, as requests sends them
-            HTTPBasicAuth(*instance.credentials)(request)
+            headers["Authorization"] = _basic_auth_str(*instance.credentials)
         try:
-            response = self._adapter.send(request, stream=stream,
-                                          timeout=timeout or self._timeout)
+            if instance.url.startswith("http://") and type(self._adapter).send is _ADAPTER_SEND:
+                response: requests.Response | DirectReply = DirectReply(
+                    self._engine_pool(instance.url).urlopen(
+                        "POST", instance.base_path + path, body, headers,
+                        timeout or self._timeout))
+            else:
+                response = self._adapter_send(instance, path, body, headers, stream, timeout)
             if not stream:
                 # Read whole, as Session.send does (the connection returns to its pool), in
-                # one urllib3 read: requests' `content` reads through a generator of 10 KB
-                # chunks (measured: 40 us a P call).
+                # one read: requests' `content` reads through a generator of 10 KB chunks
+                # (measured: 40 us a P call).
                 response._content = response.raw.read(decode_content=True)
                 response._content_consumed = True
         # urllib3's own errors: the body read above is urllib3's (requests would wrap them);
@@ -300,8 +327,22 @@ class Upstream:
             raise _translate(exc, instance, current_watch()) from exc
         return response
 
+    def _adapter_send(self, instance: Instance, path: str, body: bytes, headers: dict,
+                      stream: bool, timeout: Timeout | None) -> requests.Response:
+        """Straight to `HTTPAdapter.send`, with the request prepared here: the Session's layers
+        (merging settings, cookies, hooks, redirects) do nothing for an engine call and cost
+        about 0.4 ms of CPU each (measured: 1.5 -> 1.1 ms a call)."""
+        request = PreparedRequest()
+        request.method = "POST"
+        request.url = instance.url + path
+        # The path the engine is asked for (EngineAdapter.request_url), after its URL's own.
+        request.pd_path = instance.base_path + path   # type: ignore[attr-defined]
+        request.headers = CaseInsensitiveDict(headers)
+        request.body = body
+        return self._adapter.send(request, stream=stream, timeout=timeout or self._timeout)
+
     def _post(self, instance: Instance, path: str, body: dict, headers: dict,
-              stream: bool, timeout: Timeout | None = None) -> requests.Response:
+              stream: bool, timeout: Timeout | None = None) -> requests.Response | DirectReply:
         response = self._send(instance, path, jsonio.dumps(body),
                               {**headers, "Content-Type": "application/json"}, stream, timeout)
         if response.status_code >= 400:
