@@ -1,8 +1,8 @@
 """What one engine call costs the gateway's process: client CPU per P call (a non-streamed chat
 completion to an emulated P), several at once in one gevent process, three ways, alternating:
 
-- `gateway`: `Upstream.post_json`, as a turn's P call (requests' adapter over the gateway's own
-  http.client pool, gateway/engines/transport.py);
+- `gateway`: `Upstream.post_json`, as a turn's P call (the gateway's own http.client pool,
+  gateway/engines/transport.py);
 - `urllib3`: the same body through a plain urllib3 pool's `urlopen` (what the adapter used to run);
 - `http.client`: one kept-alive http.client connection per greenlet, nothing around it.
 

@@ -28,7 +28,7 @@ Python's cyclic garbage collector runs its youngest generation every 700 net new
 64 turns in flight, some 250 times a second, each pass walking the live requests' young objects
 (gevent's greenlets and waiters among them) only to keep them. Once the app is loaded, each worker
 freezes what it has (the modules and the app: never garbage, and no longer walked by the full
-collections, nor touched after fork, so those pages stay shared with the master) and collects the
+collections; with --preload, their pages then stay shared with the master) and collects the
 young generation every `GC_YOUNG` containers instead. Measured in the worker with `gc.callbacks`,
 `bench.profile --concurrency 64`: 77-120 ms of 1.5 s of CPU in collections before (5-8 %), 41 ms
 after (cycles are still collected, at most some 10,000 containers later).

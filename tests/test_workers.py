@@ -14,11 +14,12 @@ from gateway import workers
 
 kept = []
 def load_wsgi(self):                 # gunicorn's: imports the app (here: makes containers)
-    kept.extend([{} for _ in range(5000)])
+    kept.extend([[] for _ in range(5000)])
 gunicorn.workers.base.Worker.load_wsgi = load_wsgi
 gc.set_threshold(*map(int, sys.argv[2].split(",")))
 getattr(workers, sys.argv[1]).load_wsgi(object.__new__(getattr(workers, sys.argv[1])))
-print(gc.get_freeze_count() >= 5000, *gc.get_threshold())
+walked = {id(o) for o in gc.get_objects()}       # what collections still walk: not the frozen
+print(all(gc.is_tracked(o) and id(o) not in walked for o in kept), *gc.get_threshold())
 """
 
 

@@ -8,7 +8,7 @@ on this pool, 105 here (bare http.client: 116). urllib3 and requests spend the d
 what an engine call never needs: retries, redirects, proxies, cookies, content decoding, a
 second wrapper of every header and of the response, a URL parsed again on every call; and
 http.client reads a reply's head through the email package (17.6 us for an engine's five
-fields; `read_fields`, 2.5).
+fields; `read_fields`, 3.7).
 
 What a call keeps of urllib3's behaviour: a kept-alive connection is checked before reuse
 (nothing to read, no EOF: `watch.still_open`) and used again only after its whole response was
@@ -50,26 +50,42 @@ class Fields(dict):
 
 
 def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
-    """A response head's header fields, read up to its blank line, within http.client's limits
-    (a line, the number of fields). http.client hands the lines to the email package's parser:
-    17.6 us for an engine's five fields here, 2.5 us so (two or three responses a turn)."""
+    """A response head's header fields, read up to its blank line, as http.client reads them
+    (its limits on a line and on the number of lines; the email package's rules: the fields
+    end at the first line that is not one, a field name holds no space, a folded line continues
+    the field before it) but for folded lines, joined by a space instead of kept with their
+    line break. http.client hands the lines to the email package's parser: 17.6 us for an
+    engine's five fields here, 3.7 us so (two or three responses a turn)."""
     fields = Fields()
-    name = ""
-    for _ in range(http.client._MAXHEADERS + 1):
+    name = ""               # the field a folded line continues ("": none, or one not kept)
+    ended = False           # a line that is not a field was read: the rest is not read as any
+    for _ in range(http.client._MAXHEADERS):      # the blank line counts, as in http.client
         line = fp.readline(http.client._MAXLINE + 1)
         if len(line) > http.client._MAXLINE:
             raise http.client.LineTooLong("header line")
         if line in (b"\r\n", b"\n", b""):
             return fields
+        if ended:
+            continue
         text = line.decode("iso-8859-1")
-        if text[0] in " \t" and name:          # a folded line continues the field before it
-            dict.__setitem__(fields, name, f"{dict.__getitem__(fields, name)} {text.strip()}")
+        if text[0] in " \t":
+            more = text.strip()
+            if name and more:
+                dict.__setitem__(fields, name, f"{dict.__getitem__(fields, name)} {more}")
             continue
         field, colon, value = text.partition(":")
-        if colon:
-            name = field.strip().lower()
-            if not dict.__contains__(fields, name):
-                dict.__setitem__(fields, name, value.strip())
+        # (a name is printable ASCII but space and colon: 0x21-0x7E)
+        if not colon or not (field.isascii() and field.isprintable()) or " " in field:
+            ended = True
+            continue
+        if not field:
+            name = ""                                 # no name: skipped, as the email package does
+            continue
+        name = field.lower()
+        if dict.__contains__(fields, name):
+            name = ""                                 # a repeated field: the first counts
+        else:
+            dict.__setitem__(fields, name, value.strip())
     raise http.client.HTTPException(f"got more than {http.client._MAXHEADERS} headers")
 
 
@@ -83,9 +99,12 @@ class EngineHTTPResponse(http.client.HTTPResponse):
             return
         while True:
             version, status, reason = self._read_status()
-            if status != http.client.CONTINUE:
+            if not 100 <= status < 200 or status == http.client.SWITCHING_PROTOCOLS:
                 break
-            read_fields(self.fp)             # a 100 response's fields
+            # An interim response (100 Continue; http.client skips no other: a 103 Early Hints
+            # was taken for the reply, and the reply's bytes left for the connection's next
+            # call to read): its fields, and the reply still to come.
+            read_fields(self.fp)
         self.code = self.status = status
         self.reason = reason.strip()
         if version in ("HTTP/1.0", "HTTP/0.9"):

@@ -3,6 +3,7 @@ a failed call becomes (a `GatewayError`); the only module that calls `requests`.
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import socket
 import time
@@ -190,7 +191,9 @@ class EngineAdapter(HTTPAdapter):
         return response
 
 
-_ADAPTER_SEND = HTTPAdapter.send      # requests' own, unless something patches it
+def _adapter_patched() -> bool:
+    """Does something stand in for requests' `HTTPAdapter.send` (`responses`, a tracer)?"""
+    return HTTPAdapter.send.__module__ != "requests.adapters"
 
 
 def _origin(url: str) -> str:
@@ -216,7 +219,12 @@ class DirectReply:
         return self._content
 
     def json(self) -> Any:
-        return jsonio.loads_engine(self.content, exact=False)
+        """The body's JSON (an error's message, say), in UTF-8, -16 or -32 as requests reads it,
+        or else as Latin-1 (requests would guess its charset)."""
+        try:
+            return jsonio.loads_engine(self.content, exact=False)
+        except UnicodeDecodeError:
+            return json.loads(self.content.decode("latin-1"))
 
     def close(self) -> None:
         self.raw.close()        # a whole body gave its connection back already
@@ -304,7 +312,7 @@ class Upstream:
         if instance.credentials:      # user:password in the URL, as requests sends them
             headers["Authorization"] = _basic_auth_str(*instance.credentials)
         try:
-            if instance.url.startswith("http://") and type(self._adapter).send is _ADAPTER_SEND:
+            if instance.url.startswith("http://") and not _adapter_patched():
                 response: requests.Response | DirectReply = DirectReply(
                     self._engine_pool(instance.url).urlopen(
                         "POST", instance.base_path + path, body, headers,
