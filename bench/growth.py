@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ import requests
 from bench import procstat
 from bench.fill import FILL_ENV
 from bench.measure import Load, run_load
-from bench.systems import PROXY_HOST, Engines, Running, System, quiet_ports, start, stop_process
+from bench.systems import (PROXY_HOST, Engines, Running, System, quiet_ports, slug, start,
+                           stop_process)
 from gateway.config import Settings
 from emulator.process import wait_until
 
@@ -44,28 +46,45 @@ def cpu_ms_per_turn(measured) -> float:
 
 
 def history_growth(plan: GrowthPlan, systems: list[System], engines: Engines,
-                   out_dir: str) -> list[dict]:
-    """Proxy CPU per turn for conversations that start with 1 KB .. 100 KB of history."""
-    rows = []
-    for system in systems:
-        running = start(system, engines, out_dir)
-        try:
+                   out_dir: str, repeats: int = 1) -> list[dict]:
+    """Proxy CPU per turn for conversations that start with 1 KB .. 100 KB of history.
+
+    Every system runs beside the others, and at each size they take turns (`repeats` times
+    each: a point is the median of its runs, with their range), so that each ratio compares
+    runs made on the same machine at the same time (one 160-turn run moves by some 15 % from
+    run to run here)."""
+    running: dict[str, Running] = {}
+    try:
+        for system in systems:
+            running[system.label] = start(system, engines, out_dir)
             # Unmeasured first: a system's first turns pay for connections, first-use code and
             # (the gateway) its template probes, which belong to no history size.
-            run_load(system.label, running, engines,
+            run_load(system.label, running[system.label], engines,
                      Load(concurrency=HISTORY_CONCURRENCY, conversations=HISTORY_CONCURRENCY,
                           turns=2, duration=60, ids=system.ids, history_bytes=1024),
-                     f"hist-warm-{len(rows)}", out_dir)
-            for kb in plan.history_kb:
-                load = Load(concurrency=HISTORY_CONCURRENCY, conversations=plan.conversations, turns=plan.turns,
-                            duration=60, ids=system.ids, history_bytes=kb * 1024)
-                m = run_load(system.label, running, engines, load, f"hist{kb}k-{len(rows)}", out_dir)
+                     f"hist-warm-{slug(system.label)}", out_dir)
+        rows = []
+        for kb in plan.history_kb:
+            runs: dict[str, list] = {system.label: [] for system in systems}
+            for repeat in range(repeats):
+                for system in systems:
+                    load = Load(concurrency=HISTORY_CONCURRENCY, conversations=plan.conversations,
+                                turns=plan.turns, duration=60, ids=system.ids,
+                                history_bytes=kb * 1024)
+                    runs[system.label].append(run_load(
+                        system.label, running[system.label], engines, load,
+                        f"hist{kb}k-{slug(system.label)}-{repeat}", out_dir))
+            for system in systems:
+                cpu = sorted(cpu_ms_per_turn(m) for m in runs[system.label])
                 rows.append({"system": system.label, "history_kb": kb,
-                             "cpu_ms_per_turn": cpu_ms_per_turn(m), "turns": len(m.load["turns"]),
-                             "errors": len(m.load["errors"])})
-        finally:
-            running.stop()
-    return rows
+                             "cpu_ms_per_turn": statistics.median(cpu),
+                             "cpu_range": f"{cpu[0]:.2f}–{cpu[-1]:.2f}",
+                             "turns": sum(len(m.load["turns"]) for m in runs[system.label]),
+                             "errors": sum(len(m.load["errors"]) for m in runs[system.label])})
+        return rows
+    finally:
+        for each in running.values():
+            each.stop()
 
 
 def start_filled(engines: Engines, entries: int, log_dir: str) -> Running:

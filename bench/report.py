@@ -140,7 +140,8 @@ def _save(fig, path: str) -> None:
 
 HISTORY_COLUMNS = (("system", "system", "{}"), ("history KB", "history_kb", "{}"),
                    ("turns", "turns", "{}"), ("err", "errors", "{}"),
-                   ("CPU ms/turn", "cpu_ms_per_turn", "{:.2f}"))
+                   ("CPU ms/turn", "cpu_ms_per_turn", "{:.2f}"),
+                   ("range of the runs", "cpu_range", "{}"))
 
 
 def history_ratios(history: list[dict]) -> list[dict]:

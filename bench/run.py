@@ -182,7 +182,7 @@ def partial(plan: Plan, args: argparse.Namespace) -> None:
     try:
         if args.history:
             history = growth.history_growth(plan.growth, history_systems(systems), engines,
-                                            args.out)
+                                            args.out, args.history_repeats)
         else:
             rows = matrix(plan, systems, engines, args.out, notes)
     finally:
@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history", action="store_true", help="with --systems: the history "
                         "runs instead (the gateway, and those of the systems that are the seed "
                         "or vllm-router)")
+    parser.add_argument("--history-repeats", type=int, default=1, help="with --history: the "
+                        "systems take turns at each size this many times; a point is the "
+                        "median of its runs")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.systems or args.concurrency or args.history:
