@@ -64,6 +64,21 @@ def client(app):
     return app.test_client()
 
 
+@pytest.fixture(autouse=True)
+def _no_watch_left_behind():
+    """The test client runs the app in the test's own thread: a streamed reply a test left
+    unread keeps its request's watch as the thread's current one, and once that request's
+    deadline passed, any later engine call in the thread (another test's) was refused as cut.
+    Each test ends with none (the test that left it has its reply; the servers serve each
+    request in a greenlet or thread of its own, and close every reply)."""
+    yield
+    from gateway.engines.watch import _WATCH
+    watch = _WATCH.get()
+    if watch is not None:
+        watch.stop()
+        _WATCH.set(None)
+
+
 # --- real servers -----------------------------------------------------------------------------
 # Engines on distinct loopback addresses: a pull only works if the gateway rewrote remote_host.
 P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
