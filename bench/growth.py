@@ -24,6 +24,9 @@ class GrowthPlan:
     cached: tuple[int, ...]
     conversations: int  # per point, HISTORY_CONCURRENCY in flight for history, 8 for cached
     turns: int
+    # Runs of each system at each history size, a point their median: one 160-turn run moved
+    # by some 15 % from run to run here, as much as the gateway's own cuts.
+    history_repeats: int = 1
 
 
 # As many conversations in flight as OpenAI SDK clients in the comparison with vllm-router that
@@ -33,7 +36,7 @@ HISTORY_CONCURRENCY = 16
 
 QUICK = GrowthPlan(history_kb=(1, 10, 100), cached=(0, 10_000, 100_000), conversations=8, turns=2)
 FULL = GrowthPlan(history_kb=(1, 3, 10, 30, 100), cached=(0, 1_000, 10_000, 30_000, 100_000),
-                  conversations=32, turns=5)
+                  conversations=32, turns=5, history_repeats=3)
 HISTORY_SYSTEMS = (System("gateway, ids", "gateway", True, {"workers": 1}),
                    System("gateway, no ids", "gateway", False, {"workers": 1}),
                    System("seed, ids", "seed", True),
@@ -46,13 +49,13 @@ def cpu_ms_per_turn(measured) -> float:
 
 
 def history_growth(plan: GrowthPlan, systems: list[System], engines: Engines,
-                   out_dir: str, repeats: int = 1) -> list[dict]:
+                   out_dir: str, repeats: int | None = None) -> list[dict]:
     """Proxy CPU per turn for conversations that start with 1 KB .. 100 KB of history.
 
     Every system runs beside the others, and at each size they take turns (`repeats` times
-    each: a point is the median of its runs, with their range), so that each ratio compares
-    runs made on the same machine at the same time (one 160-turn run moves by some 15 % from
-    run to run here)."""
+    each, the plan's by default: a point is the median of its runs, with their range), so that
+    each ratio compares runs made on the same machine at the same time."""
+    repeats = repeats or plan.history_repeats
     running: dict[str, Running] = {}
     try:
         for system in systems:

@@ -209,9 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history", action="store_true", help="with --systems: the history "
                         "runs instead (the gateway, and those of the systems that are the seed "
                         "or vllm-router)")
-    parser.add_argument("--history-repeats", type=int, default=1, help="with --history: the "
-                        "systems take turns at each size this many times; a point is the "
-                        "median of its runs")
+    parser.add_argument("--history-repeats", type=int, help="with --history: the systems take "
+                        "turns at each size this many times, a point being the median of its "
+                        "runs (default: the plan's, 3 in the full plan)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.systems or args.concurrency or args.history:
