@@ -54,8 +54,9 @@ def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
     (its limits on a line and on the number of lines; the email package's rules: the fields
     end at the first line that is not one, a field name holds no space, a folded line continues
     the field before it, a value keeps its trailing blanks) but for folded lines, joined by a
-    space instead of kept with their line break. http.client hands the lines to the email package's parser: 17.6 us for an
-    engine's five fields here, 3.7 us so (two or three responses a turn)."""
+    space instead of kept with their line break. http.client hands the lines to the email
+    package's parser: 17.6 us for an engine's five fields here, 3.7 us so (two or three
+    responses a turn)."""
     fields = Fields()
     name = ""               # the field a folded line continues ("": none, or one not kept)
     ended = False           # a line that is not a field was read: the rest is not read as any
