@@ -37,6 +37,10 @@ HISTORY_CONCURRENCY = 16
 QUICK = GrowthPlan(history_kb=(1, 10, 100), cached=(0, 10_000, 100_000), conversations=8, turns=2)
 FULL = GrowthPlan(history_kb=(1, 3, 10, 30, 100), cached=(0, 1_000, 10_000, 30_000, 100_000),
                   conversations=32, turns=5, history_repeats=3)
+# Driven by OpenAI SDK clients as well as by bench.loadgen: the clients of issue 30's comparison
+# (which send no conversation ids; a new connection every turn, bench.sdk_load).
+SDK_SYSTEMS = ("gateway, no ids", "vllm-router")
+SDK_SUFFIX = ", OpenAI SDK"
 HISTORY_SYSTEMS = (System("gateway, ids", "gateway", True, {"workers": 1}),
                    System("gateway, no ids", "gateway", False, {"workers": 1}),
                    System("seed, ids", "seed", True),
@@ -54,8 +58,12 @@ def history_growth(plan: GrowthPlan, systems: list[System], engines: Engines,
 
     Every system runs beside the others, and at each size they take turns (`repeats` times
     each, the plan's by default: a point is the median of its runs, with their range), so that
-    each ratio compares runs made on the same machine at the same time."""
+    each ratio compares runs made on the same machine at the same time. The systems of
+    SDK_SYSTEMS are driven by OpenAI SDK clients too (bench.sdk_load), rows of their own."""
     repeats = repeats or plan.history_repeats
+    variants = [(system.label, system, False) for system in systems] + \
+        [(f"{system.label}{SDK_SUFFIX}", system, True) for system in systems
+         if system.label in SDK_SYSTEMS]
     running: dict[str, Running] = {}
     try:
         for system in systems:
@@ -68,22 +76,22 @@ def history_growth(plan: GrowthPlan, systems: list[System], engines: Engines,
                      f"hist-warm-{slug(system.label)}", out_dir)
         rows = []
         for kb in plan.history_kb:
-            runs: dict[str, list] = {system.label: [] for system in systems}
+            runs: dict[str, list] = {label: [] for label, _, _ in variants}
             for repeat in range(repeats):
-                for system in systems:
+                for label, system, sdk in variants:
                     load = Load(concurrency=HISTORY_CONCURRENCY, conversations=plan.conversations,
                                 turns=plan.turns, duration=60, ids=system.ids,
-                                history_bytes=kb * 1024)
-                    runs[system.label].append(run_load(
-                        system.label, running[system.label], engines, load,
-                        f"hist{kb}k-{slug(system.label)}-{repeat}", out_dir))
-            for system in systems:
-                cpu = sorted(cpu_ms_per_turn(m) for m in runs[system.label])
-                rows.append({"system": system.label, "history_kb": kb,
+                                history_bytes=kb * 1024, sdk=sdk)
+                    runs[label].append(run_load(label, running[system.label], engines, load,
+                                                f"hist{kb}k-{slug(label)}-{repeat}", out_dir))
+            for label, _, sdk in variants:
+                cpu = sorted(cpu_ms_per_turn(m) for m in runs[label])
+                rows.append({"system": label, "history_kb": kb,
+                             "client": "OpenAI SDK" if sdk else "loadgen",
                              "cpu_ms_per_turn": statistics.median(cpu),
                              "cpu_range": f"{cpu[0]:.2f}–{cpu[-1]:.2f}",
-                             "turns": sum(len(m.load["turns"]) for m in runs[system.label]),
-                             "errors": sum(len(m.load["errors"]) for m in runs[system.label])})
+                             "turns": sum(len(m.load["turns"]) for m in runs[label]),
+                             "errors": sum(len(m.load["errors"]) for m in runs[label])})
         return rows
     finally:
         for each in running.values():

@@ -24,9 +24,11 @@ class Load:
     duration: float
     ids: bool = True
     history_bytes: int = 0
+    sdk: bool = False    # OpenAI SDK clients (bench.sdk_load: turns and errors only, no timings)
 
     def argv(self, url: str, salt: str, out: str) -> list[str]:
-        argv = [sys.executable, "-m", "bench.loadgen", "--url", url, "--salt", salt, "--out", out,
+        generator = "bench.sdk_load" if self.sdk else "bench.loadgen"
+        argv = [sys.executable, "-m", generator, "--url", url, "--salt", salt, "--out", out,
                 "--concurrency", str(self.concurrency), "--conversations", str(self.conversations),
                 "--turns", str(self.turns), "--duration", str(self.duration),
                 "--history-bytes", str(self.history_bytes)]

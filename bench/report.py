@@ -145,13 +145,16 @@ HISTORY_COLUMNS = (("system", "system", "{}"), ("history KB", "history_kb", "{}"
 
 
 def history_ratios(history: list[dict]) -> list[dict]:
-    """Each gateway row of the history runs over the seed's and vllm-router's at the same size."""
+    """Each gateway row of the history runs over the seed's and vllm-router's at the same size
+    (and driven by the same client)."""
     peers = {(r["system"], r["history_kb"]): r for r in history
              if not r["system"].startswith("gateway")}
     out = []
     for r in (r for r in history if r["system"].startswith("gateway")):
         for (peer, kb), base in peers.items():
-            if kb == r["history_kb"] and base["cpu_ms_per_turn"]:
+            # Rows of one client with one another: OpenAI SDK clients' with theirs.
+            if kb == r["history_kb"] and base["cpu_ms_per_turn"] and \
+                    base.get("client") == r.get("client"):
                 out.append({"system": f"{r['system']} / {peer}", "history_kb": kb,
                             "ratio": r["cpu_ms_per_turn"] / base["cpu_ms_per_turn"]})
     return out

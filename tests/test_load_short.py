@@ -1,17 +1,22 @@
-"""A short bounded locust run: 30 multi-turn streaming users for 15 s, and not one failure."""
+"""A short bounded locust run: 30 multi-turn streaming users for 15 s, and not one failure; and
+the benchmark's OpenAI SDK load generator."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 
 import pytest
 
 from bench.load import run_locust
 
 # Found without importing it: importing locust monkey-patches this whole process with gevent.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("locust") is None,
-                                reason="locust is not installed: pip install -e '.[test,load]'")
+needs_locust = pytest.mark.skipif(importlib.util.find_spec("locust") is None,
+                                  reason="locust is not installed: pip install -e '.[test,load]'")
 
 
+@needs_locust
 def test_short_load_run_has_no_failures(fresh_engines, gateway_factory, tmp_path):
     p, d = fresh_engines
     # A gateway of its own (its settings key), so the conversations it stores stay out of
@@ -27,3 +32,21 @@ def test_short_load_run_has_no_failures(fresh_engines, gateway_factory, tmp_path
     prefill = p.stats()
     # Later turns reused D's blocks (the users fail a turn that is not a hit), never wrongly.
     assert prefill["hits"] > 0 and prefill["wrong_reuse"] == 0
+
+
+def test_the_sdk_load_generator_holds_conversations_through_the_openai_sdk(fresh_engines,
+                                                                           gateway_factory,
+                                                                           tmp_path):
+    """bench.sdk_load (the history runs' OpenAI SDK clients, no conversation ids): every turn
+    answered, and each later turn a conversation the gateway recognised (P read D's blocks)."""
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], log_level="warning")
+    out = tmp_path / "sdk.json"
+    subprocess.run([sys.executable, "-m", "bench.sdk_load", "--url", gateway.url, "--salt", "t",
+                    "--concurrency", "2", "--conversations", "3", "--turns", "3",
+                    "--duration", "60", "--history-bytes", "1024", "--out", str(out)],
+                   check=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert result["errors"] == [] and len(result["turns"]) == 9
+    prefill = p.stats()
+    assert prefill["hits"] == 6 and prefill["wrong_reuse"] == 0
