@@ -4,16 +4,15 @@ from gevent import monkey
 # Before http.client and socket are imported: every conversation is a greenlet on one hub.
 monkey.patch_all()
 
-import argparse  # noqa: E402
 import http.client  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import time  # noqa: E402
 from typing import Iterator  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
 import gevent  # noqa: E402
 
+from bench import clients  # noqa: E402
 from devtools import sse  # noqa: E402
 from devtools.workload import Conversation, benchmark_conversation  # noqa: E402
 
@@ -103,19 +102,9 @@ def client(url: str, convs: Iterator[Conversation], turns: int, deadline: float,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--concurrency", type=int, required=True, help="conversations in flight")
-    parser.add_argument("--conversations", type=int, required=True, help="in all")
-    parser.add_argument("--turns", type=int, required=True)
-    parser.add_argument("--duration", type=float, required=True, help="no turn starts after this")
-    parser.add_argument("--salt", required=True)
-    parser.add_argument("--ids", action="store_true", help="send conversation_id and X-Session-ID")
-    parser.add_argument("--history-bytes", type=int, default=0,
-                        help="start each conversation from this much earlier history (growth runs)")
+    parser = clients.arguments(__doc__)
     parser.add_argument("--think", type=float, default=0.0,
                         help="seconds a conversation waits between a reply and its next turn")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     results: list[dict] = []
     errors: list[str] = []
@@ -126,10 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     gevent.joinall([gevent.spawn(client, args.url, convs, args.turns, deadline, results, errors,
                                  args.think)
                     for _ in range(args.concurrency)])
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    with open(args.out, "w") as out:
-        json.dump({"started": started, "ended": time.monotonic(), "turns": results,
-                   "errors": errors, "cpu_s": usage.ru_utime + usage.ru_stime}, out)
+    clients.write_results(args.out, started, results, errors)
 
 
 if __name__ == "__main__":

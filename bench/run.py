@@ -63,6 +63,7 @@ class Plan:
     min_conversations: int  # low concurrencies run more conversations back to back
     growth: growth.GrowthPlan
     reuse: tuple = ()       # (scenarios, reply lengths) of bench.reuse
+    turn_budget: tuple[str, ...] = ()   # bench.turn_budget's arguments; () skips it
 
 
 QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-redis-4", "gw-noid-1",
@@ -70,7 +71,8 @@ QUICK = Plan("quick", ("gw-gevent-1", "gw-gthread-1", "gw-gevent-4", "gw-redis-4
              (8, 64, 256), turns=5, duration=2, min_conversations=8, growth=growth.QUICK,
              reuse=((reuse.SCENARIOS[0], reuse.SCENARIOS[2]), (32,)))
 FULL = Plan("full", tuple(SYSTEMS), (8, 64, 256), turns=8, duration=60, min_conversations=32,
-            growth=growth.FULL, reuse=(reuse.SCENARIOS, reuse.REPLIES))
+            growth=growth.FULL, reuse=(reuse.SCENARIOS, reuse.REPLIES),
+            turn_budget=("--concurrency", "8,64"))
 
 
 def available(plan: Plan, notes: list[str]) -> list[System]:
@@ -160,6 +162,14 @@ def cpu_rooms(plan: Plan, engines: Engines, out_dir: str, notes: list[str]) -> s
     return profile.room_table(profiles)
 
 
+def per_turn_budget(plan: Plan) -> str:
+    """bench.turn_budget's tables (on engines of its own: the floor and one gateway worker)."""
+    if not plan.turn_budget:
+        return f"(Not measured by the {plan.name} plan: `python -m bench.turn_budget`.)"
+    from bench import turn_budget   # it imports this module's machine() and revision()
+    return turn_budget.tables([turn_budget.run(turn_budget.arguments(list(plan.turn_budget)))])
+
+
 def history_systems(systems: list[System]) -> list[System]:
     """The history runs' systems whose kind the plan could start (the seed, vllm-router)."""
     kinds = {s.kind for s in systems}
@@ -232,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         rooms = cpu_rooms(plan, engines, args.out, notes)
     finally:
         engines.stop()
+    budget = per_turn_budget(plan)
     notes += [f"`{r['system']}` at {r['conversations']} conversations: {r['errors']} errors; "
               f"the first: `{r['first_error']}`" for r in rows if r["errors"]]
     ratio_rows = report.ratios(rows, systems)
@@ -276,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         + report.table(report.history_ratios(history), report.HISTORY_RATIO_COLUMNS,
                        markdown=True),
         "cached": report.table(cached, report.CACHED_COLUMNS, markdown=True),
-        "rooms": rooms, "history_cost": history_cost.table(),
+        "rooms": rooms, "history_cost": history_cost.table(), "turn_budget": budget,
         "notes": "\n".join(f"- {n}" for n in notes) or "- Nothing was skipped.",
     })
     print(f"\nwrote {os.path.relpath(args.doc, ROOT)} and plots in {os.path.relpath(args.plots, ROOT)}/",

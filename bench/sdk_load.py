@@ -9,15 +9,13 @@ and ITL): the history runs take only turns, errors and the proxy's CPU from it.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import resource
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
+from bench import clients
 from devtools.workload import Conversation, benchmark_conversation
 
 REQUEST_TIMEOUT = 120.0  # as bench.loadgen
@@ -38,17 +36,7 @@ def run_turn(sdk: openai.OpenAI, conv: Conversation) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--concurrency", type=int, required=True, help="conversations in flight")
-    parser.add_argument("--conversations", type=int, required=True, help="in all")
-    parser.add_argument("--turns", type=int, required=True)
-    parser.add_argument("--duration", type=float, required=True, help="no turn starts after this")
-    parser.add_argument("--salt", required=True)
-    parser.add_argument("--ids", action="store_true", help="send conversation_id and X-Session-ID")
-    parser.add_argument("--history-bytes", type=int, default=0)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    args = clients.arguments(__doc__.split("\n\n")[0]).parse_args(argv)
     sdk = openai.OpenAI(base_url=args.url + "/v1", api_key="EMPTY", max_retries=0,
                         timeout=REQUEST_TIMEOUT)
     results: list[dict] = []
@@ -74,10 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     with ThreadPoolExecutor(args.concurrency) as pool:
         for future in [pool.submit(conversation, i) for i in range(args.conversations)]:
             future.result()
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    with open(args.out, "w") as out:
-        json.dump({"started": started, "ended": time.monotonic(), "turns": results,
-                   "errors": errors, "cpu_s": usage.ru_utime + usage.ru_stime}, out)
+    clients.write_results(args.out, started, results, errors)
 
 
 if __name__ == "__main__":

@@ -314,7 +314,7 @@ def tables(results: list[dict]) -> str:
     return f"Runs: {runs}.\n\n" + fit_table(merged) + "\n\n" + budget_table(merged)
 
 
-def main(argv: list[str] | None = None) -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="8",
                         help="conversations in flight, comma separated (e.g. 8,64)")
@@ -337,27 +337,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tables", nargs="+", metavar="JSON",
                         help="print the tables of these earlier runs instead of measuring")
     args = parser.parse_args(argv)
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    if args.long_words <= args.short_words:
+        raise SystemExit("--long-words must exceed --short-words")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure as `args` says, and keep the figures (JSON) where --out says."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    out = args.out or os.path.join(ROOT, "bench", "out", "turn-budget-c"
+                                   + "-".join(map(str, args.concurrency)) + f"-{stamp}.json")
+    out_dir = tempfile.mkdtemp(prefix="pd-turn-budget-")
+    clock = time.monotonic()
+    reply_words = os.environ.get(REPLY_ENV)
+    try:
+        result = measure(args, out_dir)
+    finally:                            # measure() sets the load generator's reply length
+        os.environ.pop(REPLY_ENV, None)
+        if reply_words is not None:
+            os.environ[REPLY_ENV] = reply_words
+    result["minutes"] = (time.monotonic() - clock) / 60
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['minutes']:.1f} minutes; figures in {os.path.relpath(out)}\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments(argv)
     if args.tables:
         results = []
         for path in args.tables:
             with open(path) as f:
                 results.append(json.load(f))
         return print(tables(results))
-    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
-    if args.long_words <= args.short_words:
-        raise SystemExit("--long-words must exceed --short-words")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    out = args.out or os.path.join(ROOT, "bench", "out", "turn-budget-c"
-                                   + "-".join(map(str, args.concurrency)) + f"-{stamp}.json")
-    out_dir = tempfile.mkdtemp(prefix="pd-turn-budget-")
-    clock = time.monotonic()
-    result = measure(args, out_dir)
-    result["minutes"] = (time.monotonic() - clock) / 60
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\n{result['minutes']:.1f} minutes; figures in {os.path.relpath(out)}\n")
-    print(tables([result]))
+    print(tables([run(args)]))
 
 
 if __name__ == "__main__":
