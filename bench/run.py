@@ -162,12 +162,17 @@ def cpu_rooms(plan: Plan, engines: Engines, out_dir: str, notes: list[str]) -> s
     return profile.room_table(profiles)
 
 
-def per_turn_budget(plan: Plan) -> str:
-    """bench.turn_budget's tables (on engines of its own: the floor and one gateway worker)."""
+def per_turn_budget(plan: Plan, notes: list[str]) -> str:
+    """bench.turn_budget's tables (on engines of its own: the floor and one gateway worker);
+    if it fails, a note says why and the rest of the run is written all the same."""
     if not plan.turn_budget:
         return f"(Not measured by the {plan.name} plan: `python -m bench.turn_budget`.)"
     from bench import turn_budget   # it imports this module's machine() and revision()
-    return turn_budget.tables([turn_budget.run(turn_budget.arguments(list(plan.turn_budget)))])
+    try:
+        return turn_budget.tables([turn_budget.run(turn_budget.arguments(list(plan.turn_budget)))])
+    except (RuntimeError, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+        notes.append(f"bench.turn_budget failed: {type(exc).__name__}: {str(exc)[:300]}")
+        return "(bench.turn_budget failed in this run: see the notes at the end.)"
 
 
 def history_systems(systems: list[System]) -> list[System]:
@@ -242,7 +247,6 @@ def main(argv: list[str] | None = None) -> None:
         rooms = cpu_rooms(plan, engines, args.out, notes)
     finally:
         engines.stop()
-    budget = per_turn_budget(plan)
     notes += [f"`{r['system']}` at {r['conversations']} conversations: {r['errors']} errors; "
               f"the first: `{r['first_error']}`" for r in rows if r["errors"]]
     ratio_rows = report.ratios(rows, systems)
@@ -252,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(args.out, f"results-{plan.name}.json"), "w") as f:
         json.dump({"rows": rows, "ratios": ratio_rows, "history": history, "cached": cached,
                    "reuse": reuse_rows}, f, indent=1)
+    budget = per_turn_budget(plan, notes)     # after the results are kept: it may fail
     report.plot_matrix(rows, os.path.join(args.plots, "matrix.png"))
     report.plot_growth(history, "history_kb", "cpu_ms_per_turn", "history at the first turn (KB)",
                        "proxy CPU ms / turn", os.path.join(args.plots, "growth_history.png"))

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench.load import run_locust
+from bench.systems import ROOT
 
 # Found without importing it: importing locust monkey-patches this whole process with gevent.
 needs_locust = pytest.mark.skipif(importlib.util.find_spec("locust") is None,
@@ -40,12 +41,13 @@ def test_the_sdk_load_generator_holds_conversations_through_the_openai_sdk(fresh
     """bench.sdk_load (the history runs' OpenAI SDK clients, no conversation ids): every turn
     answered, and each later turn a conversation the gateway recognised (P read D's blocks)."""
     p, d = fresh_engines
-    gateway = gateway_factory([p.url], [d.url], log_level="warning")
+    # A gateway of its own (its settings key): no other test's conversations in its store.
+    gateway = gateway_factory([p.url], [d.url], log_level="error")
     out = tmp_path / "sdk.json"
     subprocess.run([sys.executable, "-m", "bench.sdk_load", "--url", gateway.url, "--salt", "t",
                     "--concurrency", "2", "--conversations", "3", "--turns", "3",
                     "--duration", "60", "--history-bytes", "1024", "--out", str(out)],
-                   check=True, timeout=120)
+                   check=True, timeout=90, cwd=ROOT)
     result = json.loads(out.read_text())
     assert result["errors"] == [] and len(result["turns"]) == 9
     prefill = p.stats()
