@@ -91,6 +91,7 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     engines = Engines.start(**ENGINE_TIMING)
     started = []
+    reply_words = os.environ.get(REPLY_ENV)   # each run sets the load generator's reply length
     try:
         for system in (FLOOR, gateway):
             running = start(system, engines, out_dir)
@@ -128,6 +129,9 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
         for _, running, _ in started:
             running.stop()
         engines.stop()
+        os.environ.pop(REPLY_ENV, None)
+        if reply_words is not None:
+            os.environ[REPLY_ENV] = reply_words
     if not rate:
         print("note: py-spy is not installed (or --rate 0): no rooms, CPU per turn only")
     return result
@@ -350,13 +354,7 @@ def run(args: argparse.Namespace) -> dict:
                                    + "-".join(map(str, args.concurrency)) + f"-{stamp}.json")
     out_dir = tempfile.mkdtemp(prefix="pd-turn-budget-")
     clock = time.monotonic()
-    reply_words = os.environ.get(REPLY_ENV)
-    try:
-        result = measure(args, out_dir)
-    finally:                            # measure() sets the load generator's reply length
-        os.environ.pop(REPLY_ENV, None)
-        if reply_words is not None:
-            os.environ[REPLY_ENV] = reply_words
+    result = measure(args, out_dir)
     result["minutes"] = (time.monotonic() - clock) / 60
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
