@@ -255,7 +255,8 @@ def create_app(engine: Engine) -> Flask:
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(exposition(engine.snapshot, cfg.model), content_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(engine.snapshot, cfg.model, cfg),
+                        content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
     def get_stats() -> Response:

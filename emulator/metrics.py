@@ -1,5 +1,6 @@
 """GET /metrics in vLLM's names: the gauges and counters routers and autoscalers read
-(v1/metrics/loggers.py ~L520-704, labels model_name and engine), beside a few of the emulator's own."""
+(v1/metrics/loggers.py ~L520-704, labels model_name and engine), `vllm:cache_config_info` (every
+CacheConfig field a label), beside a few of the emulator's own."""
 
 from __future__ import annotations
 
@@ -35,10 +36,42 @@ COUNTERS = (
 )
 
 
+
+def cache_config(config) -> dict[str, str]:
+    """`vllm:cache_config_info`'s labels for an engine of these settings (`EngineConfig`): vLLM
+    0.33.0 logs CacheConfig's `metrics_info()`, `{key: str(value)}` of its `__dict__` in field
+    order (`config/cache.py` ~L440-443), plus `engine` (`v1/metrics/loggers.py` ~L1114-1136,
+    once the engine is initialized, ~L1354-1355). Values as vLLM's defaults stringify them
+    (`config/cache.py` ~L182-395); the emulator's own where it has a flag."""
+    block, blocks = config.block_size, config.kv_capacity_blocks
+    return {
+        "block_size": str(block), "user_specified_block_size": str(block != 16),
+        "kv_cache_layout": "LBNHC", "prefix_match_unit": str(block),
+        "gpu_memory_utilization": "0.92", "cache_dtype": "auto", "is_attention_free": "False",
+        "num_gpu_blocks_override": "None",
+        "sliding_window": str(config.sliding_window or None),
+        "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
+        "prefix_caching_hash_algo": "sha256", "prefix_cache_retention_interval": "0",
+        "kv_cache_dtype_skip_layers": "[]", "mamba_page_size_padded": "None",
+        "skip_page_size_padded": "None", "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto",
+        "mamba_cache_mode": "none", "enable_mamba_shared_prefix_checkpoint": "False",
+        "replayssm_buffer_len": "16", "use_replayssm": "False", "use_kda_recoverssm": "False",
+        "num_gpu_blocks": str(blocks), "num_cpu_blocks": "None",
+        "simple_cpu_offload_num_blocks": "None", "effective_attention_block_size": str(block),
+        "kv_cache_size_tokens": str(blocks * block),
+        "kv_cache_max_concurrency": str(round(blocks * block / config.max_model_len, 2)),
+        "hash_block_size": str(block), "cache_hit_alignment_tokens": str(block),
+        "kv_sharing_fast_prefill": "False", "swa_bounded_replay": "True",
+        "kv_cache_memory_bytes": "None", "kv_offloading_size": "None",
+        "kv_offloading_backend": "native", "_block_size_resolved": "True", "engine": "0"}
+
+
 class _Collector:
-    def __init__(self, snapshot, model: str) -> None:
+    def __init__(self, snapshot, model: str, config=None) -> None:
         self._snapshot = snapshot
         self._labels = [model, "0"]
+        self._config = cache_config(config) if config is not None else None
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -57,10 +90,18 @@ class _Collector:
         for reason in ("capacity", "deferred"):
             by_reason.add_metric([*self._labels, reason], snap["requests_waiting_" + reason])
         yield by_reason
+        if self._config is not None:
+            # An info metric as vLLM writes one: a gauge permanently 1 (loggers.py ~L1123-1136).
+            info = GaugeMetricFamily("vllm:cache_config_info",
+                                     "Information of the LLMEngine CacheConfig",
+                                     labels=list(self._config))
+            info.add_metric(list(self._config.values()), 1.0)
+            yield info
 
 
-def exposition(snapshot, model: str) -> bytes:
-    """The Prometheus text of one engine's snapshot (a callable returning Engine.snapshot())."""
+def exposition(snapshot, model: str, config=None) -> bytes:
+    """The Prometheus text of one engine's snapshot (a callable returning Engine.snapshot()),
+    with `vllm:cache_config_info` for `config` (its EngineConfig) when given."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(snapshot, model))
+    registry.register(_Collector(snapshot, model, config))
     return generate_latest(registry)

@@ -317,6 +317,40 @@ def test_usage_reports_cached_tokens_with_prompt_tokens_details(make_api, sse):
     assert make_api().engine.config.enable_prompt_tokens_details is False
 
 
+# CacheConfig's fields in vLLM 0.33.0, in declaration order (vllm/config/cache.py ~L187-445):
+# `metrics_info()` makes each a label of vllm:cache_config_info (~L440-443), `engine` added by
+# the logger (v1/metrics/loggers.py ~L1114-1136).
+CACHE_CONFIG_FIELDS = (
+    "block_size", "user_specified_block_size", "kv_cache_layout", "prefix_match_unit",
+    "gpu_memory_utilization", "cache_dtype", "is_attention_free", "num_gpu_blocks_override",
+    "sliding_window", "enable_prefix_caching", "prefix_caching_hash_algo",
+    "prefix_cache_retention_interval", "kv_cache_dtype_skip_layers", "mamba_page_size_padded",
+    "skip_page_size_padded", "mamba_block_size", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+    "mamba_cache_mode", "enable_mamba_shared_prefix_checkpoint", "replayssm_buffer_len",
+    "use_replayssm", "use_kda_recoverssm", "num_gpu_blocks", "num_cpu_blocks",
+    "simple_cpu_offload_num_blocks", "effective_attention_block_size", "kv_cache_size_tokens",
+    "kv_cache_max_concurrency", "hash_block_size", "cache_hit_alignment_tokens",
+    "kv_sharing_fast_prefill", "swa_bounded_replay", "kv_cache_memory_bytes",
+    "kv_offloading_size", "kv_offloading_backend", "_block_size_resolved", "engine")
+
+
+@pytest.mark.parametrize("flags, block, blocks, caching", [
+    ({}, "16", "20000", "True"),
+    ({"block_size": 32, "kv_capacity_blocks": 1200, "enable_prefix_caching": False},
+     "32", "1200", "False")])
+def test_cache_config_info_reports_what_vllm_reports(make_api, flags, block, blocks, caching):
+    from prometheus_client.parser import text_string_to_metric_families
+    api = make_api(**flags)
+    text = api.client.get("/metrics").get_data(as_text=True)
+    (family,) = [f for f in text_string_to_metric_families(text)
+                 if f.name == "vllm:cache_config_info"]
+    (sample,) = family.samples
+    assert sample.value == 1.0 and sorted(sample.labels) == sorted(CACHE_CONFIG_FIELDS)
+    assert (sample.labels["block_size"], sample.labels["num_gpu_blocks"],
+            sample.labels["enable_prefix_caching"], sample.labels["engine"]) == (
+        block, blocks, caching, "0")
+
+
 def test_metrics_use_vllms_names(make_api):
     api = make_api(block_size=4)
     chat(api)
