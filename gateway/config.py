@@ -282,8 +282,13 @@ class Settings:
                                    "Consecutive failures that open an instance's breaker.")
     breaker_cooldown: float = option(10.0, positive(float), "Seconds an open breaker skips its "
                                      "instance before trying it again.")
-    probe_interval: float = option(2.0, positive(float),
-                                   "Seconds between /health probes of instances marked down.")
+    probe_interval: float = option(2.0, bounded(float, 0.0), "Seconds between probes of every "
+                                   "engine (GET /health; /v1/models once it answers), the first "
+                                   "at start: the gateway's /health is 503 until a P and a D of "
+                                   "some model answer, a turn no D answers for fails with 503 "
+                                   "before P is called, and an engine that stops answering is "
+                                   "skipped until it answers again. 0: no probes (engines taken "
+                                   "as ready until a request to one fails).")
     resolve_interval: float = option(10.0, lambda v: max(0.0, float(v)), "Seconds between "
                                      "lookups of instance URLs whose host is a DNS name (http; "
                                      "IP addresses and localhost are used as given): each address "

@@ -75,9 +75,13 @@ class Gateway:
         # Each worker's view of its engines, published as it applies changes (every half
         # second under gunicorn) and whenever /metrics is asked.
         self.membership = Membership(settings, roles, on_tick=self.publish)
-        self.prober = Prober(self.upstream.probe, every_pool, settings.probe_interval)
+        # Every engine asked at once whether it answers, and again every --probe-interval: the
+        # gateway is ready (/health) only once some P and D of a model have answered.
+        self.prober = Prober(self.upstream.probe, every_pool, settings.probe_interval,
+                             self.upstream.served_models)
         for pool in every_pool:
             pool.on_down = self.prober.wake
+        self.prober.start()
         self.engine_load = EngineLoad(
             lambda instance, timeout: self.upstream.get_bytes(instance, "/metrics", timeout),
             every_pool, settings.engine_metrics_interval, settings.engine_queue_limit,
@@ -136,7 +140,8 @@ class Gateway:
         for pool in self._every_pool:
             for instance in pool.instances:
                 labels = (pool.role, instance.name)
-                metrics.ENGINE_UP.labels(*labels).set(1 if instance.available(now) else 0)
+                up = pool.ready(instance) and instance.available(now)
+                metrics.ENGINE_UP.labels(*labels).set(1 if up else 0)
                 metrics.ENGINE_INFLIGHT.labels(*labels).set(instance.inflight)
                 seen.add(labels)
         for gone in self._published - seen:     # left the pool: nothing runs there, no alarm
@@ -248,7 +253,8 @@ class Gateway:
         return None
 
     def healthy(self) -> bool:
-        """Can this worker serve a turn of some model: its P and D not all marked down?"""
+        """Can this worker serve a turn of some model: a P and a D of it ready (answered their
+        last probe: none has before the first)?"""
         return any(pool.healthy() for pool in self.pools.pools)
 
     def health(self) -> str:

@@ -45,14 +45,15 @@ def store(clock: FakeClock) -> LocalStore:
 def app(store: LocalStore):
     # Unroutable example hosts: only `responses` mocks answer them. Reuse on digests alone
     # (no /tokenize calls, no token ids) unless a test asks for verification.
-    # Background releases and reads of the engines' /metrics off (release_rate=0,
-    # engine_metrics_interval=0, here and in every app whose engine calls a test pins with
-    # `responses`): they would interleave with the calls pinned. tests/test_release.py checks
-    # what is dropped, tests/test_fast_path.py the release itself, tests/test_d_memory.py both
-    # end to end; tests/test_engine_load.py the reads.
+    # Background releases, reads of the engines' /metrics and probes off (release_rate=0,
+    # engine_metrics_interval=0, probe_interval=0, here and in every app whose engine calls a
+    # test pins with `responses`): they would interleave with the calls pinned.
+    # tests/test_release.py checks what is dropped, tests/test_fast_path.py the release itself,
+    # tests/test_d_memory.py both end to end; tests/test_engine_load.py the reads,
+    # tests/test_readiness.py the probes.
     settings = Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
                         max_body_bytes=4096, verify_reuse="off", release_rate=0,
-                        engine_metrics_interval=0)
+                        engine_metrics_interval=0, probe_interval=0)
     app = create_app(settings, store=store)
     yield app
     # Its prober would go on probing an instance marked down, into later tests' mocks.

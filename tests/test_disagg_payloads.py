@@ -247,7 +247,7 @@ def two_instance_app(store):
     apps = []
 
     def make(prefill, decode):
-        apps.append(create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=prefill, decode=decode, worker_class="gthread",
+        apps.append(create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=prefill, decode=decode, worker_class="gthread",
                                         verify_reuse="off"), store=store))
         return apps[-1]
 
@@ -329,7 +329,7 @@ def test_engine_urls_keep_their_own_path_and_credentials(store):
     responses.post(d_url + CHAT, body=chat_events([" a"], d_params()),
                    content_type="text/event-stream",
                    match=[matchers.header_matcher({"Authorization": auth})])
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[p_url], decode=[d_url], worker_class="gthread", threads=8,
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[p_url], decode=[d_url], worker_class="gthread", threads=8,
                               verify_reuse="off", resolve_interval=0), store=store)
     try:
         reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "stream": True})
@@ -380,6 +380,7 @@ def streaming_host(store, after_request):
     host = Flask("host")
     host.after_request(after_request)
     PDGateway(host, url_prefix="/llm", conversation_store=store, engine_metrics_interval=0,
+              probe_interval=0,
               prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
               verify_reuse="off")
     return host

@@ -11,7 +11,7 @@ import requests
 
 from emulator.metrics import exposition
 from emulator.process import EmulatorProcess, wait_until
-from gateway.engines.engine_load import EngineLoad, LoadTable, parse
+from gateway.engines.engine_load import FIELDS, EngineLoad, Facts, LoadTable, Page, parse
 from gateway.engines.instances import Pool
 from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
@@ -40,13 +40,13 @@ vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 12.
 def test_a_vllm_page_gives_capacity_waiting_running_and_the_fullest_cache():
     # Two data-parallel ranks: counts summed, the fuller cache; deferred (loading remote KV)
     # is not a queue.
-    assert parse(VLLM_PAGE) == [1.0, 12.0, 0.875]
+    assert parse(VLLM_PAGE)[:3] == (1.0, 12.0, 0.875)
 
 
 def test_a_page_without_waiting_by_reason_gives_no_queue_signal():
     """Its total counts the remote-KV loads every D has: not a queue (-1: unknown)."""
     older = b"\n".join(line for line in VLLM_PAGE.splitlines() if b"by_reason" not in line)
-    assert parse(older) == [-1.0, 12.0, 0.875]
+    assert parse(older)[:3] == (-1.0, 12.0, 0.875)
 
 
 def test_a_page_without_the_gauges_is_no_report():
@@ -61,7 +61,47 @@ def test_the_emulators_page_reads_as_vllms():
                 "requests_waiting_deferred": 3, "kv_cache_usage": 0.5, "kv_lease_blocks": 0,
                 "leaked_blocks": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                 "external_prefix_cache_queries": 0, "external_prefix_cache_hits": 0}
-    assert parse(exposition(lambda: snapshot, "m")) == [2.0, 3.0, 0.5]
+    assert parse(exposition(lambda: snapshot, "m"))[:3] == (2.0, 3.0, 0.5)
+
+
+CACHE_CONFIG = (b'vllm:cache_config_info{_block_size_resolved="True",block_size="32",'
+                b'cache_dtype="auto",enable_prefix_caching="False",engine="%s",'
+                b'hash_block_size="32",kv_cache_dtype_skip_layers="[\'a\', \'b\']",'
+                b'mamba_block_size="None",num_gpu_blocks="%s",num_gpu_blocks_override="None"} 1.0\n')
+
+
+def test_the_cache_config_says_block_size_capacity_and_prefix_caching():
+    """vllm:cache_config_info: every CacheConfig field a label, its str() (vLLM 0.33.0
+    config/cache.py ~L440-443); two data-parallel ranks' blocks add up."""
+    page = parse(VLLM_PAGE + CACHE_CONFIG % (b"0", b"600") + CACHE_CONFIG % (b"1", b"400"))
+    assert (page.block_size, page.capacity, page.prefix_caching) == (32.0, 1000.0, 1.0)
+    on = parse(VLLM_PAGE + CACHE_CONFIG.replace(b'"False"', b'"True"') % (b"0", b"600"))
+    assert on.prefix_caching == 2.0
+    assert parse(VLLM_PAGE)[3:] == (0.0, 0.0, 0.0)            # an engine that does not say
+    # Ranks that disagree on the block size leave it unknown.
+    mixed = CACHE_CONFIG % (b"0", b"1") + CACHE_CONFIG.replace(b'block_size="32"',
+                                                                b'block_size="16"') % (b"1", b"1")
+    assert parse(VLLM_PAGE + mixed).block_size == 0.0
+
+
+def test_the_emulators_cache_config_reads_as_vllms():
+    from emulator.config import EngineConfig
+    snapshot = {"requests_running": 0, "requests_waiting": 0, "requests_waiting_capacity": 0,
+                "requests_waiting_deferred": 0, "kv_cache_usage": 0.0, "kv_lease_blocks": 0,
+                "leaked_blocks": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                "external_prefix_cache_queries": 0, "external_prefix_cache_hits": 0}
+    config = EngineConfig(role="decode", port=8200, block_size=32, kv_capacity_blocks=1024)
+    page = parse(exposition(lambda: snapshot, "m", config))
+    assert (page.block_size, page.capacity, page.prefix_caching) == (32.0, 1024.0, 2.0)
+
+
+def test_facts_stay_known_after_the_load_goes_stale():
+    one, other = _tables()
+    row = one.claim("http://d:1", now=100.0, interval=1.0)
+    assert other.facts("http://d:1") is None                      # never read
+    one.write("http://d:1", row, Page(0.0, 1.0, 0.5, 16.0, 600.0, 2.0), now=100.0)
+    assert other.read("http://d:1", now=200.0, stale=3.0) is None
+    assert other.facts("http://d:1") == Facts(16, 600, True)
 
 
 # --- one read per interval per host ----------------------------------------------------------
@@ -69,7 +109,7 @@ def test_the_emulators_page_reads_as_vllms():
 def _tables(rows: int = 64) -> tuple[LoadTable, LoadTable]:
     """Two workers' views of one shared table (as forked from the master)."""
     keys = multiprocessing.RawArray("q", rows)
-    values = multiprocessing.RawArray("d", rows * 5)
+    values = multiprocessing.RawArray("d", rows * len(FIELDS))
     return LoadTable(keys, values, rows), LoadTable(keys, values, rows)
 
 
@@ -78,7 +118,7 @@ def test_an_engine_claimed_by_one_worker_is_not_read_by_another_within_the_inter
     row = one.claim("http://d:1", now=100.0, interval=1.0)
     assert row is not None
     assert other.claim("http://d:1", now=100.5, interval=1.0) is None
-    one.write("http://d:1", row, [2.0, 3.0, 0.5], now=100.1)
+    one.write("http://d:1", row, Page(2.0, 3.0, 0.5), now=100.1)
     report = other.read("http://d:1", now=100.6, stale=3.0)
     assert (report.waiting, report.running, report.kv_usage) == (2.0, 3.0, 0.5)
     assert other.claim("http://d:1", now=101.0, interval=1.0) == row     # its turn now
@@ -92,10 +132,10 @@ def test_engines_whose_rows_collide_keep_their_own():
     rows = [one.claim(url, 10.0, 1.0) for url in urls]
     assert sorted(rows) == [0, 1]
     for url, row, waiting in zip(urls, rows, (1.0, 2.0)):
-        one.write(url, row, [waiting, 0.0, 0.0], 10.0)
+        one.write(url, row, Page(waiting, 0.0, 0.0), 10.0)
     assert [other.read(url, 10.5, 3.0).waiting for url in urls] == [1.0, 2.0]
     assert other.claim("http://d:3", 10.0, 1.0) is None      # full: that one goes unread
-    one.write("http://d:3", rows[0], [9.0, 9.0, 9.0], 11.0)  # not its row: nothing written
+    one.write("http://d:3", rows[0], Page(9.0, 9.0, 9.0), 11.0)  # not its row: nothing written
     assert other.read(urls[0], 11.0, 3.0).waiting == 1.0
 
 

@@ -25,7 +25,7 @@ def make_client(store):
     apps = []
 
     def make(verify_reuse="auto"):
-        apps.append(create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+        apps.append(create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                                         verify_reuse=verify_reuse), store=store))
         return apps[-1].test_client()
 

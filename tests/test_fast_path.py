@@ -113,7 +113,7 @@ def fast_app(store, release_rate: float = 0):
     (they would interleave with the calls these tests pin)."""
     from gateway.app import create_app
     from gateway.config import Settings
-    return create_app(Settings(engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
+    return create_app(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
                                verify_reuse="off", fast_path_tokens=64,
                                release_rate=release_rate), store=store)
 
@@ -246,7 +246,7 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     from gateway.app import create_app
     from gateway.config import Settings
     from emulator.tokens import Template
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               verify_reuse="always", fast_path_tokens=64), store=store)
     client = app.test_client()
     try:

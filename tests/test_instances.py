@@ -115,7 +115,7 @@ def test_a_settings_name_that_cannot_be_resolved_is_kept_as_given():
     from devtools.dns import LoopbackDNS
     url = "http://decode.test:8200"
     with LoopbackDNS() as dns:             # knows no name: NXDOMAIN
-        settings = Settings(engine_metrics_interval=0, prefill=[P_URL], decode=[url], resolve_interval=30,
+        settings = Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[url], resolve_interval=30,
                             resolve_nameserver=dns.nameserver)
         pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
         membership = Membership(settings, {"": pools}, environ={})
@@ -145,7 +145,7 @@ def test_a_settings_name_that_cannot_be_resolved_is_kept_as_given():
 def test_admin_changes_reach_every_member_of_the_file_in_order(tmp_path):
     path = tmp_path / "changes.jsonl"
     path.touch()
-    settings = Settings(engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], admin_instance_hosts=["10.9.0.0/24"])
+    settings = Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], admin_instance_hosts=["10.9.0.0/24"])
 
     def worker():
         pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
@@ -256,7 +256,7 @@ def test_an_unexpected_exception_never_leaks_an_in_flight_count():
 @pytest.fixture
 def two_d_client(store):
     from gateway.app import create_app
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
                               verify_reuse="off", fast_path_tokens=64, admin_token="t",
                               admin_instance_hosts=["10.9.0.0/24"]),
                      store=store)
@@ -332,7 +332,7 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
     """With the admin token, /admin/instances could point the gateway at any address it reaches
     and read answers back through /v1/models; it takes only hosts the settings allow."""
     from gateway.app import create_app
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
                               admin_instance_hosts=allowed))
     try:
         reply = app.test_client().post("/admin/instances", json={"role": "decode", "url": url},

@@ -133,7 +133,7 @@ def test_a_gthread_worker_always_keeps_a_thread_beyond_its_turns():
     from gateway.config import Settings, SettingsError
 
     for max_turns, limit in [(0, 6), (20, 7), (3, 3)]:
-        app = create_app(Settings(engine_metrics_interval=0, worker_class="gthread", threads=8, max_turns=max_turns,
+        app = create_app(Settings(engine_metrics_interval=0, probe_interval=0, worker_class="gthread", threads=8, max_turns=max_turns,
                                   release_rate=0))
         try:
             assert app.extensions["pd_gateway"].gateway.admission.limit == limit
@@ -220,7 +220,7 @@ def test_a_stream_dropped_before_its_first_byte_still_releases_d_and_its_place(s
     the engine connection, the admission place and the watcher must still be released."""
     from gateway.app import create_app
     from gateway.config import Settings
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               threads=8, verify_reuse="off", max_turns=1, admission_queue=0),
                      store=store)
 
@@ -252,7 +252,7 @@ def test_a_stream_a_host_rewraps_is_served_whole(store):
 
     from gateway.app import create_app
     from gateway.config import Settings
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               threads=8, verify_reuse="off", max_turns=1, admission_queue=0),
                      store=store)
 
@@ -308,7 +308,7 @@ def test_a_request_id_does_not_outlive_its_request(client):
 def _keys_app(store, **settings):
     from gateway.app import create_app
     from gateway.config import Settings
-    return create_app(Settings(release_rate=0, engine_metrics_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
+    return create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                                threads=8, verify_reuse="off", **settings), store=store)
 
 

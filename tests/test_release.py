@@ -31,7 +31,7 @@ def gateway(store):
     """(client, the recorder, the store) of an app with two Ps and one D."""
     from gateway.app import create_app
     from gateway.config import Settings
-    app = create_app(Settings(engine_metrics_interval=0, prefill=[P_URL, P2_URL], decode=[D_URL], worker_class="gthread",
+    app = create_app(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL, P2_URL], decode=[D_URL], worker_class="gthread",
                               verify_reuse="off", release_rate=0), store=store)
     recorder = Recorder()
     app.extensions["pd_gateway"].gateway.disagg.releaser = recorder
@@ -106,7 +106,7 @@ def test_when_every_p_refuses_the_entry_is_released_and_the_client_gets_an_error
 def test_an_entry_whose_d_left_the_pool_is_released(store):
     from gateway.app import create_app
     from gateway.config import Settings
-    app = create_app(Settings(engine_metrics_interval=0, prefill=[P_URL], decode=["http://10.9.0.9:8200"],
+    app = create_app(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=["http://10.9.0.9:8200"],
                               worker_class="gthread", verify_reuse="off", release_rate=0),
                      store=store)
     recorder = Recorder()

@@ -19,7 +19,7 @@ from tests.helpers.servers import MODEL
 def test_the_connection_pools_cover_every_engine_and_worker():
     from gateway.service import Gateway
     from gateway.config import Settings
-    gateway = Gateway(Settings(engine_metrics_interval=0, prefill=[f"http://10.0.0.{i}:8100" for i in range(12)],
+    gateway = Gateway(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[f"http://10.0.0.{i}:8100" for i in range(12)],
                                decode=[f"http://10.0.1.{i}:8200" for i in range(12)], workers=8))
     try:
         adapter = gateway.upstream.session.get_adapter("http://10.0.0.1:8100")

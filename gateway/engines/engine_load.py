@@ -15,6 +15,13 @@ is at least `--engine-kv-full` used: a new conversation goes to another engine, 
 conversation leaves the D that holds it (one miss) rather than queue there. Reports older than
 three intervals, or missing, count as nothing: the choice is in-flight counts alone, as without.
 
+The same page says what the engine is (`vllm:cache_config_info`, every CacheConfig field a label:
+vLLM 0.33.0 `config/cache.py` ~L440-443, `v1/metrics/loggers.py` ~L1114-1136): its KV block size,
+its capacity in blocks (`num_gpu_blocks`) and whether prefix caching is on. These `Facts` stay
+known however old the read (an engine's cache does not change while it runs); the gateway cuts
+partial reuse at that block size and sizes each D's pinned budget from that capacity
+(gateway.engines.d_budget).
+
 Each engine's `/metrics` is read once per interval per host, not per worker: the rows live in
 memory the gunicorn master shares with its workers (gateway.slots.LOAD_*), and a worker reads an
 engine only when no other worker has claimed it within the interval. Outside gunicorn the table
@@ -24,10 +31,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from gateway.engines.instances import Instance, Pool
 from gateway.slots import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
@@ -35,14 +43,17 @@ from gateway.support import metrics
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("waiting", "running", "kv_usage", "read_at", "claimed_at")
-_WAITING, _RUNNING, _KV, _READ_AT, _CLAIMED_AT = range(len(FIELDS))
+FIELDS = ("waiting", "running", "kv_usage", "block_size", "capacity", "prefix_caching",
+          "read_at", "claimed_at")
+_WAITING, _RUNNING, _KV, _BLOCK, _CAPACITY, _CACHING, _READ_AT, _CLAIMED_AT = range(len(FIELDS))
 _WIDTH = len(FIELDS)
 _PROBES = 16            # rows looked at from a key's own before the table counts as full
 # The three gauges, by the name each sample line starts with.
 _GAUGES = {b"vllm:num_requests_waiting": _WAITING, b"vllm:num_requests_running": _RUNNING,
            b"vllm:kv_cache_usage_perc": _KV}
 _BY_REASON = b"vllm:num_requests_waiting_by_reason"
+_CACHE_CONFIG = b"vllm:cache_config_info"
+_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -51,26 +62,74 @@ class Reported:
     running: float
     kv_usage: float
     age: float          # seconds since it was read
+    read_at: float = 0.0    # when, on the table's clock: a new read is a new value
 
 
-def parse(text: bytes) -> list[float] | None:
-    """[waiting, running, KV usage] out of a /metrics page, summed over the engine's label sets
-    (data-parallel ranks), KV usage the highest; None if a gauge is missing. Waiting is those
-    waiting for capacity (`vllm:num_requests_waiting_by_reason{reason="capacity"}`) where the
-    engine says: its total also counts requests loading remote KV ("deferred"), which every D
-    has while P's blocks arrive (vLLM 0.33.0 `v1/metrics/loggers.py` ~L1150-1160).
+@dataclass(frozen=True)
+class Facts:
+    """What an engine says of its KV cache (vllm:cache_config_info), 0 or None where it did
+    not say: fixed while it runs."""
+
+    block_size: int         # tokens a block
+    capacity: int           # blocks (num_gpu_blocks), summed over its data-parallel ranks
+    prefix_caching: bool | None
+
+
+class Page(NamedTuple):
+    """What one /metrics page says: the load gauges, and the cache's facts (0: not said;
+    prefix_caching 1 off, 2 on)."""
+
+    waiting: float
+    running: float
+    kv_usage: float
+    block_size: float = 0.0
+    capacity: float = 0.0
+    prefix_caching: float = 0.0
+
+
+def _cache_config(line: bytes) -> tuple[float, float, float]:
+    """(block size, blocks, prefix caching) out of one vllm:cache_config_info sample: each
+    CacheConfig field a label, its value `str()` of the field (vLLM 0.33.0 `config/cache.py`
+    ~L440-443), so "16", "None", "True"."""
+    labels = dict(_LABEL.findall(line.split(b"{", 1)[1].rsplit(b"}", 1)[0])) if b"{" in line \
+        else {}
+
+    def number(name: bytes) -> float:
+        value = labels.get(name, b"")
+        return float(value) if value.isdigit() else 0.0
+
+    caching = {b"True": 2.0, b"False": 1.0}.get(labels.get(b"enable_prefix_caching", b""), 0.0)
+    return number(b"block_size"), number(b"num_gpu_blocks"), caching
+
+
+def parse(text: bytes) -> Page | None:
+    """The load gauges out of a /metrics page, summed over the engine's label sets
+    (data-parallel ranks), KV usage the highest, and its cache's facts; None if a gauge is
+    missing. Waiting is those waiting for capacity
+    (`vllm:num_requests_waiting_by_reason{reason="capacity"}`) where the engine says: its total
+    also counts requests loading remote KV ("deferred"), which every D has while P's blocks
+    arrive (vLLM 0.33.0 `v1/metrics/loggers.py` ~L1150-1160).
 
     Hand-written: a vLLM page is tens of KB of histograms, and prometheus_client's parser
     parses every sample of it; these are a few lines, found by their names."""
     found = [0.0, 0.0, 0.0]
     seen = set()
     capacity = None
+    block, blocks, caching = 0.0, 0.0, 0.0
     for line in text.splitlines():
         if not line.startswith(b"vllm:"):
             continue
         name = line.split(b"{", 1)[0].split(b" ", 1)[0]
         index = _GAUGES.get(name)
         by_reason = name == _BY_REASON and b'reason="capacity"' in line
+        if name == _CACHE_CONFIG:
+            # One per data-parallel rank: their blocks add up; ranks that disagree on the
+            # block size (they never should) leave it unknown.
+            size, count, on = _cache_config(line)
+            block = size if not block or block == size else -1.0
+            blocks += count
+            caching = caching or on
+            continue
         if index is None and not by_reason:
             continue
         try:
@@ -89,7 +148,7 @@ def parse(text: bytes) -> list[float] | None:
     # Without the reason label (vLLM before it) the total counts every remote-KV load a D
     # has in flight: no queue signal then, only the KV cache's (-1: unknown).
     found[_WAITING] = capacity if capacity is not None else -1.0
-    return found
+    return Page(*found, max(block, 0.0), blocks, caching)
 
 
 class LoadTable:
@@ -136,11 +195,11 @@ class LoadTable:
         self.values[base + _CLAIMED_AT] = now
         return row
 
-    def write(self, url: str, row: int, gauges: list[float], now: float) -> None:
+    def write(self, url: str, row: int, page: Page, now: float) -> None:
         if self.keys[row] != self.key(url):      # another worker took the row meanwhile
             return
         base = row * _WIDTH
-        self.values[base + _WAITING:base + _KV + 1] = gauges
+        self.values[base + _WAITING:base + _CACHING + 1] = list(page)
         self.values[base + _READ_AT] = now
 
     def read(self, url: str, now: float, stale: float) -> Reported | None:
@@ -148,10 +207,22 @@ class LoadTable:
         if row is None:
             return None
         base = row * _WIDTH
-        waiting, running, kv, read_at = self.values[base:base + _READ_AT + 1]
+        waiting, running, kv = self.values[base:base + _KV + 1]
+        read_at = self.values[base + _READ_AT]
         if read_at <= 0 or now - read_at > stale:
             return None
-        return Reported(waiting, running, kv, now - read_at)
+        return Reported(waiting, running, kv, now - read_at, read_at)
+
+    def facts(self, url: str) -> Facts | None:
+        """What the engine last said of its cache, however long ago; None if never."""
+        row = self.row(url)
+        if row is None:
+            return None
+        base = row * _WIDTH
+        block, blocks, caching = self.values[base + _BLOCK:base + _CACHING + 1]
+        if self.values[base + _READ_AT] <= 0 or not (block or blocks or caching):
+            return None
+        return Facts(int(block), int(blocks), None if not caching else caching == 2.0)
 
 
 class EngineLoad:
@@ -192,6 +263,10 @@ class EngineLoad:
     def reported(self, instance: Instance) -> Reported | None:
         return self.table.read(instance.url, self.clock(), 3 * self.interval)
 
+    def facts(self, instance: Instance) -> Facts | None:
+        """What the engine says of its KV cache, once any worker of the host has read it."""
+        return self.table.facts(instance.url) if self.enabled else None
+
     def report(self, instance: Instance) -> dict | None:
         """What /admin/status shows: the engine's last report, if fresh."""
         found = self.reported(instance)
@@ -217,14 +292,14 @@ class EngineLoad:
                 if row is None:
                     continue
                 try:
-                    gauges = parse(self.get(instance, min(self.interval, 2.0)))
+                    page = parse(self.get(instance, min(self.interval, 2.0)))
                 except Exception as exc:      # down, slow, not vLLM: its report goes stale
                     log.debug("%s /metrics: %r", instance.name, exc)
-                    gauges = None
-                if gauges is None:
+                    page = None
+                if page is None:
                     metrics.ENGINE_METRICS_READS.labels(pool.role, "failed").inc()
                     continue
-                self.table.write(instance.url, row, gauges, self.clock())
+                self.table.write(instance.url, row, page, self.clock())
                 metrics.ENGINE_METRICS_READS.labels(pool.role, "read").inc()
 
     def _run(self) -> None:

@@ -1,6 +1,6 @@
 """What this process knows of the engines: instances, their pools (whose instance sets may change
-while the process runs), the choice between them, breakers, and the prober that brings instances
-marked down back."""
+while the process runs), the choice between them, breakers, and the prober that asks each engine
+whether it answers, from the start."""
 from __future__ import annotations
 
 import hashlib
@@ -60,9 +60,13 @@ class Instance:
     credentials: tuple[str, str] | None = field(init=False)   # user:password in the URL
     salt: bytes = field(init=False)
     inflight: int = 0
-    down: bool = False          # a connection failed: skipped until a /health probe answers
+    down: bool = False          # a connection or a probe failed: skipped until a probe answers
     failures: int = 0           # consecutive failed requests
     open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
+    # The last probe's answer (Prober): None before the first, or with probes off.
+    answered: bool | None = None
+    served: tuple[str, ...] | None = None   # the models its /v1/models lists, once it answered
+    why: str = ""               # why the last probe found it not ready
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -119,6 +123,9 @@ class Pool:
         self._lock = threading.Lock()
         self._clock = clock
         self.on_down: Callable[[], None] | None = None   # wakes the prober
+        # Are the instances probed (Prober)? Then one is ready only once it answered; without
+        # probes, every instance not marked down is taken as ready.
+        self.probed = False
         # Is an instance queueing or full by its own report (gateway.engines.engine_load)? None: no
         # reports, in-flight counts alone.
         self.busy: Callable[[Instance], bool] | None = None
@@ -183,7 +190,13 @@ class Pool:
                                          instance_fault=False)
             candidates = [i for i in instances if i not in exclude and i.available(now)]
             if not candidates:
-                candidates = [i for i in instances if i not in exclude] or instances
+                # Each marked down or open: try them anyway (a request's failure marks an
+                # instance down at once, before a probe could confirm it), except those whose
+                # last probe found them not answering.
+                candidates = ([i for i in instances if i not in exclude and i.answered is not False]
+                              or [i for i in instances if i.answered is not False])
+                if not candidates:
+                    raise ServiceUnavailable(self.unservable(), instance_fault=False)
             if self.policy.routing == "round_robin":
                 # The next candidate after the last one chosen, in the pool's order (which
                 # instances joining or leaving only lengthen or shorten).
@@ -213,6 +226,45 @@ class Pool:
     def _limit(self, candidates: list[Instance]) -> float:
         """In flight above this is overloaded: factor x (the least loaded's + 1)."""
         return self.policy.overload_factor * (min(i.inflight for i in candidates) + 1)
+
+    def ready(self, instance: Instance) -> bool:
+        """Is it there to serve, by what is known: not marked down and, when probed, it answered
+        its last probe (its breaker aside: an engine answering errors is still there)."""
+        return not instance.down and (instance.answered is True or not self.probed)
+
+    def any_ready(self) -> bool:
+        return any(self.ready(i) for i in self.instances)
+
+    def servable(self) -> bool:
+        """Could a request be sent to one of them at all: some instance whose last probe did
+        not find it unable (ready, or marked down by a request and not yet probed)?"""
+        return any(i.answered is not False for i in self.instances)
+
+    def unservable(self) -> str:
+        """Why no request can go to this pool, for a client: nothing of the engines' URLs."""
+        what = f"{self.role} instance" + (f" of model {self.model!r}" if self.model else "")
+        if not self.instances:
+            return f"no {what} is known"
+        return f"no {what} answers its health check"
+
+    def probed_now(self, instance: Instance, answered: bool, why: str = "") -> None:
+        """A probe's answer: ready (back if it was down) or not (down until one answers)."""
+        with self._lock:
+            before, instance.answered, instance.why = instance.answered, answered, why
+            if answered and instance.down:
+                instance.failures, instance.down, instance.open_until = 0, False, 0.0
+            elif not answered:
+                instance.down = True
+        if before is None:          # the first answer: what the operator needs to see
+            if answered:
+                log.info("%s (%s) answers; serves %s", instance.name, instance.public_url,
+                         ", ".join(instance.served or ()) or "models it does not list")
+            else:
+                log.warning("%s (%s) is not ready: %s", instance.name, instance.public_url, why)
+        elif before != answered:
+            (log.info if answered else log.warning)(
+                "%s (%s) %s", instance.name, instance.public_url,
+                "answers again" if answered else f"is not ready: {why}")
 
     def readiness(self, url: str) -> tuple[Instance | None, str]:
         """The instance at `url` if it may take a request now, else None and why: down (or
@@ -263,52 +315,85 @@ class Pool:
         now = self._clock()
         reported = self.reported or (lambda i: None)
         return [{"name": i.name, "url": i.public_url, "origin": public_url(i.origin),
-                 "state": i.state(now), "inflight": i.inflight,
-                 "consecutive_failures": i.failures, "reported": reported(i)}
+                 "state": i.state(now), "ready": self.ready(i), "inflight": i.inflight,
+                 "consecutive_failures": i.failures, "models": list(i.served or ()),
+                 **({"why": i.why} if i.why and i.down else {}),
+                 "reported": reported(i)}
                 for i in self.instances]
 
 
 class Prober:
-    """Probes instances marked down until /health answers 200, then puts them back in rotation.
+    """Asks every instance whether it answers: at once when it starts, then every `interval`
+    seconds, and at once again when a request marks one down. An instance that answers
+    `GET /health` with 200 (vLLM 0.33.0 `entrypoints/serve/instrumentator/health.py` ~L22-33:
+    503 once its engine is dead) is ready, and the first time it answers its `/v1/models` says
+    what it serves; one that does not answer, or serves another model than its pool's, is down
+    until it does. So a gateway whose engines are not there is not ready before any client
+    asks it (its /health is 503), and a turn no D can serve fails before P is called.
 
-    One background thread per process (a greenlet under gevent), started when an instance
-    first goes down and ending when none is down.
+    One background thread per process (a greenlet under gevent), from `start` to `stop`.
     """
 
     def __init__(self, probe: Callable[[Instance], bool], pools: list[Pool],
-                 interval: float) -> None:
+                 interval: float, models: Callable[[Instance], list[str] | None] = lambda i: None
+                 ) -> None:
         self.probe = probe        # does the instance answer GET /health? (Upstream.probe)
+        self.models = models      # what its GET /v1/models lists (None: no answer)
         self.pools = pools
         self.interval = interval
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
 
-    def _down(self) -> list[tuple[Pool, Instance]]:
-        return [(p, i) for p in self.pools for i in p.instances if i.down]
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    def start(self) -> None:
+        if self.enabled and self._thread is None:
+            for pool in self.pools:
+                pool.probed = True
+            self._thread = threading.Thread(target=self._run, name="pd-gateway-prober",
+                                            daemon=True)
+            self._thread.start()
 
     def wake(self) -> None:
-        """Make sure the probe loop runs (call after marking an instance down)."""
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="pd-gateway-prober",
-                                                daemon=True)
-                self._thread.start()
+        """Probe now (call after marking an instance down)."""
+        self._wake.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            down = self._down()
-            if not down:
-                return
-            for pool, instance in down:
-                if self.probe(instance):
-                    log.info("%s (%s) answers /health again", instance.name,
-                             instance.public_url)
-                    pool.succeeded(instance)
+        while not self._stop.is_set():
+            try:
+                self.probe_all()
+            except Exception:          # a bug must not end the loop
+                log.exception("probing the engines failed")
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def probe_all(self) -> None:
+        """One round: every instance of every pool."""
+        for pool in self.pools:
+            for instance in pool.instances:
+                if self._stop.is_set():
+                    return
+                self.probe_one(pool, instance)
+
+    def probe_one(self, pool: Pool, instance: Instance) -> None:
+        if not self.probe(instance):
+            pool.probed_now(instance, False, "no answer to GET /health")
+            return
+        if instance.answered is not True or instance.served is None:
+            served = self.models(instance)
+            instance.served = tuple(served) if served is not None else None
+        if pool.model and instance.served is not None and pool.model not in instance.served:
+            # (Asked again at the next probe: the answer may change with a restart.)
+            pool.probed_now(instance, False, f"serves {', '.join(instance.served)}, not "
+                                             f"{pool.model}")
+            return
+        pool.probed_now(instance, True)
 
     def stop(self) -> None:
         self._stop.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(self.interval + 2)    # a probe in progress times out within 1 s
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.interval + 2)    # a probe in progress times out within 1 s

@@ -406,6 +406,17 @@ class Upstream:
         except requests.RequestException:
             return False
 
+    def served_models(self, instance: Instance, timeout: float = 5.0) -> list[str] | None:
+        """The model ids the instance's GET /v1/models lists; None if it did not answer so."""
+        try:
+            with self.session.get(instance.url + "/v1/models", timeout=timeout) as response:
+                data = response.json().get("data") if response.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            return None
+        if not isinstance(data, list):
+            return None
+        return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
     def get_bytes(self, instance: Instance, path: str, timeout: float) -> bytes:
         """GET `path`'s body (raises requests' errors; for background reads, not requests)."""
         with self.session.get(instance.url + path, timeout=timeout) as response:

@@ -206,6 +206,11 @@ class Disagg:
             request_id: str) -> Reply:
         """One turn: the entry, P (unless the fast path skips it), D, the relay."""
         turn = Turn(request, identity, headers, request_id, time.perf_counter())
+        for pool in (self.decode, self.prefill):
+            # No D (or P) answers its probes: fail now, before P computes a prompt no D can
+            # decode, and before the conversation's entry is taken (it stays for a retry).
+            if not pool.servable():
+                raise ServiceUnavailable(pool.unservable(), instance_fault=False)
         entry = self.take_entry(identity)
         admitted: Reuse | None = None      # what P may read of the entry, once decided
         if entry is not None and self.decode.get(entry.decode_url) is None:

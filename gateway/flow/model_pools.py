@@ -44,8 +44,8 @@ class ModelPool:
         return self.spec.name
 
     def healthy(self) -> bool:
-        """Some P and some D not marked down."""
-        return all(any(not i.down for i in pool.instances) for pool in (self.prefill, self.decode))
+        """Some P and some D ready: not marked down and, where probed, answering."""
+        return self.prefill.any_ready() and self.decode.any_ready()
 
 
 class ModelPools:
