@@ -28,15 +28,34 @@ T = TypeVar("T")
 
 
 def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> int | None:
-    """What P reports of its prompt: its tokens, those it did not compute (P's params carry
+    """Counts what P reports of its prompt (`prefill_counts`) and, for a turn that sent it D's
+    params (`sent`), whether it read what D held. Returns P's prompt tokens, if it said."""
+    prompt, cached, result = prefill_counts(reply, None if sent is None else
+                                            sent.get("remote_num_tokens"))
+    if prompt is not None:
+        metrics.PREFILL_TOKENS.labels("prompt").inc(prompt)
+    if cached is not None:
+        metrics.PREFILL_TOKENS.labels("cached").inc(cached)
+    if sent is None:
+        return prompt
+    if partial and result != "unreported":
+        reach = min(sent["remote_num_tokens"], prompt)
+        metrics.PARTIAL_TOKENS.labels("offered").inc(reach)
+        metrics.PARTIAL_TOKENS.labels("cached").inc(min(cached, reach))
+    metrics.KV_READS.labels(result).inc()
+    return prompt
+
+
+def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, str]:
+    """What P reports of its prompt: its tokens and those it did not compute (P's params carry
     `remote_prefill_cached_tokens` when vLLM logs stats, its default; or usage's
-    `prompt_tokens_details.cached_tokens` with --enable-prompt-tokens-details), and, for a turn
-    that sent it D's params (`sent`), whether it read what D held.
+    `prompt_tokens_details.cached_tokens` with --enable-prompt-tokens-details), None where it
+    did not say; and, given the `held` tokens of D's params it was sent, whether it read them:
+    read, recomputed, own_cache or unreported.
 
     P reads D's tokens up to min(remote_num_tokens, prompt) or none of them (under
     kv_recompute_threshold, or its own cache had them: vLLM 0.33 nixl/pull_scheduler.py
     ~L85-103), and reports its own hit plus what it read (v1/core/sched/scheduler.py ~L2476).
-    Returns P's prompt tokens, if it said.
     """
     usage = reply.get("usage")
     usage = usage if isinstance(usage, dict) else {}
@@ -46,23 +65,13 @@ def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> int 
     if not _count(cached):
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if _count(prompt):
-        metrics.PREFILL_TOKENS.labels("prompt").inc(prompt)
-    if _count(cached):
-        metrics.PREFILL_TOKENS.labels("cached").inc(cached)
-    if sent is None:
-        return prompt if _count(prompt) else None
-    held = sent.get("remote_num_tokens")
-    if not (_count(cached) and _count(prompt) and _count(held)):
-        result = "unreported"
-    else:
-        reach = min(held, prompt)
-        result = "read" if cached == reach else "recomputed" if cached < reach else "own_cache"
-        if partial:
-            metrics.PARTIAL_TOKENS.labels("offered").inc(reach)
-            metrics.PARTIAL_TOKENS.labels("cached").inc(min(cached, reach))
-    metrics.KV_READS.labels(result).inc()
-    return prompt if _count(prompt) else None
+    prompt = prompt if _count(prompt) else None
+    cached = cached if _count(cached) else None
+    if prompt is None or cached is None or not _count(held):
+        return prompt, cached, "unreported"
+    reach = min(held, prompt)
+    return prompt, cached, ("read" if cached == reach else "recomputed" if cached < reach
+                            else "own_cache")
 
 
 def _count(value: object) -> bool:
