@@ -1,4 +1,5 @@
-"""The `pd-gateway` console script: parse settings, then hand the process to gunicorn."""
+"""The `pd-gateway` console script: parse settings, then hand the process to gunicorn (or, as
+`pd-gateway check ...`, check the engines: gateway.check)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,10 @@ from gateway.config import Settings
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        from gateway.check import main as check     # the gateway's own start needs none of it
+        sys.exit(check(argv[1:]))
     settings = Settings.from_args(argv)
     # gunicorn's master and every worker read the same settings from the environment.
     os.environ.update(settings.to_env())
