@@ -274,6 +274,7 @@ def create_app(engine: Engine) -> Flask:
     @app.post("/stats/reset")
     def reset_stats() -> Response:
         stats.reset()
+        engine.leases.reset_peak()
         return _json(engine.snapshot())
 
     @app.route("/faults", methods=["GET", "POST"])

@@ -208,6 +208,11 @@ class LeaseStore:
         self._clock = clock
         self._on_free = on_free
         self.expired = 0                       # freed at their TTL, unread (since start)
+        # The blocks tracked leases hold, each once (as `held` counts them), kept as leases
+        # come and go, and the most they held at once since start or `reset_peak`.
+        self._refs: dict[int, int] = {}
+        self._private = 0
+        self.peak_blocks = 0
         self._leases = _FreeingCache(clock, self._expired)
         self._untracked: dict[str, Lease] = {}
         self._ids = itertools.count(1)
@@ -215,7 +220,28 @@ class LeaseStore:
 
     def _expired(self, lease: Lease) -> None:
         self.expired += 1
+        self._uncount(lease)
         self._on_free(lease)
+
+    def _count(self, lease: Lease) -> None:
+        for block in lease.blocks.hashed:
+            self._refs[block] = self._refs.get(block, 0) + 1
+        self._private += lease.blocks.private
+        self.peak_blocks = max(self.peak_blocks, self.blocks())
+
+    def _uncount(self, lease: Lease) -> None:
+        for block in lease.blocks.hashed:
+            left = self._refs.pop(block) - 1
+            if left:
+                self._refs[block] = left
+        self._private -= lease.blocks.private
+
+    def blocks(self) -> int:
+        """Blocks the tracked leases hold now, each once."""
+        return len(self._refs) + self._private
+
+    def reset_peak(self) -> None:
+        self.peak_blocks = self.blocks()
 
     def put(self, request_id: str, tokens: tuple[str, ...], ttl: float | None,
             salt: str | None = None, blocks: Blocks | None = None, window: int = 0) -> Lease:
@@ -231,7 +257,11 @@ class LeaseStore:
             if ttl is None:
                 self._untracked[request_id] = lease
                 return lease
+            replaced = self._leases.pop(request_id, None)
+            if replaced is not None:
+                self._uncount(replaced)
             self._leases[request_id] = lease
+            self._count(lease)
         return lease
 
     def get(self, request_id: str) -> Lease:
@@ -256,6 +286,8 @@ class LeaseStore:
         with self._lock:
             self._leases.expire()
             lease = self._leases.pop(request_id, None)
+            if lease is not None:
+                self._uncount(lease)
         if lease is not None:
             self._on_free(lease)
         return lease
@@ -275,6 +307,7 @@ class LeaseStore:
             tracked = list(self._leases.values())
             leaked = list(self._untracked.values())
         return {"kv_leases": len(tracked), "kv_lease_blocks": _distinct(tracked),
+                "kv_lease_blocks_peak": self.peak_blocks,
                 "leaked_leases": len(leaked), "leaked_blocks": _distinct(leaked),
                 "leases_expired_unread": self.expired}
 

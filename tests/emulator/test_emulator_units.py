@@ -126,9 +126,11 @@ def test_a_tracked_lease_is_freed_by_its_notification_or_its_ttl():
     clock.now += 479.999
     assert store.held()["kv_leases"] == 1
     clock.now += 0.001
-    assert store.held() == {"kv_leases": 0, "kv_lease_blocks": 0, "leaked_leases": 0,
-                            "leaked_blocks": 0, "leases_expired_unread": 1}
+    assert store.held() == {"kv_leases": 0, "kv_lease_blocks": 0, "kv_lease_blocks_peak": 4,
+                            "leaked_leases": 0, "leaked_blocks": 0, "leases_expired_unread": 1}
     assert pool.used == 0 and late.expires_at == 100.0 + 480
+    store.reset_peak()
+    assert store.held()["kv_lease_blocks_peak"] == 0
 
 
 def test_an_untracked_lease_is_never_freed():
