@@ -35,11 +35,13 @@ class Mount:
 
 class GatewayProcess:
     """A gateway under gunicorn in a child process on a free loopback port: `pd-gateway` with
-    `settings` as flags, or, with `mount`, a host app with `settings` as GATEWAY_* variables.
-    Use as a context manager."""
+    `settings` as flags, or, with `mount`, a host app with `settings` as GATEWAY_* variables;
+    returned once it is ready (or, with `ready=False`, once it answers). Use as a context
+    manager."""
 
     def __init__(self, prefill: list[str], decode: list[str], port: int | None = None,
-                 host: str = "127.0.0.1", mount: Mount | None = None, **settings) -> None:
+                 host: str = "127.0.0.1", mount: Mount | None = None, ready: bool = True,
+                 **settings) -> None:
         self.host = host
         # The detailed report (/admin/status) for tests and benchmarks.
         self.admin_token = str(settings.setdefault("admin_token", secrets.token_hex(8)))
@@ -65,9 +67,13 @@ class GatewayProcess:
         self.log_path = tempfile.mktemp(prefix="pd-gateway-", suffix=".log")
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # Ready: its /health says 200 once its probes found a P and a D of some model
+        # answering (soon after start); `ready=False` for a gateway whose engines are not up
+        # (it answers 503 then).
+        answers = (200,) if ready else (200, 503)
         try:
             wait_until(lambda: requests.get(self.url + "/health", timeout=2).status_code
-                       in (200, 503), 30, f"gateway on {self.url}", self.process, self.log_path)
+                       in answers, 30, f"gateway on {self.url}", self.process, self.log_path)
         except RuntimeError:
             self.stop(timeout=5)     # a master whose workers fail to boot would go on forking
             raise

@@ -396,10 +396,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     upstream = Upstream(min(args.timeout, 5.0), args.timeout, pool_size=4,
                         api_key=settings.upstream_api_key)
-    if settings.upstream_api_key:
-        # vLLM's --api-key guards every /v1 path, GET /v1/models too (vLLM 0.33.0
-        # entrypoints/serve/middleware/authenticate.py L11, L59); the POSTs carry it already.
-        upstream.session.headers["Authorization"] = f"Bearer {settings.upstream_api_key}"
     try:
         report = check(settings.model_specs(), upstream, args.timeout)
     finally:

@@ -28,8 +28,8 @@ from gateway.slots import (APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, PRIVATE_
 
 # prometheus_client's own variable; it reads it once, when first imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-HOOKS = ("on_starting", "on_reload", "pre_fork", "post_fork", "nworkers_changed", "child_exit",
-         "on_exit")
+HOOKS = ("on_starting", "on_reload", "pre_fork", "post_fork", "post_worker_init",
+         "nworkers_changed", "child_exit", "on_exit")
 _MARK = "_pd_gateway_hook"
 _own_metrics_dir: str | None = None    # made by install(), removed by on_exit
 
@@ -157,6 +157,14 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
                 return
             worker.sockets = [*worker.sockets, worker.pd_private_socket]
 
+    def post_worker_init(worker):
+        # The worker's Gateway built now, not at its first request: its engines are probed
+        # from its start, and its /health says 503 until some P and D answer.
+        extensions = getattr(getattr(worker, "wsgi", None), "extensions", None)
+        mounted = extensions.get("pd_gateway") if isinstance(extensions, dict) else None
+        if mounted is not None:
+            mounted.gateway      # noqa: B018  (built on first use)
+
     def child_exit(server, worker):
         holder = server.pd_slots.get(worker.pd_slot)
         if holder is worker:                    # not if a reload gave it away
@@ -187,8 +195,8 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
             shutil.rmtree(_own_metrics_dir, ignore_errors=True)
 
     hooks = dict(on_starting=on_starting, on_reload=on_reload, pre_fork=pre_fork,
-                 post_fork=post_fork, nworkers_changed=nworkers_changed, child_exit=child_exit,
-                 on_exit=on_exit)
+                 post_fork=post_fork, post_worker_init=post_worker_init,
+                 nworkers_changed=nworkers_changed, child_exit=child_exit, on_exit=on_exit)
     assert tuple(hooks) == HOOKS
     return hooks
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from gateway.support import metrics
 from gateway.support.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ class Instance:
     answered: bool | None = None
     served: tuple[str, ...] | None = None   # the models its /v1/models lists, once it answered
     why: str = ""               # why the last probe found it not ready
+    # A D: did its last finished two-stage turn return kv_transfer_params (keep its blocks for
+    # the next turn's P)? None before any; and how many such turns kept nothing.
+    keeps_blocks: bool | None = None
+    kept_nothing: int = 0
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -266,6 +271,32 @@ class Pool:
                 "%s (%s) %s", instance.name, instance.public_url,
                 "answers again" if answered else f"is not ready: {why}")
 
+    def kept_nothing(self, instance: Instance, streamed: bool) -> None:
+        """A D finished a turn it loaded from P without kv_transfer_params: it keeps no blocks,
+        so no later turn of its conversations reads any. Said once per engine, counted."""
+        with self._lock:
+            instance.kept_nothing += 1
+            first, instance.keeps_blocks = instance.keeps_blocks is not False, False
+        metrics.DECODE_KEPT_NOTHING.labels(instance.name).inc()
+        if first:
+            log.warning(
+                "%s (%s) finished a turn without kv_transfer_params: it keeps no KV blocks for "
+                "the next turn, so no turn of its conversations can reuse them. Start it with "
+                "bidirectional KV transfer: --kv-transfer-config '{\"kv_connector\":"
+                "\"NixlConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
+                "{\"bidirectional_kv_xfer\":true}}'%s (`pd-gateway check` tests a P/D pair)",
+                instance.name, instance.public_url,
+                "; a streamed turn also needs a vLLM whose streams carry the params "
+                "(PR #40186)" if streamed else "")
+
+    def kept(self, instance: Instance) -> None:
+        """A D returned its params after a turn it loaded from P."""
+        if instance.keeps_blocks is not True:
+            if instance.keeps_blocks is False:
+                log.info("%s (%s) keeps its blocks for the next turn again", instance.name,
+                         instance.public_url)
+            instance.keeps_blocks = True
+
     def readiness(self, url: str) -> tuple[Instance | None, str]:
         """The instance at `url` if it may take a request now, else None and why: down (or
         its breaker open), overloaded (the rule `choose` applies), or gone from the pool."""
@@ -317,6 +348,8 @@ class Pool:
         return [{"name": i.name, "url": i.public_url, "origin": public_url(i.origin),
                  "state": i.state(now), "ready": self.ready(i), "inflight": i.inflight,
                  "consecutive_failures": i.failures, "models": list(i.served or ()),
+                 **({"keeps_blocks": i.keeps_blocks, "turns_kept_nothing": i.kept_nothing}
+                    if self.role == "decode" else {}),
                  **({"why": i.why} if i.why and i.down else {}),
                  "reported": reported(i)}
                 for i in self.instances]

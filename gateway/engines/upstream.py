@@ -256,6 +256,11 @@ class Upstream:
         self.timeout = (connect_timeout, read_timeout)
         self._timeout = Timeout(connect=connect_timeout, read=read_timeout)
         self.api_key = api_key
+        if api_key:
+            # The GETs (probes, /v1/models, /metrics) carry it too: vLLM's --api-key guards
+            # every /v1 path, GET /v1/models among them (vLLM 0.33.0
+            # entrypoints/serve/middleware/authenticate.py ~L11, ~L59). POSTs set their own.
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
 
     def close(self) -> None:
         """Close every kept connection (requests' pools and the direct POSTs')."""

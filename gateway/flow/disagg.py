@@ -130,6 +130,7 @@ class Turn:
     request_id: str        # for the access log
     started: float         # perf_counter() at its start: TTFT and P's time count from it
     decoded: Decoded | None = None
+    params_to_d: bool = False   # D was sent P's params (it loads the prompt from P)
 
 
 class Disagg:
@@ -291,8 +292,12 @@ class Disagg:
         d_body = self._decode_body(turn)
         turn.decoded.prompt_tokens = prompt_tokens
         with_blocks = decode_body(d_body, prefill_reply, prefill)
-        return self._decode(turn, lambda failure: with_blocks if replayable(failure) else d_body,
-                            entry.decode_url if entry else None, cache,
+
+        def decode_body_for(failure: GatewayError | None) -> dict:
+            turn.params_to_d = replayable(failure)
+            return with_blocks if turn.params_to_d else d_body
+
+        return self._decode(turn, decode_body_for, entry.decode_url if entry else None, cache,
                             ("two-stage", reason, prefill.name))
 
     def _decode_body(self, turn: Turn) -> dict:
@@ -388,8 +393,14 @@ class Disagg:
         request, identity, decoded = turn.request, turn.identity, turn.decoded
         if decoded.reasoning:
             self.exactness.saw_reasoning(request.body.get("model"))
-        if not decoded.reusable or decoded.params is None:
+        if not decoded.reusable:
             return
+        if decoded.params is None:
+            if turn.params_to_d:        # D loaded the prompt from P, finished, kept nothing
+                self.decode.kept_nothing(decode, request.stream)
+            return
+        if turn.params_to_d:
+            self.decode.kept(decode)
         params = clean_params(decoded.params)
         if params is None:
             log.warning("%s returned malformed kv_transfer_params; not stored", decode.name)

@@ -100,11 +100,24 @@ SHARED_PINNED_BLOCKS = Gauge("pd_gateway_shared_pinned_blocks", "Blocks each D k
                              "conversations of a shared (Redis) store, every host's, as the "
                              "last put on that D counted them", ["decode"],
                              multiprocess_mode="mostrecent")
-PINNED_BUDGET = Gauge("pd_gateway_pinned_blocks_budget", "--pinned-blocks: blocks each D may keep "
-                      "pinned for idle conversations (0: no budget)", multiprocess_mode="livemax")
+PINNED_BUDGET = Gauge("pd_gateway_pinned_blocks_budget", "Blocks each D may keep pinned for "
+                      "conversations between turns (--pinned-blocks, or derived from D's "
+                      "reported capacity and usage; 0: no budget), summed over live workers",
+                      ["decode"], multiprocess_mode="livesum")
 ENGINE_UP = Gauge("pd_gateway_engine_up", "1 while an engine may be chosen, 0 while it is marked "
                   "down or its breaker is open (the lowest of the live workers' views)",
                   ["role", "engine"], multiprocess_mode="livemin")
+DECODE_KEPT_NOTHING = Counter("pd_gateway_decode_kept_nothing", "Turns a D loaded from P and "
+                              "finished without kv_transfer_params: it keeps no blocks for the "
+                              "next turn (bidirectional KV transfer off; streamed: or a vLLM "
+                              "whose streams carry no params), so nothing was stored",
+                              ["engine"])
+ENGINE_KV_BLOCKS = Gauge("pd_gateway_engine_kv_blocks", "Each engine's KV cache in blocks, as it "
+                         "reports it (vllm:cache_config_info num_gpu_blocks; absent until it "
+                         "said)", ["role", "engine"], multiprocess_mode="livemax")
+ENGINE_BLOCK_SIZE = Gauge("pd_gateway_engine_block_size", "Each engine's KV block size in tokens, "
+                          "as it reports it (vllm:cache_config_info block_size)",
+                          ["role", "engine"], multiprocess_mode="livemax")
 ENGINE_INFLIGHT = Gauge("pd_gateway_engine_inflight", "Requests in flight on each engine, summed "
                         "over live workers", ["role", "engine"], multiprocess_mode="livesum")
 KV_READS = Counter("pd_gateway_kv_reads", "Turns whose P was sent D's params, by what P reports "

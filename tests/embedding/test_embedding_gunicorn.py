@@ -154,7 +154,7 @@ def test_without_the_hooks_the_app_says_what_is_missing(engines):
     affinity and summed metrics are missing."""
     bare = Mount(app=legacy_mount("gthread").app, config="/dev/null", prefix="/llm",
                  env={"GUNICORN_CMD_ARGS": "--worker-class gthread --threads 8"})
-    with GatewayProcess(NOWHERE, NOWHERE, mount=bare) as gateway:
+    with GatewayProcess(NOWHERE, NOWHERE, mount=bare, ready=False) as gateway:
         assert requests.get(gateway.url + "/health", timeout=10).status_code in (200, 503)
         assert "pd-gateway runs under gunicorn without its hooks" in gateway.log()
 
