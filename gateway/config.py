@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
-from gateway.options import (SettingsError, add_arguments, boolean, bounded, check, given, option,
-                             options, positive, read_env)
+from gateway.options import (SettingsError, add_arguments, auto_or, boolean, bounded, check, given,
+                             option, options, positive, read_env)
 # a plain `port` would be shadowed by the field of that name
 from gateway.options import port as _port
 
@@ -214,11 +214,15 @@ class Settings:
     store_size: int = option(100_000, positive(int), "Conversation entries kept per worker "
                              "before the least recently used are evicted (local store; bound a "
                              "Redis store with its maxmemory).")
-    pinned_blocks: int = option(8192, bounded(int, 0), "Blocks each D may keep pinned for "
-                                "conversations waiting for their next turn (each worker of a "
-                                "local store keeps its share; a Redis store one budget for every "
-                                "host): beyond, the least recently active are released "
-                                "(docs/d-memory.md); 0: no budget.")
+    pinned_blocks: int | None = option(None, auto_or(bounded(int, 0)), "Blocks each D may keep "
+                                       "pinned for conversations waiting for their next turn: "
+                                       "auto, derived from what each D reports (its capacity, "
+                                       "vllm:cache_config_info, and its KV cache in use: the "
+                                       "pins bring its usage to at most 0.9 of it, shrinking as "
+                                       "it fills; docs/d-memory.md); or a number for every D (each "
+                                       "worker of a local store keeps its share; a Redis store "
+                                       "one budget for every host). Beyond it the least recently "
+                                       "active are released; 0: no budget.", show="auto")
     release_rate: float = option(50.0, bounded(float, 0.0), "Releases per second per worker: an "
                                  "entry dropped unread (refused, used by a decode-only turn, "
                                  "evicted, replaced, expired, over budget) has a P tell its D to "
@@ -246,10 +250,13 @@ class Settings:
                                        "blocks, when it is at least this many tokens (vLLM's "
                                        "kv_recompute_threshold, 64); 0 turns it off "
                                        "(docs/exactness.md).")
-    kv_block_size: int = option(16, bounded(int, 1, 65535), "The engines' KV block size (vLLM's "
-                                "--block-size, 16 by default; P and D must share it): partial "
-                                "reuse cuts D's block list at it, and cuts no entry whose list "
-                                "does not fit it.")
+    kv_block_size: int | None = option(None, auto_or(bounded(int, 1, 65535)), "The engines' KV "
+                                       "block size, which partial reuse cuts D's block lists at: "
+                                       "auto, what every engine of the model reports "
+                                       "(vllm:cache_config_info; engines that disagree get no "
+                                       "partial reuse, with a warning; vLLM's 16 where "
+                                       "--engine-metrics-interval is 0); a number overrides it.",
+                                       show="auto")
     fast_path_tokens: int = option(0, bounded(int, 0), "Decode-only fast path: a follow-up turn "
                                    "whose D holds its history (a stored entry; D up and not "
                                    "overloaded) and that adds fewer new prompt tokens than this "
@@ -480,7 +487,8 @@ class Settings:
         out = {}
         for s in SETTINGS:
             value = getattr(self, s.name)
-            out[s.env] = " ".join(value) if isinstance(value, list) else str(value)
+            out[s.env] = (" ".join(value) if isinstance(value, list) else
+                          "auto" if value is None else str(value))
         return out
 
     @classmethod

@@ -159,6 +159,15 @@ def port(value: Any) -> int:
     return number
 
 
+def auto_or(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """"auto" (None: the value is found at run time) or `kind(value)`."""
+    def convert(value: Any) -> Any:
+        if value is None or str(value).strip().lower() == "auto":
+            return None
+        return kind(value)
+    return convert
+
+
 def positive(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         number = kind(value)

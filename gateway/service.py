@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from gateway.config import Settings
-from gateway.engines.engine_load import EngineLoad
+from gateway.engines.d_budget import DBudget
+from gateway.engines.engine_load import BlockSize, EngineLoad
 from gateway.engines.instances import Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.upstream import Upstream
@@ -53,6 +54,7 @@ class Gateway:
 
     def __init__(self, settings: Settings, store: ConversationStore | None = None) -> None:
         self.settings = settings
+        own_store = store is None
         self.store = store if store is not None else create_store(settings)
         concurrency = (settings.threads if settings.worker_class == "gthread"
                        else settings.worker_connections)
@@ -71,7 +73,6 @@ class Gateway:
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
         self._every_pool, self._published = every_pool, set()
         metrics.initialize()
-        metrics.PINNED_BUDGET.set(settings.pinned_blocks)
         # Each worker's view of its engines, published as it applies changes (every half
         # second under gunicorn) and whenever /metrics is asked.
         self.membership = Membership(settings, roles, on_tick=self.publish)
@@ -87,6 +88,13 @@ class Gateway:
             every_pool, settings.engine_metrics_interval, settings.engine_queue_limit,
             settings.engine_kv_full)
         self.engine_load.start()
+        if own_store:
+            # Each D's pinned budget: --pinned-blocks, or derived from what D reports. A local
+            # store's workers each keep a share; a shared store keeps one for every host.
+            local = settings.store == "local"
+            self.store.budget = DBudget(settings.pinned_blocks, self.engine_load, self._decode_at,
+                                        shares=settings.workers if local else 1,
+                                        workers=settings.workers)
         self.owners = Owners(settings, self.upstream)
         # The running worker's threads, if gunicorn runs a threaded one (a host's config may
         # choose it, whatever the app's settings say).
@@ -117,20 +125,24 @@ class Gateway:
                                  sweep=getattr(self.store, "sweep", lambda: None))
         self.store.on_drop = self.releaser.drop
         self.releaser.start()
-        exactness = Exactness(settings.verify_reuse, settings.partial_reuse_tokens,
-                              settings.kv_block_size)
         fast_path = FastPath(settings.fast_path_tokens)
         self.pools = ModelPools([
             ModelPool(spec, pools["prefill"], pools["decode"],
                       Disagg(self.store, self.upstream, pools["prefill"], pools["decode"],
                              releaser=self.releaser, attempts=settings.attempts,
-                             exactness=exactness, fast_path=fast_path,
+                             exactness=self._exactness(pools.values()), fast_path=fast_path,
                              access_log=settings.access_log))
             for spec, pools in zip(specs, roles.values())])
         # The first model's (the only one's, without --models): for embedders and tests.
         first = self.pools.default
         self.prefill, self.decode, self.disagg = first.prefill, first.decode, first.disagg
         self.publish()
+
+    def _exactness(self, pools) -> Exactness:
+        """One model's proof of reuse, its partial reuse cut at its engines' block size."""
+        settings = self.settings
+        return Exactness(settings.verify_reuse, settings.partial_reuse_tokens,
+                         BlockSize(settings.kv_block_size, pools, self.engine_load))
 
     def publish(self) -> None:
         """This worker's view of each engine as gauges: may it be chosen, what runs on it."""
@@ -143,11 +155,20 @@ class Gateway:
                 up = pool.ready(instance) and instance.available(now)
                 metrics.ENGINE_UP.labels(*labels).set(1 if up else 0)
                 metrics.ENGINE_INFLIGHT.labels(*labels).set(instance.inflight)
+                facts = self.engine_load.facts(instance)
+                if facts is not None:
+                    metrics.ENGINE_KV_BLOCKS.labels(*labels).set(facts.capacity)
+                    metrics.ENGINE_BLOCK_SIZE.labels(*labels).set(facts.block_size)
                 seen.add(labels)
         for gone in self._published - seen:     # left the pool: nothing runs there, no alarm
             metrics.ENGINE_UP.labels(*gone).set(1)
             metrics.ENGINE_INFLIGHT.labels(*gone).set(0)
         self._published = seen
+
+    def _decode_at(self, url: str):
+        """The D instance at `url`, in whichever model's pool it is (None: in none now)."""
+        pool = self.pools.of_decode(url)
+        return pool.decode.get(url) if pool is not None else None
 
     def _prefill_for(self, entry) -> Pool | None:
         """The P pool that can release `entry`: its model's (any P, with one pool)."""

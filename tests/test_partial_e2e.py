@@ -38,10 +38,21 @@ def test_off_reads_nothing_of_a_shared_prefix():
     assert result["partial"] == 0 and result["read"] == 0 and result["wrong_reuse"] == 0
 
 
-def test_engines_of_another_block_size_get_no_partial_read():
-    """The gateway's --kv-block-size (16) against engines with 32-token blocks: D's lists do
-    not fit it, so no entry is cut (and a warning says why)."""
+def test_engines_with_32_token_blocks_get_partial_reads_with_no_flag():
+    """The block size partial reuse cuts at is what the engines report
+    (vllm:cache_config_info): 32-token blocks need no --kv-block-size."""
     case = BY_NAME["reasoning-dropped, echoed"]
     wide = type(case)(case.name, {**case.engine, "block_size": 32}, case.request)
     result = measure(wide, cold=True, conversations=2, turns=3, first_host=96)
+    assert result["errors"] == [] and result["p_errors"] == 0 and result["wrong_reuse"] == 0
+    assert result["partial"] > 0 and result["read"] > 0
+
+
+def test_a_block_size_given_against_the_engines_gets_no_partial_read():
+    """--kv-block-size still overrides the engines' report: 16 against engines with 32-token
+    blocks, D's lists do not fit it, so no entry is cut (and a warning says why)."""
+    case = BY_NAME["reasoning-dropped, echoed"]
+    wide = type(case)(case.name, {**case.engine, "block_size": 32}, case.request)
+    result = measure(wide, cold=True, conversations=2, turns=3, settings={"kv_block_size": 16},
+                     first_host=96)
     assert result["errors"] == [] and result["partial"] == 0 and result["wrong_reuse"] == 0

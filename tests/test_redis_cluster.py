@@ -67,6 +67,24 @@ def test_each_ds_pinned_budget_holds_across_conversations_in_other_slots(cluster
     assert dropped[2:] == [("r4", "replaced")]
 
 
+def test_a_ds_budget_that_shrank_is_met_at_the_next_sweep(cluster):
+    ticks = itertools.count()
+    budget = {"blocks": 100}
+    store = RedisClusterStore(cluster.url, ttl=60, timeout=2,
+                              pinned_budget=lambda decode, pinned: budget["blocks"],
+                              timer=lambda: time.time() + next(ticks))
+    dropped = []
+    store.on_drop = lambda e, why: dropped.append((e.params["remote_request_id"], why))
+    d = f"http://d-{uuid.uuid4().hex[:6]}"
+    roots = [uuid.uuid4().hex for _ in range(4)]
+    for n, root in enumerate(roots):
+        store.put("k", entry(n, blocks=4, decode_url=d), root)
+    budget["blocks"] = 10                      # D filled with running requests
+    store.sweep()
+    assert dropped == [("r0", "budget"), ("r1", "budget")]
+    assert store.take("k", roots[1]) is None and store.take("k", roots[2]) is not None
+
+
 def test_a_cluster_down_when_the_gateway_starts_is_a_miss_not_a_crash():
     from emulator.process import free_port
     store = RedisClusterStore(f"redis+cluster://127.0.0.170:{free_port('127.0.0.170')}",

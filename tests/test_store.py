@@ -326,6 +326,27 @@ def test_a_shared_store_counts_each_ds_blocks_for_every_host_within_one_budget(r
     assert sorted(pinned.values()) == [4, 11]            # d1: k2; d2: big
 
 
+def test_a_shared_store_releases_beyond_a_ds_budget_that_shrank_at_its_next_sweep(redis_server):
+    """D's budget follows its reports (gateway.engines.d_budget): a budget that shrank is met at
+    the next sweep, the oldest entries released, on any host, whatever put them."""
+    redis_server.client.flushdb()
+    budgets = {"http://d1": 100, "http://d2": 100}
+    one, two = (RedisStore(redis_server.url, ttl=30, timeout=1,
+                           pinned_budget=lambda decode, pinned: budgets[decode])
+                for _ in range(2))
+    dropped = dropping(one)
+    for n in range(5):
+        (one if n % 2 else two).put(f"k{n}", on("http://d1", n, blocks=20))
+    one.put("x", on("http://d2", 9, blocks=20))
+    budgets["http://d1"] = 50
+    one.sweep()
+    assert dropped == [("r0", "http://d1", "budget"), ("r1", "http://d1", "budget"),
+                       ("r2", "http://d1", "budget")]
+    assert two.take("k2") is None and two.take("k3") is not None
+    one.sweep()                                           # within it now: nothing more
+    assert len(dropped) == 3 and one.take("x") is not None
+
+
 def test_a_shared_store_uncounts_entries_redis_expired_or_that_moved(redis_server):
     redis_server.client.flushdb()
     clock = [time.time()]

@@ -299,8 +299,21 @@ class EngineLoad:
                 if page is None:
                     metrics.ENGINE_METRICS_READS.labels(pool.role, "failed").inc()
                     continue
+                before = self.table.facts(instance.url)
                 self.table.write(instance.url, row, page, self.clock())
+                self._tell(instance, before)
                 metrics.ENGINE_METRICS_READS.labels(pool.role, "read").inc()
+
+    def _tell(self, instance: Instance, before: Facts | None) -> None:
+        """Log what an engine says of its KV cache, the first time and when it changes (a
+        restart with other settings), once per host."""
+        facts = self.table.facts(instance.url)
+        if facts is None or facts == before:
+            return
+        on = {True: "on", False: "off", None: "not said"}[facts.prefix_caching]
+        log.info("%s (%s): KV block size %s, %s blocks, prefix caching %s", instance.name,
+                 instance.public_url, facts.block_size or "not said",
+                 facts.capacity or "not said", on)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -310,3 +323,50 @@ class EngineLoad:
             except Exception:          # a bug must not end the loop
                 log.exception("reading the engines' /metrics failed")
             self._stop.wait(max(0.05, self.interval - (self.clock() - started)))
+
+
+# vLLM's block size when nothing says otherwise (vllm/config/cache.py ~L185, DEFAULT_BLOCK_SIZE).
+DEFAULT_BLOCK_SIZE = 16
+
+
+class BlockSize:
+    """The KV block size of one model's engines, which partial reuse cuts D's block lists at:
+    `given` (--kv-block-size) if set; else the size every engine of the model reports
+    (vllm:cache_config_info), None while none has (no partial reuse yet) or when they disagree
+    (none then: a warning says so); vLLM's default where reports are off. Once known, looked
+    at again once a second, not per turn."""
+
+    def __init__(self, given: int | None, pools: Iterable[Pool], load: EngineLoad,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.given = given
+        self.pools = list(pools)
+        self.load = load
+        self.clock = clock
+        self._value: int | None = None
+        self._at = float("-inf")
+        self._warned: frozenset[int] = frozenset()
+
+    def __call__(self) -> int | None:
+        if self.given:
+            return self.given
+        if not self.load.enabled:
+            return DEFAULT_BLOCK_SIZE
+        now = self.clock()
+        if self._value is None or now - self._at >= 1.0:    # unknown: asked again each time
+            self._value, self._at = self._read(), now
+        return self._value
+
+    def _read(self) -> int | None:
+        sizes = {facts.block_size for pool in self.pools for instance in pool.instances
+                 if (facts := self.load.facts(instance)) is not None and facts.block_size}
+        if len(sizes) > 1:
+            if sizes != self._warned:
+                self._warned = frozenset(sizes)
+                model = self.pools[0].model if self.pools else ""
+                log.warning("the engines%s report different KV block sizes (%s): no partial "
+                            "reuse (with bidirectional transfer each side reads the other's "
+                            "blocks, so vLLM needs them equal: `pd-gateway check`)",
+                            f" of model {model!r}" if model else "",
+                            ", ".join(map(str, sorted(sizes))))
+            return None
+        return next(iter(sizes), None)

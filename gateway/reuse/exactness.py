@@ -170,13 +170,15 @@ class TemplateProbe:
 class Exactness:
     """Decides, per turn, whether an entry's blocks may be read and what D must report."""
 
-    def __init__(self, mode: str, partial_tokens: int = 0, block_size: int = 16) -> None:
+    def __init__(self, mode: str, partial_tokens: int = 0,
+                 block_size: int | Callable[[], int | None] = 16) -> None:
         if mode not in MODES:
             raise ValueError(f"verify_reuse must be one of {MODES}, got {mode!r}")
         self.mode = mode
-        # Partial reuse from this many shared tokens up (0: off), in blocks of the engines' size.
+        # Partial reuse from this many shared tokens up (0: off), in blocks of the engines'
+        # size: a number, or what the engines report now (None: unknown, no partial reuse).
         self.partial_tokens = partial_tokens
-        self.block_size = block_size
+        self._block_size = block_size if callable(block_size) else (lambda: block_size)
         self._size_warned = False
         self.templates = TemplateProbe()
         self._reasoning_models: set = set()
@@ -207,7 +209,7 @@ class Exactness:
              held: Any, single_group: bool) -> tuple[str | None, bytes | None]:
         """The token digest of what D holds after a turn, and its partial-reuse checkpoints
         (only for one KV group, the only kind partial reuse may cut)."""
-        size = self.block_size if self.partial_tokens and single_group else 0
+        size = (self._block_size() or 0) if self.partial_tokens and single_group else 0
         return partial.held_digests(prompt_ids, output_ids, held, size)
 
     def admit(self, entry: Entry, request: ClientRequest, identity: Identity,
@@ -250,25 +252,26 @@ class Exactness:
     def _partial(self, entry: Entry, held: int, data: bytes | None) -> Entry | None:
         """The entry cut to the longest block-aligned prefix of D's tokens the prompt shares
         (`data`: its ids as int64), if that is `partial_tokens` or more and the cut is exact."""
-        if not (self.partial_tokens and entry.prefixes and data):
+        size = self._block_size()
+        if not (self.partial_tokens and entry.prefixes and data and size):
             return None
-        shared = partial.shared_tokens(entry.prefixes, held, data, self.block_size)
+        shared = partial.shared_tokens(entry.prefixes, held, data, size)
         if shared < self.partial_tokens:
             return None
-        params = partial.cut(entry.params, shared, self.block_size)
+        params = partial.cut(entry.params, shared, size)
         if params is None:
-            self._warn_block_size(entry)
+            self._warn_block_size(entry, size)
             return None
         return replace(entry, params=params)
 
-    def _warn_block_size(self, entry: Entry) -> None:
+    def _warn_block_size(self, entry: Entry, size: int) -> None:
         groups = entry.params.get("remote_block_ids") or [[]]
         held = entry.params.get("remote_num_tokens")
         if (not self._size_warned and len(groups) == 1 and isinstance(held, int)
-                and len(groups[0]) != -(-held // self.block_size)):
+                and len(groups[0]) != -(-held // size)):
             self._size_warned = True
-            log.warning("D's block list (%d ids for %d tokens) does not match --kv-block-size "
-                        "%d: no partial reuse", len(groups[0]), held, self.block_size)
+            log.warning("D's block list (%d ids for %d tokens) does not match a block size of "
+                        "%d (--kv-block-size): no partial reuse", len(groups[0]), held, size)
 
     @staticmethod
     def tokenize_body(request: ClientRequest) -> dict | None:

@@ -36,6 +36,14 @@ class Entry:
     prefixes: bytes | None = None
 
 
+Budget = Callable[[str, int], int]     # (D's URL, blocks pinned there now) -> its budget
+
+
+def fixed(budget: int) -> Budget:
+    """The same budget for every D (0: none)."""
+    return lambda decode, pinned: budget
+
+
 class ConversationStore(Protocol):
     def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
         """Remove and return the entry under the first of `keys` that has one (keys are tried
@@ -54,9 +62,12 @@ class ConversationStore(Protocol):
     # Called with (entry, reason) for each entry that leaves the store unread: replaced by a
     # newer one for its key, evicted for room, expired, or over its D's pinned budget.
     on_drop: Callable[[Entry, str], None]
+    # Each D's pinned budget now (gateway.engines.d_budget; 0: none).
+    budget: Budget
 
     def sweep(self) -> None:
-        """Expire what is due now (each expired entry goes to `on_drop`)."""
+        """Expire what is due now, and release what is beyond a D's budget that shrank (each
+        entry goes to `on_drop`)."""
 
 
 class _Takes:
@@ -121,28 +132,32 @@ class _LeavingCache(TLRUCache):
 
 
 class Pinned:
-    """The blocks each D keeps for one store's entries, oldest entry first; past `budget` blocks
-    on one D (0: no budget) the oldest of its entries are to be dropped. Not thread-safe: the
-    store's lock covers it."""
+    """The blocks each D keeps for one store's entries, oldest entry first; past its budget on
+    one D (`budget(decode, pinned)`; 0: none) the oldest of its entries are to be dropped. Not
+    thread-safe: the store's lock covers it."""
 
-    def __init__(self, budget: int = 0) -> None:
-        self.budget = budget
+    def __init__(self, budget: int | Budget = 0) -> None:
+        self.budget: Budget = budget if callable(budget) else fixed(budget)
         self._totals: dict[str, int] = {}
-        self._order: dict[str, OrderedDict[bytes, int]] = {}   # only with a budget
+        self._order: dict[str, OrderedDict[bytes, int]] = {}
 
     def add(self, decode: str, key: bytes, blocks: int) -> list[bytes]:
         """Count the entry's blocks; the keys of the oldest entries of `decode` beyond the
         budget. Never the entry just added: a conversation longer than the budget keeps its
         latest turn (alone on its D then)."""
         self._totals[decode] = self._totals.get(decode, 0) + blocks
-        if not self.budget:
-            return []
-        order = self._order.setdefault(decode, OrderedDict())
-        order[key] = blocks
+        self._order.setdefault(decode, OrderedDict())[key] = blocks
+        return self.over(decode, keep=key)
+
+    def over(self, decode: str, keep: bytes | None = None) -> list[bytes]:
+        """The keys of `decode`'s oldest entries beyond its budget now (never `keep`)."""
+        total = self._totals.get(decode, 0)
+        budget = self.budget(decode, total)
         over: list[bytes] = []
-        total = self._totals[decode]
-        for old_key, old_blocks in order.items():
-            if total <= self.budget or old_key == key:
+        if not budget or total <= budget:
+            return over
+        for old_key, old_blocks in self._order.get(decode, {}).items():
+            if total <= budget or old_key == keep:
                 break
             over.append(old_key)
             total -= old_blocks
@@ -163,6 +178,9 @@ class Pinned:
     def total(self, decode: str) -> int:
         return self._totals.get(decode, 0)
 
+    def decodes(self) -> list[str]:
+        return list(self._totals)
+
     def totals(self) -> dict[str, int]:
         return dict(self._totals)
 
@@ -173,7 +191,8 @@ class LocalStore(_Takes):
     for them, within `pinned_budget` blocks per D when one is set."""
 
     def __init__(self, maxsize: int, ttl: float,
-                 timer: Callable[[], float] = time.monotonic, pinned_budget: int = 0) -> None:
+                 timer: Callable[[], float] = time.monotonic,
+                 pinned_budget: int | Budget = 0) -> None:
         # The cache is not thread-safe (even a read reorders its LRU links), so every
         # operation holds the lock; none does I/O while holding it.
         self._cache = _LeavingCache(maxsize, timer, self._left)
@@ -213,16 +232,32 @@ class LocalStore(_Takes):
             if old is not None:
                 self._left(k, old, "replaced")
             self._cache[k] = packed
-            for over in self._pinned.add(entry.decode_url, k, pinned_blocks(entry)):
-                value = self._cache.pop(over, None)
-                if value is not None:
-                    self._left(over, value, "budget")
+            self._drop_over(self._pinned.add(entry.decode_url, k, pinned_blocks(entry)))
         self._publish(entry.decode_url)
+
+    @property
+    def budget(self) -> Budget:
+        return self._pinned.budget
+
+    @budget.setter
+    def budget(self, budget: Budget) -> None:
+        """Each D's budget, as it is now (gateway.engines.d_budget): asked at every put, and at
+        every sweep, where a budget that shrank releases what is beyond it."""
+        self._pinned.budget = budget
 
     def sweep(self) -> None:
         with self._lock:
             self._cache.expire()
+            for decode in self._pinned.decodes():
+                self._drop_over(self._pinned.over(decode))
         self._publish()
+
+    def _drop_over(self, keys: list[bytes]) -> None:
+        """Entries beyond their D's budget leave (under the lock)."""
+        for over in keys:
+            value = self._cache.pop(over, None)
+            if value is not None:
+                self._left(over, value, "budget")
 
     def _left(self, key: bytes, packed: bytes, why: str) -> None:
         """An entry left unread (under the lock): uncount its blocks, drop it after the lock."""
@@ -280,6 +315,28 @@ local function unpin(prefix, member)
     if not d then return 0 end
     return unpin_from(prefix, d, member)
 end
+-- D's oldest entries (never `keep`) taken out while its total is over its budget: their values
+-- and D's total after. `alone`: the total when `keep` is all that is left.
+local function trim(prefix, d, keep, budget, total, alone)
+    local zset, total_key = prefix .. 'pinned:' .. d, prefix .. 'pinned-total:' .. d
+    local over = {}
+    for _ = 1, 256 do                         -- bounded: a call never holds Redis long
+        if budget <= 0 or total <= budget then break end
+        local oldest = nil                    -- the first by expiry that is not `keep`
+        for _, m in ipairs(redis.call('ZRANGE', zset, 0, 1)) do
+            if m ~= keep then oldest = m; break end
+        end
+        if not oldest then                    -- `keep` alone (or nothing): the total is known
+            total = alone
+            redis.call('SET', total_key, total)
+            break
+        end
+        total = total - unpin_from(prefix, d, oldest)
+        local value = redis.call('GETDEL', prefix .. oldest)
+        if value then table.insert(over, value) end
+    end
+    return over, total
+end
 """
 
 _TAKE_FIRST = _UNPIN + """
@@ -310,23 +367,8 @@ redis.call('ZADD', zset, expiry, member)
 redis.call('HSET', blocks, member, ARGV[5])
 redis.call('SET', prefix .. 'pinned-of:' .. member, d, 'PXAT', ARGV[2])
 local total = redis.call('INCRBY', total_key, ARGV[5])
-local budget = tonumber(ARGV[6])
-local over = {}
-for _ = 1, 256 do                             -- bounded: a put never holds Redis long
-    if budget <= 0 or total <= budget then break end
-    local oldest = nil                        -- the first by expiry that is not this entry
-    for _, m in ipairs(redis.call('ZRANGE', zset, 0, 1)) do
-        if m ~= member then oldest = m; break end
-    end
-    if not oldest then                        -- this entry alone: its blocks are the total
-        total = tonumber(ARGV[5])
-        redis.call('SET', total_key, total)
-        break
-    end
-    total = total - unpin_from(prefix, d, oldest)
-    local value = redis.call('GETDEL', prefix .. oldest)
-    if value then table.insert(over, value) end
-end
+local over
+over, total = trim(prefix, d, member, tonumber(ARGV[6]), total, tonumber(ARGV[5]))
 -- The ledger outlives its last entry by a minute at most.
 local keep_until = expiry + 60000
 for _, key in ipairs({zset, blocks, total_key}) do
@@ -336,6 +378,16 @@ for _, key in ipairs({zset, blocks, total_key}) do
     end
 end
 return {old or false, over, total}
+"""
+
+# ARGV: prefix, D id, budget. A D's budget that shrank: its oldest entries beyond it taken out.
+# Returns their values and D's total after.
+_TRIM = _UNPIN + """
+local prefix, d = ARGV[1], ARGV[2]
+local total = tonumber(redis.call('GET', prefix .. 'pinned-total:' .. d) or '0')
+local over
+over, total = trim(prefix, d, false, tonumber(ARGV[3]), total, 0)
+return {over, total}
 """
 
 
@@ -442,6 +494,11 @@ class _LazyCluster:
             self._lock.release()
 
 
+def _decode_id(decode_url: str) -> str:
+    """A D's name in Redis: its URL's digest (no credentials in Redis)."""
+    return hashlib.blake2b(decode_url.encode(), digest_size=8).hexdigest()
+
+
 class RedisStore(_Takes):
     """Entries in Redis (SET with expiry, GETDEL: Redis 6.2+ or Valkey), shared by every worker
     and gateway host, so any of them can serve any turn: one primary (or one Sentinel follows);
@@ -454,7 +511,7 @@ class RedisStore(_Takes):
     PREFIX = "pd-gateway:"
 
     def __init__(self, url: str, ttl: float, timeout: float, client=None,
-                 pinned_budget: int = 0, timer: Callable[[], float] = time.time) -> None:
+                 pinned_budget: int | Budget = 0, timer: Callable[[], float] = time.time) -> None:
         import redis  # only a Redis-backed gateway needs the client
         from redis.commands.core import Script
 
@@ -464,13 +521,16 @@ class RedisStore(_Takes):
                         TypeError)
         self._redis = client if client is not None else redis_client(url, timeout)[0]
         self._ttl_ms = int(ttl * 1000)
-        self._budget = pinned_budget     # per D, across every host sharing the store
+        # Each D's budget, across every host sharing the store (gateway.engines.d_budget).
+        self.budget: Budget = pinned_budget if callable(pinned_budget) else fixed(pinned_budget)
+        self._totals: dict[str, int] = {}   # each D's pinned blocks, as the last call counted
         self._timer = timer              # wall-clock seconds: every host reads the same expiry
         # One round trip however many history prefixes a request tries (a long conversation
         # whose entry expired tries them all), and one a put, the blocks each D keeps counted
         # on the way. Their keys must live on one node: no Cluster.
         self._take_first = Script(self._redis, _TAKE_FIRST)
         self._put = Script(self._redis, _PUT)
+        self._trim = Script(self._redis, _TRIM)
         self.on_drop: Callable[[Entry, str], None] = _ignore
 
     def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
@@ -493,8 +553,23 @@ class RedisStore(_Takes):
         expires_ms = int(entry.expires_at * 1000)
         if expires_ms <= now * 1000:
             return None
-        return (entry, now, expires_ms,
-                hashlib.blake2b(entry.decode_url.encode(), digest_size=8).hexdigest())
+        return entry, now, expires_ms, _decode_id(entry.decode_url)
+
+    def _budget_of(self, decode_url: str) -> int:
+        return self.budget(decode_url, self._totals.get(decode_url, 0))
+
+    def _counted(self, decode_url: str, total: int) -> None:
+        self._totals[decode_url] = total
+        metrics.SHARED_PINNED_BLOCKS.labels(public_url(decode_url)).set(total)
+
+    def _dropped(self, values: list, why: str) -> None:
+        """Entries that left unread (their packed values): to `on_drop`."""
+        for packed in values:
+            try:
+                dropped = decode(packed)
+            except ValueError:          # a foreign value under our key: nothing to release
+                continue
+            self.on_drop(dropped, why)
 
     def put(self, key: str, entry: Entry, tag: str = "") -> None:
         stamp = self._stamp(entry)
@@ -506,25 +581,34 @@ class RedisStore(_Takes):
             old, over, total = self._put(
                 keys=[self.PREFIX + key],
                 args=[packed_entry, expires_ms, int(now * 1000), key, pinned_blocks(entry),
-                      self._budget, decode_id, self.PREFIX])
+                      self._budget_of(entry.decode_url), decode_id, self.PREFIX])
         except self._errors as exc:
             self._failed("put", exc)
             return
-        metrics.SHARED_PINNED_BLOCKS.labels(public_url(entry.decode_url)).set(total)
+        self._counted(entry.decode_url, total)
         # The entry this one replaced (a regenerated turn), and those over D's budget: their
         # blocks no P will read.
         # Its own entry back is not a replaced one (a script run twice): never released.
-        for packed, why in ([(old, "replaced")] if old and old != packed_entry else []) + [
-                (v, "budget") for v in over]:
-            try:
-                dropped = decode(packed)
-            except ValueError:          # a foreign value under our key: nothing to release
-                continue
-            self.on_drop(dropped, why)
+        self._dropped([old] if old and old != packed_entry else [], "replaced")
+        self._dropped(over, "budget")
 
     def sweep(self) -> None:
         """Redis expires entries itself, unseen (the next put on their D uncounts them): their
-        blocks are D's to free at its TTL, a few seconds later."""
+        blocks are D's to free at its TTL, a few seconds later. A D whose budget shrank below
+        what the store holds there has its oldest entries released now."""
+        for decode_url, total in list(self._totals.items()):
+            budget = self.budget(decode_url, total)
+            if budget and total > budget:
+                self._trim_to(decode_url, budget)
+
+    def _trim_to(self, decode_url: str, budget: int) -> None:
+        try:
+            over, total = self._trim(args=[self.PREFIX, _decode_id(decode_url), budget])
+        except self._errors as exc:
+            self._failed("ledger", exc)
+            return
+        self._counted(decode_url, total)
+        self._dropped(over, "budget")
 
     def report(self) -> dict:
         try:
@@ -549,6 +633,26 @@ local function unpin(keys, member)
     redis.call('HDEL', keys[2], member)
     redis.call('ZREM', keys[1], member)
     return n
+end
+-- D's oldest members (never `keep`) uncounted while its total is over its budget: the members
+-- (the caller takes their entries, in their own slots) and D's total after.
+local function trim(keys, keep, budget, total, alone)
+    local over = {}
+    for _ = 1, 256 do
+        if budget <= 0 or total <= budget then break end
+        local oldest = nil
+        for _, m in ipairs(redis.call('ZRANGE', keys[1], 0, 1)) do
+            if m ~= keep then oldest = m; break end
+        end
+        if not oldest then
+            total = alone
+            redis.call('SET', keys[3], total)
+            break
+        end
+        total = total - unpin(keys, oldest)
+        table.insert(over, oldest)
+    end
+    return over, total
 end
 """
 _C_TAKE = """
@@ -584,22 +688,8 @@ end
 redis.call('ZADD', KEYS[1], expiry, member)
 redis.call('HSET', KEYS[2], member, ARGV[2])
 local total = redis.call('INCRBY', KEYS[3], ARGV[2])
-local budget = tonumber(ARGV[5])
-local over = {}
-for _ = 1, 256 do
-    if budget <= 0 or total <= budget then break end
-    local oldest = nil
-    for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, 1)) do
-        if m ~= member then oldest = m; break end
-    end
-    if not oldest then
-        total = tonumber(ARGV[2])
-        redis.call('SET', KEYS[3], total)
-        break
-    end
-    total = total - unpin(KEYS, oldest)
-    table.insert(over, oldest)
-end
+local over
+over, total = trim(KEYS, member, tonumber(ARGV[5]), total, tonumber(ARGV[2]))
 local keep_until = expiry + 60000
 for _, key in ipairs(KEYS) do
     local left = redis.call('PTTL', key)
@@ -607,6 +697,13 @@ for _, key in ipairs(KEYS) do
         redis.call('PEXPIREAT', key, keep_until)
     end
 end
+return {over, total}
+"""
+# KEYS: D's sorted set, blocks and total; ARGV: its budget. Returns the members over it (the
+# caller takes their entries) and D's total after.
+_C_TRIM = _C_LEDGER + """
+local over, total = trim(KEYS, false, tonumber(ARGV[1]),
+                         tonumber(redis.call('GET', KEYS[3]) or '0'), 0)
 return {over, total}
 """
 # KEYS: an entry over its D's budget, its owner key; ARGV: the D id.
@@ -628,7 +725,7 @@ class RedisClusterStore(RedisStore):
     a put two (more only to drop entries over a D's budget)."""
 
     def __init__(self, url: str, ttl: float, timeout: float, client=None,
-                 pinned_budget: int = 0, timer: Callable[[], float] = time.time) -> None:
+                 pinned_budget: int | Budget = 0, timer: Callable[[], float] = time.time) -> None:
         super().__init__(url, ttl, timeout, client, pinned_budget, timer)
         from redis.commands.core import Script
 
@@ -639,6 +736,7 @@ class RedisClusterStore(RedisStore):
         self._unpin = register(_C_UNPIN)
         self._put_entry = register(_C_PUT_ENTRY)
         self._put_ledger = register(_C_PUT_LEDGER)
+        self._c_trim = register(_C_TRIM)
         self._drop = register(_C_DROP)
 
     @staticmethod
@@ -692,22 +790,37 @@ class RedisClusterStore(RedisStore):
             self._failed("put", exc)
             return
         owner = _text(owner) if owner else None
-        # Its own entry back is not a replaced one (a script run twice): never released.
-        dropped: list[tuple[bytes, str]] = [(old, "replaced")] if old and old != packed else []
         if owner and owner != decode_id:          # the entry it replaced was on another D
             self._unpin_on(owner, member)
+        # Its own entry back is not a replaced one (a script run twice): never released.
+        self._dropped([old] if old and old != packed else [], "replaced")
         # The entry is stored; its D's ledger (on another node, perhaps failing over) is
         # counted on the way, and entries over D's budget taken out of their own slots.
-        over: list = []
         try:
             over, total = self._put_ledger(
                 keys=self._ledger(decode_id),
-                args=[member, pinned_blocks(entry), expires_ms, int(now * 1000), self._budget,
-                      1 if owner == decode_id else 0])
-            metrics.SHARED_PINNED_BLOCKS.labels(public_url(entry.decode_url)).set(total)
+                args=[member, pinned_blocks(entry), expires_ms, int(now * 1000),
+                      self._budget_of(entry.decode_url), 1 if owner == decode_id else 0])
         except self._errors as exc:
             self._failed("ledger", exc)
-        for gone in map(_text, over):       # uncounted now: each taken out of its own slot
+            return
+        self._counted(entry.decode_url, total)
+        self._dropped(self._take_members(over, decode_id), "budget")
+
+    def _trim_to(self, decode_url: str, budget: int) -> None:
+        decode_id = _decode_id(decode_url)
+        try:
+            over, total = self._c_trim(keys=self._ledger(decode_id), args=[budget])
+        except self._errors as exc:
+            self._failed("ledger", exc)
+            return
+        self._counted(decode_url, total)
+        self._dropped(self._take_members(over, decode_id), "budget")
+
+    def _take_members(self, members: list, decode_id: str) -> list:
+        """The entries of members uncounted from D's ledger, each taken out of its own slot."""
+        values = []
+        for gone in map(_text, members):
             try:
                 value = self._drop(keys=[self.PREFIX + gone, self.PREFIX + "pinned-of:" + gone],
                                    args=[decode_id])
@@ -715,12 +828,8 @@ class RedisClusterStore(RedisStore):
                 self._failed("ledger", exc)
                 continue
             if value:
-                dropped.append((value, "budget"))
-        for packed, why in dropped:
-            try:
-                self.on_drop(decode(packed), why)
-            except ValueError:              # a foreign value under our key
-                continue
+                values.append(value)
+        return values
 
     def report(self) -> dict:
         from redis.cluster import RedisCluster
@@ -732,13 +841,10 @@ class RedisClusterStore(RedisStore):
 
 
 def create_store(settings) -> ConversationStore:
+    """The store the settings name; each D's pinned budget is set on it by its owner
+    (`store.budget`, gateway.engines.d_budget)."""
     if settings.store == "local":
-        # Each worker holds its own share of the conversations, so its share of the budget.
-        share = settings.pinned_blocks // max(1, settings.workers)
-        return LocalStore(settings.store_size, settings.store_ttl,
-                          pinned_budget=max(1, share) if settings.pinned_blocks else 0)
-    # One budget for every worker and host sharing the store.
+        return LocalStore(settings.store_size, settings.store_ttl)
     cluster = settings.store.startswith(tuple(s + "://" for s in CLUSTER_SCHEMES))
     return (RedisClusterStore if cluster else RedisStore)(
-        settings.store, settings.store_ttl, settings.store_timeout,
-        pinned_budget=settings.pinned_blocks)
+        settings.store, settings.store_ttl, settings.store_timeout)
