@@ -19,6 +19,7 @@ Per row: prompt tokens computed (P + D, and the turns whose P read D's blocks), 
 D's pinned blocks at their peak (kept for a next turn), D's wait for KV memory, errors.
 
     python -m bench.reuse [--quick] [--systems gateway,vllm-router] [--replies 32,256]
+                          [--scenarios 1,2]
 """
 from __future__ import annotations
 
@@ -61,10 +62,14 @@ class System:
     bidirectional: bool
     ids: bool = False
     argv: tuple = ()
+    settings: tuple = ()       # the gateway's, as (name, value) pairs
 
 
 SYSTEMS = {
     "gateway": System("pd-gateway", "gateway", True),
+    # The fixed budget every D had before it was derived from D's reports (docs/d-memory.md).
+    "gateway-static": System("pd-gateway (--pinned-blocks 8192)", "gateway", True,
+                             settings=(("pinned_blocks", 8192),)),
     "vllm-router": System("vllm-router (cache_aware)", "router", False),
     "vllm-router-rr": System("vllm-router (round_robin)", "router", False,
                              argv=("--policy", "round_robin")),
@@ -84,6 +89,8 @@ SCENARIOS = (Scenario("16 live, no think, P cache fits", 16, 0.0, 2.0),
              Scenario("64 live, think 2 s, P cache fits", 64, 2.0, 2.0),
              Scenario("64 live, think 2 s, P cache 4x over", 64, 2.0, 0.25))
 REPLIES = (32, 256, 1024)
+# What `make bench` runs; gateway-static on ask (docs/d-memory.md compares the two budgets).
+DEFAULT_SYSTEMS = ("gateway", "vllm-router", "vllm-router-rr", "seed")
 
 
 def history_blocks(reply: int) -> int:
@@ -115,7 +122,7 @@ def started(system: System, prefills: list, decodes: list, log_dir: str):
     """The system in front of the engines; yields its URL."""
     if system.kind == "gateway":
         with GatewayProcess([p.url for p in prefills], [d.url for d in decodes],
-                            host=PROXY_HOST, workers=1) as gateway:
+                            host=PROXY_HOST, workers=1, **dict(system.settings)) as gateway:
             yield gateway.url
         return
     port = free_port(PROXY_HOST, 2)
@@ -272,11 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32- and 256-token replies, "
                         "two scenarios")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--replies", help="comma separated reply lengths")
+    parser.add_argument("--scenarios", help="comma separated scenario numbers (0, 1, 2)")
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="bench-reuse-"))
     args = parser.parse_args(argv)
-    scenarios = (SCENARIOS[0], SCENARIOS[2]) if args.quick else SCENARIOS
+    scenarios = (tuple(SCENARIOS[int(i)] for i in args.scenarios.split(",")) if args.scenarios
+                 else (SCENARIOS[0], SCENARIOS[2]) if args.quick else SCENARIOS)
     replies = (tuple(int(r) for r in args.replies.split(",")) if args.replies
                else (32, 256) if args.quick else REPLIES)
     os.makedirs(args.out, exist_ok=True)

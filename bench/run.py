@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     began, load_before, clock = datetime.now(timezone.utc), os.getloadavg(), time.monotonic()
     notes: list[str] = []
     # First, on engines of its own for every run: where reading D's blocks pays.
-    reuse_rows, reuse_notes = reuse.measure(list(reuse.SYSTEMS), *plan.reuse,
+    reuse_rows, reuse_notes = reuse.measure(list(reuse.DEFAULT_SYSTEMS), *plan.reuse,
                                             os.path.join(args.out, "reuse"))
     notes += reuse_notes
     systems = available(plan, notes)

@@ -85,9 +85,10 @@ ROWS = [
         panel("Store errors", [
             (f"sum by (operation) (rate(pd_gateway_store_errors_total{{{JOB}}}[5m]))",
              "{{operation}}")], "ops"),
-        panel("Blocks each D keeps for idle conversations", [
-            (f"max by (decode) (pd_gateway_pinned_blocks{{{JOB}}})", "{{decode}}"),
-            (f"max(pd_gateway_pinned_blocks_budget{{{JOB}}})", "budget")], "short"),
+        panel("Blocks each D keeps for idle conversations, and its budget", [
+            (f"sum by (decode) (pd_gateway_pinned_blocks{{{JOB}}})", "{{decode}}"),
+            (f"sum by (decode) (pd_gateway_pinned_blocks_budget{{{JOB}}})",
+             "{{decode}} budget")], "short"),
         panel("Releases of blocks no turn will read", [
             (f"sum by (reason, result) (rate(pd_gateway_releases_total{{{JOB}}}[5m]))",
              "{{reason}} {{result}}")], "ops"),
