@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from gateway.engines.d_budget import BLIND_SHARE, FALLBACK, HIGH_WATER, WINDOW, DBudget
+from gateway.engines.d_budget import FALLBACK, HIGH_WATER, DBudget
 from gateway.engines.engine_load import DEFAULT_BLOCK_SIZE, BlockSize, Facts, Reported
 from gateway.engines.instances import Pool
 from emulator.process import EmulatorProcess, wait_until
@@ -39,11 +39,12 @@ class Reports:
         self.read[url] = Reported(0.0, 0.0, usage, 0.0, at)
 
 
-def _budget(reports: Reports, given=None, shares: int = 1, capacity: int | None = 1000):
+def _budget(reports: Reports, given=None, shares: int = 1, capacity: int | None = 1000,
+            workers: int | None = None):
     pool = Pool("decode", [D])
     if capacity is not None:
         reports.facts_of[D] = Facts(16, capacity, True)
-    return DBudget(given, reports, pool.get, shares=shares, workers=shares)
+    return DBudget(given, reports, pool.get, shares=shares, workers=workers or shares)
 
 
 def test_a_given_budget_is_every_ds_and_each_worker_keeps_its_share():
@@ -57,64 +58,66 @@ def test_a_d_that_says_nothing_of_its_capacity_gets_the_old_default():
     assert _budget(Reports(), capacity=None)("http://gone:1", 0) == FALLBACK
 
 
-def test_without_a_fresh_report_of_its_usage_half_of_d_may_be_pinned():
-    assert _budget(Reports(), capacity=600)(D, 0) == int(BLIND_SHARE * 600)
-
-
-def test_the_pins_bring_ds_usage_to_the_high_water_mark_and_no_further():
-    """600 blocks: an idle D may keep 0.9 of them pinned; never more, whatever is pinned."""
+def test_the_pins_never_take_more_than_the_high_water_mark_of_d():
+    """600 blocks: at most 0.9 of them pinned, whatever D says of its usage (or if it says
+    nothing now)."""
     reports = Reports()
     budget = _budget(reports, capacity=600)
-    reports.says(D, usage=0.0, at=1.0)
     assert budget(D, 0) == int(HIGH_WATER * 600) == 540
-    reports.says(D, usage=0.5, at=2.0)                   # the 300 in use are all pins
+    reports.says(D, usage=0.5, at=1.0)
     assert budget(D, 300) == 540
 
 
-def test_the_budget_shrinks_as_d_fills_with_running_requests_and_grows_back_after_a_while():
+def test_usage_above_the_mark_cuts_the_pins_by_the_excess_once_a_report():
     reports = Reports()
     budget = _budget(reports, capacity=1000)
-    reports.says(D, usage=0.5, at=1.0)                    # 500 pinned, nothing running
+    reports.says(D, usage=0.8, at=1.0)                  # room: the pins may grow
     assert budget(D, 500) == 900
-    reports.says(D, usage=0.8, at=2.0)                    # 300 running beside 500 pinned
-    assert budget(D, 500) == 600
-    reports.says(D, usage=1.0, at=3.0)                    # full: 500 running now
-    assert budget(D, 500) == 400
-    assert budget(D, 100) == 400                          # held until the next report
-    reports.says(D, usage=0.1, at=4.0)                    # they finished; 100 left pinned
-    assert budget(D, 100) == 400                          # the peak is remembered...
-    reports.says(D, usage=0.1, at=3.0 + WINDOW)
-    assert budget(D, 100) == 400                          # ...for the window...
-    reports.says(D, usage=0.1, at=3.5 + WINDOW)
-    assert budget(D, 100) == 900                          # ...then it grows back
+    reports.says(D, usage=1.0, at=2.0)                  # running requests filled D: 100 over
+    assert budget(D, 500) == 400                        # released at once, down to 400...
+    assert budget(D, 400) == 900                        # ...once: then the cap again, as pins
+    assert budget(D, 700) == 900                        # of turns that end take no new room
+    reports.says(D, usage=0.93, at=3.0)                 # what the cut freed, and a bit more
+    assert budget(D, 700) == 670
+    reports.says(D, usage=0.5, at=4.0)                  # D emptied: the pins may grow back
+    assert budget(D, 670) == 900
 
 
-def test_usage_above_the_mark_shrinks_the_budget_even_when_the_count_of_pins_is_off():
-    """A worker's count of pins can be off (a local store sees its own share): D's usage above
-    the mark still takes the budget down to what brings it to the mark."""
+def test_a_stale_report_cuts_nothing():
     reports = Reports()
     budget = _budget(reports, capacity=1000)
-    reports.says(D, usage=0.98, at=1.0)
-    # This store counts 950 pins: "running" is 30, yet D is over the mark by 80 blocks.
-    assert budget(D, 950) == 870
+    reports.says(D, usage=1.0, at=1.0)
+    assert budget(D, 500) == 400
+    assert budget(D, 500) == 900          # the same report again: acted on already
+    del reports.read[D]                   # reads failing: the cap alone
+    assert budget(D, 500) == 900
 
 
-def test_each_worker_of_a_local_store_keeps_its_share_of_the_room():
+def test_each_worker_of_a_local_store_keeps_and_cuts_its_share():
     reports = Reports()
-    budget = _budget(reports, capacity=1000, shares=4)
-    reports.says(D, usage=0.5, at=1.0)        # 4 workers x 100 pinned, 100 running
-    assert budget(D, 100) == (900 - 100) // 4
-    reports.says(D, usage=0.0, at=2.0)
-    assert budget(D, 0) == (900 - 100) // 4    # the running peak of the window
+    budget = _budget(reports, capacity=1000, shares=4, workers=4)
+    assert budget(D, 0) == 900 // 4
+    reports.says(D, usage=1.0, at=1.0)        # 100 over: each of 4 workers gives 25
+    assert budget(D, 120) == 95
     assert budget("http://other:1", 0) == FALLBACK // 4
+
+
+def test_each_worker_of_a_shared_store_cuts_its_share_of_the_whole():
+    """A Redis store's count is every worker's and host's: the cap is the whole D's, and each
+    worker of the host makes its share of a cut."""
+    reports = Reports()
+    budget = _budget(reports, capacity=1000, shares=1, workers=4)
+    assert budget(D, 0) == 900
+    reports.says(D, usage=1.0, at=1.0)
+    assert budget(D, 600) == 575
 
 
 def test_a_full_d_keeps_only_the_conversation_just_stored():
     """0 would be no budget at all: the least is 1 block (the store keeps the newest entry)."""
     reports = Reports()
-    budget = _budget(reports, capacity=1000)
+    budget = _budget(reports, capacity=100)
     reports.says(D, usage=1.0, at=1.0)
-    assert budget(D, 0) == 1
+    assert budget(D, 5) == 1
 
 
 # --- the store keeps each D within its budget as the budget changes ---------------------------

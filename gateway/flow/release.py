@@ -39,7 +39,7 @@ PATH = "/v1/completions"
 PROMPT = "."
 BACKLOG = 10_000        # releases waiting; beyond, a new one is skipped (D's TTL frees it)
 READ_TIMEOUT = 10.0     # a release is a one-token prefill: a P slower than this is in trouble
-SWEEP_SECONDS = 1.0     # how often the store is asked for entries that expired
+SWEEP_SECONDS = 1.0     # how often the store is asked for entries expired or over budget
 
 
 def release_body(params: dict) -> dict:
@@ -58,7 +58,7 @@ class Releaser:
         self.upstream = upstream
         self.prefill_for = prefill_for      # the P pool of the entry's model (None: no D there)
         self.rate = rate
-        self.sweep = sweep                  # the store's expiry, run while the queue is idle
+        self.sweep = sweep                  # the store's expiry and budgets, once a second
         self._jobs: queue.Queue[tuple[Entry, str]] = queue.Queue(backlog)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,11 +97,15 @@ class Releaser:
 
     def _run(self) -> None:
         pause = 1.0 / self.rate
+        swept = time.monotonic()
         while not self._stop.is_set():
+            # The store's sweep (expiry, each D's budget) once a second, releases or none.
+            if time.monotonic() - swept >= SWEEP_SECONDS:
+                self._sweep()
+                swept = time.monotonic()
             try:
                 entry, reason = self._jobs.get(timeout=SWEEP_SECONDS)
             except queue.Empty:
-                self._sweep()
                 continue
             started = time.monotonic()
             self.release(entry, reason)
