@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import subprocess
+import sys
 import time
 
 import requests
@@ -85,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
                                                     host="127.0.0.3"))
             prefill, decode = [p.url], [d.url]
             print(f"emulated prefill engine on {p.url}, decode engine on {d.url}")
+        # The preflight an operator runs first (README, "The vLLM engines"): whether reuse
+        # will work with these engines, and what fixes it where it will not.
+        print(f"\n$ pd-gateway check --prefill {' '.join(prefill)} --decode {' '.join(decode)}")
+        checked = subprocess.run([sys.executable, "-m", "gateway.cli", "check",
+                                  "--prefill", *prefill, "--decode", *decode])
+        if checked.returncode:
+            print("\n(reuse will not work with these engines, as it says; the demo goes on)")
         gateway = stack.enter_context(GatewayProcess(prefill, decode, port=args.port,
                                                      workers=args.workers))
         print(f"gateway (gunicorn) on {gateway.url}, logs in {gateway.log_path}")

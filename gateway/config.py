@@ -216,12 +216,12 @@ class Settings:
                              "Redis store with its maxmemory).")
     pinned_blocks: int | None = option(None, auto_or(bounded(int, 0)), "Blocks each D may keep "
                                        "pinned for conversations waiting for their next turn: "
-                                       "auto, derived from what each D reports (its capacity, "
-                                       "vllm:cache_config_info, and its KV cache in use: the "
-                                       "pins bring its usage to at most 0.9 of it, shrinking as "
-                                       "it fills; docs/d-memory.md); or a number for every D (each "
-                                       "worker of a local store keeps its share; a Redis store "
-                                       "one budget for every host). Beyond it the least recently "
+                                       "auto, from what each D reports (vllm:cache_config_info's "
+                                       "capacity: at most 0.9 of it; and its KV cache usage: "
+                                       "past 0.9, the pins are cut by the excess; "
+                                       "docs/d-memory.md); or a number for every D (each worker "
+                                       "of a local store keeps its share; a Redis store one "
+                                       "budget for every host). Beyond it the least recently "
                                        "active are released; 0: no budget.", show="auto")
     release_rate: float = option(50.0, bounded(float, 0.0), "Releases per second per worker: an "
                                  "entry dropped unread (refused, used by a decode-only turn, "
