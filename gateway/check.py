@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from gateway.config import ModelSpec, Settings
 from gateway.engines.engine_load import parse as parse_metrics
-from gateway.engines.instances import Instance, Pool
+from gateway.engines.discovery import Discovery, Resolver
+from gateway.engines.instances import KV_TRANSFER_CONFIG, Instance, Pool
 from gateway.engines.upstream import Upstream
 from gateway.flow.disagg import prefill_counts
 from gateway.options import SettingsError
@@ -18,13 +19,6 @@ from gateway.reuse.exactness import Exactness
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
 from gateway.support.errors import GatewayError
 
-# What every P and D needs (README, "The vLLM engines"): the NIXL connector, both roles, and
-# bidirectional transfer, off by default (vLLM 0.33.0 nixl/base_scheduler.py L174-180), without
-# which a D keeps nothing after a turn (nixl/pull_scheduler.py L232-233) and a P reads nothing
-# from a D (L130-134).
-KV_TRANSFER_CONFIG = ("--kv-transfer-config '{\"kv_connector\":\"NixlConnector\","
-                      "\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
-                      "{\"bidirectional_kv_xfer\":true}}'")
 # D's reply: long enough that what P would read beyond its own prefix cache is well above
 # vLLM's kv_recompute_threshold (64 tokens, nixl/base_scheduler.py L168-172).
 REPLY_TOKENS = 128
@@ -140,9 +134,10 @@ class Checker:
             page = parse_metrics(self.upstream.get_bytes(instance, "/metrics", self.timeout))
         except Exception:      # down, slow, or not vLLM's page: what it says is unknown
             page = None
-        if page is not None and page.block_size:
-            engine.block_size, engine.capacity = int(page.block_size), int(page.capacity)
-            engine.prefix_caching = None if not page.prefix_caching else page.prefix_caching == 2
+        facts = page.facts() if page is not None else None
+        if facts is not None:
+            engine.block_size, engine.capacity = facts.block_size, facts.capacity
+            engine.prefix_caching = facts.prefix_caching
         else:
             self.report.add("warn", instance.name, "GET /metrics has no vllm:cache_config_info: "
                             "block size, capacity and prefix caching unknown")
@@ -198,6 +193,8 @@ class Checker:
             p_reply = self._post(p, prefill_body(first, None), nonce, "1p")
         except GatewayError as exc:
             self.report.add("fail", subject, f"P's prefill failed: {exc.message}",
+                            "give the engines' key with --upstream-api-key (they run with "
+                            "--api-key)" if exc.status in (401, 403) else
                             f"start P with {KV_TRANSFER_CONFIG}")
             return
         p_params = p_reply.get("kv_transfer_params")
@@ -208,7 +205,9 @@ class Checker:
             return
         self.report.add("ok", subject, "P's prefill returns kv_transfer_params")
 
-        asked = {**first, "max_tokens": REPLY_TOKENS, "ignore_eos": True,
+        # Exactly REPLY_TOKENS tokens, none of them an end-of-turn a detokenized reply would
+        # drop (ignore_eos would let the model emit them): min_tokens keeps EOS back till then.
+        asked = {**first, "max_tokens": REPLY_TOKENS, "min_tokens": REPLY_TOKENS,
                  "return_token_ids": True, "stream": False}
         try:
             d_reply = self._post(d, decode_body(asked, p_reply, p), nonce, "1d")
@@ -335,12 +334,17 @@ class Checker:
                 f"VLLM_NIXL_SIDE_CHANNEL_HOST={d.host} (the gateway tells P the host of D's URL)")
 
 
-def check(specs: list[ModelSpec], upstream: Upstream, timeout: float) -> Report:
-    """Every engine of every model, then one turn per D, each with a P in rotation."""
+def check(specs: list[ModelSpec], upstream: Upstream, timeout: float,
+          discovery: Discovery | None = None) -> Report:
+    """Every engine of every model, then one turn per D, each with a P in rotation. A URL with
+    a DNS name stands for each of its addresses, as in the gateway (`discovery`)."""
     checker = Checker(upstream, timeout)
+    discovery = discovery or Discovery(Resolver(), enabled=False)
     for spec in specs:
-        pools = [Pool(role, urls, model=spec.name)
-                 for role, urls in (("prefill", spec.prefill), ("decode", spec.decode))]
+        pools = []
+        for role, urls in (("prefill", spec.prefill), ("decode", spec.decode)):
+            pools.append(Pool(role, [], model=spec.name))
+            discovery.seed(pools[-1], urls)
         engines = [checker.inspect(i) for pool in pools for i in pool.instances]
         prefills = [e.instance for e in engines if e.reachable and e.instance.role == "prefill"]
         decodes = [e.instance for e in engines if e.reachable and e.instance.role == "decode"]
@@ -396,8 +400,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     upstream = Upstream(min(args.timeout, 5.0), args.timeout, pool_size=4,
                         api_key=settings.upstream_api_key)
+    discovery = Discovery(Resolver(settings.resolve_nameserver),
+                          enabled=settings.resolve_interval > 0)
     try:
-        report = check(settings.model_specs(), upstream, args.timeout)
+        report = check(settings.model_specs(), upstream, args.timeout, discovery)
     finally:
         upstream.close()
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())

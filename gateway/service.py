@@ -88,13 +88,6 @@ class Gateway:
             every_pool, settings.engine_metrics_interval, settings.engine_queue_limit,
             settings.engine_kv_full)
         self.engine_load.start()
-        if own_store:
-            # Each D's pinned budget: --pinned-blocks, or derived from what D reports. A local
-            # store's workers each keep a share; a shared store keeps one for every host.
-            local = settings.store == "local"
-            self.store.budget = DBudget(settings.pinned_blocks, self.engine_load, self._decode_at,
-                                        shares=settings.workers if local else 1,
-                                        workers=settings.workers)
         self.owners = Owners(settings, self.upstream)
         # The running worker's threads, if gunicorn runs a threaded one (a host's config may
         # choose it, whatever the app's settings say).
@@ -124,6 +117,13 @@ class Gateway:
         self.releaser = Releaser(self.upstream, self._prefill_for, settings.release_rate,
                                  sweep=getattr(self.store, "sweep", lambda: None))
         self.store.on_drop = self.releaser.drop
+        if own_store:
+            # Each D's pinned budget: --pinned-blocks, or derived from what D reports. A local
+            # store's workers each keep a share; a shared store keeps one for every host.
+            local = settings.store == "local"
+            self.store.budget = DBudget(settings.pinned_blocks, self.engine_load, self._decode_at,
+                                        shares=settings.workers if local else 1,
+                                        workers=settings.workers, pending=self.releaser.pending)
         self.releaser.start()
         fast_path = FastPath(settings.fast_path_tokens)
         self.pools = ModelPools([
@@ -163,6 +163,8 @@ class Gateway:
         for gone in self._published - seen:     # left the pool: nothing runs there, no alarm
             metrics.ENGINE_UP.labels(*gone).set(1)
             metrics.ENGINE_INFLIGHT.labels(*gone).set(0)
+            metrics.ENGINE_KV_BLOCKS.labels(*gone).set(0)
+            metrics.ENGINE_BLOCK_SIZE.labels(*gone).set(0)
         self._published = seen
 
     def _decode_at(self, url: str):

@@ -35,4 +35,4 @@ APPLIED = multiprocessing.RawArray("q", MAX_SLOTS)
 # engine URL, keyed by its digest (0: free), values as gateway.engine_load.FIELDS.
 LOAD_ROWS = 1024
 LOAD_KEYS = multiprocessing.RawArray("q", LOAD_ROWS)
-LOAD_VALUES = multiprocessing.RawArray("d", LOAD_ROWS * 8)   # FIELDS a row
+LOAD_VALUES = multiprocessing.RawArray("d", LOAD_ROWS * 9)   # FIELDS a row

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from gateway.engines.d_budget import FALLBACK, HIGH_WATER, DBudget
+from gateway.engines.d_budget import FALLBACK, HIGH_WATER, DBudget, Limit
 from gateway.engines.engine_load import DEFAULT_BLOCK_SIZE, BlockSize, Facts, Reported
 from gateway.engines.instances import Pool
 from emulator.process import EmulatorProcess, wait_until
@@ -40,22 +40,23 @@ class Reports:
 
 
 def _budget(reports: Reports, given=None, shares: int = 1, capacity: int | None = 1000,
-            workers: int | None = None):
+            workers: int | None = None, ranks: int = 1, pending=lambda decode: 0):
     pool = Pool("decode", [D])
     if capacity is not None:
-        reports.facts_of[D] = Facts(16, capacity, True)
-    return DBudget(given, reports, pool.get, shares=shares, workers=workers or shares)
+        reports.facts_of[D] = Facts(16, capacity, True, ranks)
+    return DBudget(given, reports, pool.get, shares=shares, workers=workers or shares,
+                   pending=pending)
 
 
 def test_a_given_budget_is_every_ds_and_each_worker_keeps_its_share():
-    assert _budget(Reports(), given=8192)(D, 0) == 8192
-    assert _budget(Reports(), given=8192, shares=4)(D, 0) == 2048
-    assert _budget(Reports(), given=0)(D, 0) == 0                 # no budget
+    assert _budget(Reports(), given=8192)(D) == Limit(8192)
+    assert _budget(Reports(), given=8192, shares=4)(D) == Limit(2048)
+    assert _budget(Reports(), given=0)(D).at(5000) == 0           # no budget
 
 
 def test_a_d_that_says_nothing_of_its_capacity_gets_the_old_default():
-    assert _budget(Reports(), capacity=None)(D, 0) == FALLBACK
-    assert _budget(Reports(), capacity=None)("http://gone:1", 0) == FALLBACK
+    assert _budget(Reports(), capacity=None)(D) == Limit(FALLBACK)
+    assert _budget(Reports(), capacity=None)("http://gone:1") == Limit(FALLBACK)
 
 
 def test_the_pins_never_take_more_than_the_high_water_mark_of_d():
@@ -63,53 +64,74 @@ def test_the_pins_never_take_more_than_the_high_water_mark_of_d():
     nothing now)."""
     reports = Reports()
     budget = _budget(reports, capacity=600)
-    assert budget(D, 0) == int(HIGH_WATER * 600) == 540
+    assert budget(D).at(0) == int(HIGH_WATER * 600) == 540
     reports.says(D, usage=0.5, at=1.0)
-    assert budget(D, 300) == 540
+    assert budget(D).at(300) == 540
 
 
 def test_usage_above_the_mark_cuts_the_pins_by_the_excess_once_a_report():
     reports = Reports()
     budget = _budget(reports, capacity=1000)
     reports.says(D, usage=0.8, at=1.0)                  # room: the pins may grow
-    assert budget(D, 500) == 900
+    assert budget(D) == Limit(900)
     reports.says(D, usage=1.0, at=2.0)                  # running requests filled D: 100 over
-    assert budget(D, 500) == 400                        # released at once, down to 400...
-    assert budget(D, 400) == 900                        # ...once: then the cap again, as pins
-    assert budget(D, 700) == 900                        # of turns that end take no new room
-    reports.says(D, usage=0.93, at=3.0)                 # what the cut freed, and a bit more
-    assert budget(D, 700) == 670
+    assert budget(D) == Limit(900, 100)                 # released at once, 100 fewer...
+    assert budget(D).at(500) == 900                     # ...once: then the cap again, as pins
+    reports.says(D, usage=0.93, at=3.0)                 # of turns that end take no new room
+    assert budget(D).at(700) == 670
     reports.says(D, usage=0.5, at=4.0)                  # D emptied: the pins may grow back
-    assert budget(D, 670) == 900
+    assert budget(D).at(670) == 900
+
+
+def test_a_cut_counts_the_releases_still_queued_as_made():
+    """Releases wait in a queue (at most --release-rate a second): a report taken before they
+    landed cuts only what they will not free."""
+    reports = Reports()
+    queued = {D: 60}
+    budget = _budget(reports, capacity=1000, pending=lambda decode: queued.get(decode, 0))
+    reports.says(D, usage=1.0, at=1.0)
+    assert budget(D) == Limit(900, 40)
+    reports.says(D, usage=0.95, at=2.0)                 # 50 over, 60 on their way: no cut
+    assert budget(D) == Limit(900)
 
 
 def test_a_stale_report_cuts_nothing():
     reports = Reports()
     budget = _budget(reports, capacity=1000)
     reports.says(D, usage=1.0, at=1.0)
-    assert budget(D, 500) == 400
-    assert budget(D, 500) == 900          # the same report again: acted on already
+    assert budget(D).at(500) == 400
+    assert budget(D).at(500) == 900       # the same report again: acted on already
     del reports.read[D]                   # reads failing: the cap alone
-    assert budget(D, 500) == 900
+    assert budget(D).at(500) == 900
 
 
 def test_each_worker_of_a_local_store_keeps_and_cuts_its_share():
     reports = Reports()
     budget = _budget(reports, capacity=1000, shares=4, workers=4)
-    assert budget(D, 0) == 900 // 4
+    assert budget(D) == Limit(900 // 4)
     reports.says(D, usage=1.0, at=1.0)        # 100 over: each of 4 workers gives 25
-    assert budget(D, 120) == 95
-    assert budget("http://other:1", 0) == FALLBACK // 4
+    assert budget(D).at(120) == 95
+    assert budget("http://other:1") == Limit(FALLBACK // 4)
 
 
 def test_each_worker_of_a_shared_store_cuts_its_share_of_the_whole():
     """A Redis store's count is every worker's and host's: the cap is the whole D's, and each
-    worker of the host makes its share of a cut."""
+    worker of the host makes its share of a cut, from the count Redis holds then."""
     reports = Reports()
     budget = _budget(reports, capacity=1000, shares=1, workers=4)
-    assert budget(D, 0) == 900
+    assert budget(D) == Limit(900)
     reports.says(D, usage=1.0, at=1.0)
-    assert budget(D, 600) == 575
+    assert budget(D) == Limit(900, 25)
+
+
+def test_a_data_parallel_ds_excess_is_its_fullest_ranks():
+    """vLLM's num_gpu_blocks is every rank's together (v1/engine/core_client.py ~L874-877);
+    its usage here is the fullest rank's (engine_load.parse): the excess is of that rank's
+    share."""
+    reports = Reports()
+    budget = _budget(reports, capacity=2000, ranks=2)
+    reports.says(D, usage=1.0, at=1.0)
+    assert budget(D) == Limit(1800, 100)
 
 
 def test_a_full_d_keeps_only_the_conversation_just_stored():
@@ -117,7 +139,7 @@ def test_a_full_d_keeps_only_the_conversation_just_stored():
     reports = Reports()
     budget = _budget(reports, capacity=100)
     reports.says(D, usage=1.0, at=1.0)
-    assert budget(D, 5) == 1
+    assert budget(D).at(5) == 1
 
 
 # --- the store keeps each D within its budget as the budget changes ---------------------------
@@ -130,7 +152,7 @@ def _entry(decode: str, blocks: int, n: int) -> Entry:
 def test_a_local_store_releases_beyond_a_budget_that_shrank_at_its_next_sweep(clock):
     budgets = {D: 100}
     store = LocalStore(maxsize=100, ttl=450, timer=clock,
-                       pinned_budget=lambda decode, pinned: budgets[decode])
+                       pinned_budget=lambda decode: Limit(budgets[decode]))
     dropped = []
     store.on_drop = lambda entry, why: dropped.append((entry.history_digest, why))
     for n in range(5):
@@ -172,11 +194,12 @@ def test_engines_that_disagree_get_no_partial_reuse_and_a_warning(caplog):
         caplog.records[0].getMessage()) == 1 and "16, 32" in caplog.text
 
 
-def test_until_an_engine_reports_the_block_size_is_unknown():
+def test_until_an_engine_reports_the_block_size_is_unknown(clock):
     reports = Reports()
-    size = BlockSize(None, [Pool("decode", [D])], reports)
+    size = BlockSize(None, [Pool("decode", [D])], reports, clock=clock)
     assert size() is None
-    reports.facts_of[D] = Facts(32, 1000, True)       # the first read: known at once
+    reports.facts_of[D] = Facts(32, 1000, True)       # the first read: known a moment later
+    clock.advance(0.2)
     assert size() == 32
 
 

@@ -72,12 +72,15 @@ CACHE_CONFIG = (b'vllm:cache_config_info{_block_size_resolved="True",block_size=
 
 def test_the_cache_config_says_block_size_capacity_and_prefix_caching():
     """vllm:cache_config_info: every CacheConfig field a label, its str() (vLLM 0.33.0
-    config/cache.py ~L440-443); two data-parallel ranks' blocks add up."""
-    page = parse(VLLM_PAGE + CACHE_CONFIG % (b"0", b"600") + CACHE_CONFIG % (b"1", b"400"))
-    assert (page.block_size, page.capacity, page.prefix_caching) == (32.0, 1000.0, 1.0)
+    config/cache.py ~L440-443), one line per data-parallel rank, each with every rank's blocks
+    together (the front end sums them: v1/engine/core_client.py ~L874-877)."""
+    page = parse(VLLM_PAGE + CACHE_CONFIG % (b"0", b"1000") + CACHE_CONFIG % (b"1", b"1000"))
+    assert (page.block_size, page.capacity, page.prefix_caching, page.ranks) == (
+        32.0, 1000.0, 1.0, 2.0)
+    assert page.facts() == Facts(32, 1000, False, 2)
     on = parse(VLLM_PAGE + CACHE_CONFIG.replace(b'"False"', b'"True"') % (b"0", b"600"))
     assert on.prefix_caching == 2.0
-    assert parse(VLLM_PAGE)[3:] == (0.0, 0.0, 0.0)            # an engine that does not say
+    assert parse(VLLM_PAGE)[3:] == (0.0, 0.0, 0.0, 0.0)       # an engine that does not say
     # Ranks that disagree on the block size leave it unknown.
     mixed = CACHE_CONFIG % (b"0", b"1") + CACHE_CONFIG.replace(b'block_size="32"',
                                                                 b'block_size="16"') % (b"1", b"1")

@@ -34,11 +34,22 @@ def test_an_instance_is_ready_only_once_it_answered_a_probe():
     pool.probed_now(d, True)
     assert pool.ready(d) and pool.any_ready() and d.state(0) == "up"
     pool.probed_now(d, False, "no answer to GET /health")
+    assert pool.ready(d)                 # one probe missed: a busy engine may miss one
+    pool.probed_now(d, False, "no answer to GET /health")
     assert not pool.ready(d) and d.down and not pool.servable()
     with pytest.raises(ServiceUnavailable, match="no decode instance answers its health check"):
         pool.choose("k")
     pool.probed_now(d, True)                                # back: chosen again
     assert pool.ready(d) and not d.down and pool.choose("k") is d
+
+
+def test_a_request_that_an_engine_answers_makes_it_ready_again():
+    pool = _probed("http://d:1")
+    (d,) = pool.instances
+    pool.probed_now(d, False, "no answer to GET /health")       # never answered: at once
+    assert not pool.servable()
+    pool.succeeded(d)                     # a request it answered after all
+    assert pool.ready(d) and pool.servable() and d.answered is True
 
 
 def test_without_probes_an_instance_not_marked_down_is_ready():
@@ -61,7 +72,8 @@ def test_a_request_failure_is_tried_again_until_a_probe_confirms_it():
     pool.on_down = lambda: woken.append(1)
     pool.failed(one, unreachable=True)
     assert woken == [1] and pool.choose("k", exclude=[two]) is one
-    pool.probed_now(one, False, "no answer to GET /health")
+    for _ in range(2):                  # it answered before: given up after two probes
+        pool.probed_now(one, False, "no answer to GET /health")
     assert pool.choose("k") is two
     assert pool.choose("k", exclude=[two]) is two     # never the one known not to answer
 
@@ -140,10 +152,13 @@ def test_a_gateway_is_not_ready_until_its_engines_answer_and_refuses_turns_befor
     d_url = f"http://{HOSTS[1]}:{d_port}"
     with EmulatorProcess("prefill", host=HOSTS[0], itl_ms=1, bidirectional_kv_xfer=True) as p, \
             gateway_process([p.url], [d_url], probe_interval=0.2, ready=False) as gateway:
-        # The first probe round has found the D not answering (driven, not waited for).
-        wait_until(lambda: _status(gateway)["decode"][0]["state"] == "down", 10,
-                   "the probe to find the D down")
-        assert _status(gateway)["prefill"][0]["ready"] is True
+        # The first probe round has found the D not answering and the P answering (each
+        # probed on its own: driven, not waited for).
+        def probed() -> bool:
+            status = _status(gateway)
+            return (status["decode"][0]["state"] == "down"
+                    and status["prefill"][0]["ready"] is True)
+        wait_until(probed, 10, "the probes to find the D down and the P ready")
         health = requests.get(gateway.url + "/health", timeout=5)
         assert health.status_code == 503 and health.json() == {"status": "degraded"}
         assert gateway.metric("pd_gateway_engine_up", role="decode") == 0

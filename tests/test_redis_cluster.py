@@ -14,6 +14,7 @@ from openai import OpenAI
 from devtools.processes import (GatewayProcess, RedisClusterProcesses, RedisProcess,
                                 RedisSentinelProcesses)
 from emulator.process import EmulatorProcess, wait_until
+from gateway.engines.d_budget import Limit
 from gateway.reuse.store import Entry, RedisClusterStore, RedisStore, redis_client
 from tests.helpers.servers import MODEL, starts_processes
 
@@ -71,7 +72,7 @@ def test_a_ds_budget_that_shrank_is_met_at_the_next_sweep(cluster):
     ticks = itertools.count()
     budget = {"blocks": 100}
     store = RedisClusterStore(cluster.url, ttl=60, timeout=2,
-                              pinned_budget=lambda decode, pinned: budget["blocks"],
+                              pinned_budget=lambda decode: Limit(budget["blocks"]),
                               timer=lambda: time.time() + next(ticks))
     dropped = []
     store.on_drop = lambda e, why: dropped.append((e.params["remote_request_id"], why))

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.engines.d_budget import Limit
 from gateway.reuse.store import Entry, LocalStore, RedisStore
 
 
@@ -332,7 +333,7 @@ def test_a_shared_store_releases_beyond_a_ds_budget_that_shrank_at_its_next_swee
     redis_server.client.flushdb()
     budgets = {"http://d1": 100, "http://d2": 100}
     one, two = (RedisStore(redis_server.url, ttl=30, timeout=1,
-                           pinned_budget=lambda decode, pinned: budgets[decode])
+                           pinned_budget=lambda decode: Limit(budgets[decode]))
                 for _ in range(2))
     dropped = dropping(one)
     for n in range(5):
@@ -345,6 +346,23 @@ def test_a_shared_store_releases_beyond_a_ds_budget_that_shrank_at_its_next_swee
     assert two.take("k2") is None and two.take("k3") is not None
     one.sweep()                                           # within it now: nothing more
     assert len(dropped) == 3 and one.take("x") is not None
+
+
+def test_a_cut_is_made_against_the_count_redis_holds_not_the_workers(redis_server):
+    """A worker that never put on D (its own count of D: none) makes its share of a cut from
+    the total Redis holds: the oldest 30 blocks' worth go, not every conversation on D."""
+    redis_server.client.flushdb()
+    one = RedisStore(redis_server.url, ttl=30, timeout=1, pinned_budget=1000)
+    for n in range(5):
+        one.put(f"k{n}", on("http://d1", n, blocks=20))
+    limits = [Limit(1000, 30)]                      # a report found D 30 blocks over its mark
+    fresh = RedisStore(redis_server.url, ttl=30, timeout=1,
+                       pinned_budget=lambda decode: limits.pop() if limits else Limit(1000))
+    dropped = dropping(fresh)
+    fresh.put("k9", on("http://d1", 9, blocks=20))  # 120 pinned: 90 may stay
+    assert dropped == [("r0", "http://d1", "budget"), ("r1", "http://d1", "budget")]
+    fresh.put("k10", on("http://d1", 10, blocks=20))     # the cut was once: the cap again
+    assert len(dropped) == 2 and fresh.take("k9") is not None
 
 
 def test_a_shared_store_uncounts_entries_redis_expired_or_that_moved(redis_server):

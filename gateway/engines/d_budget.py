@@ -34,14 +34,16 @@ replaces.
 
 Each worker of a local store keeps its own pins: its share of the cap and of each cut (the whole
 over the workers; conversations spread evenly over them, gateway.front.owners). A shared Redis
-store keeps one count per D for every host; each of a host's workers makes its share of a cut
-(several hosts each make the whole: they over-release by their number, which the next report
-shows and no cut follows).
+store keeps one count per D for every host, and a cut is made against it as Redis holds it then;
+each of a host's workers makes its share. Releases a worker queued for a D and has not sent yet
+count as made. Several hosts each make the whole cut: they over-release by their number, which
+the next report shows, and no cut follows.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import time
+from typing import Callable, NamedTuple
 
 from gateway.engines.engine_load import EngineLoad
 from gateway.engines.instances import Instance, public_url
@@ -51,16 +53,43 @@ log = logging.getLogger(__name__)
 
 HIGH_WATER = 0.9        # of D's capacity: what its pins may bring its KV cache usage up to
 FALLBACK = 8192         # blocks, for a D that does not report its capacity
+LOOK_AGAIN = 0.25       # seconds a D's cap is kept before the engine's table is read again
+
+
+class Limit(NamedTuple):
+    """A D's pinned budget now: at most `cap` blocks (0: no budget), and `cut` blocks fewer than
+    are pinned there now, once (a report found D over the mark)."""
+
+    cap: int
+    cut: int = 0
+
+    def at(self, pinned: int) -> int:
+        """The budget for a store that holds `pinned` blocks on the D (0: none)."""
+        if not self.cut:
+            return self.cap
+        return max(1, min(self.cap, pinned - self.cut))
+
+
+class _Known:
+    """One D as last looked at: its cap until `until`, and the report last acted on."""
+
+    def __init__(self) -> None:
+        self.until = float("-inf")
+        self.cap = 0
+        self.instance: Instance | None = None
+        self.capacity = 0
+        self.ranks = 1
+        self.read_at: float | None = None
 
 
 class DBudget:
-    """`budget(decode_url, pinned)`: the blocks this store may keep pinned on that D now (0: no
-    budget), where `pinned` is what the store holds there now. The store releases what is
-    beyond it at once: at a put, or at its sweep (each second)."""
+    """`budget(decode_url)`: the `Limit` of the blocks this store may keep pinned on that D.
+    The store releases what is beyond it at once: at a put, or at its sweep (each second)."""
 
     def __init__(self, given: int | None, load: EngineLoad,
-                 find: Callable[[str], Instance | None], shares: int = 1,
-                 workers: int = 1) -> None:
+                 find: Callable[[str], Instance | None], shares: int = 1, workers: int = 1,
+                 pending: Callable[[str], int] = lambda decode_url: 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.given = given          # --pinned-blocks: a number for every D, or None (derived)
         self.load = load
         self.find = find            # the D instance at a URL, if it is in a pool
@@ -69,35 +98,57 @@ class DBudget:
         self.shares = max(1, shares)
         self.workers = max(1, workers)
         self._part = self.shares / self.workers
-        self._read_at: dict[str, float] = {}     # each D's last report acted on
-        self._said: dict[str, int] = {}          # each D's capacity, once logged
+        self.pending = pending      # blocks this worker's releases queued for a D still hold
+        self.clock = clock
+        self._known: dict[str, _Known] = {}
+        self._published: dict[str, float] = {}
 
-    def __call__(self, decode_url: str, pinned: int) -> int:
+    def __call__(self, decode_url: str) -> Limit:
         if self.given is not None:
-            return self._publish(decode_url, max(1, self.given // self.shares)
-                                 if self.given else 0)
+            return self._publish(decode_url, Limit(max(1, self.given // self.shares)
+                                                   if self.given else 0))
+        known = self._look(decode_url)
+        if not known.capacity:
+            return self._publish(decode_url, Limit(known.cap))
+        report = self.load.reported(known.instance)
+        if report is None or known.read_at == report.read_at:
+            return self._publish(decode_url, Limit(known.cap))
+        known.read_at = report.read_at
+        # Usage is the fullest data-parallel rank's; its share of the capacity is what is over.
+        over = (report.kv_usage - HIGH_WATER) * known.capacity / known.ranks
+        cut = round(over / self.workers) - self.pending(decode_url)
+        # D is fuller than the mark: once, this many fewer (releases still queued count as
+        # made); the next calls answer the cap again.
+        return self._publish(decode_url, Limit(known.cap, max(0, cut)))
+
+    def _look(self, decode_url: str) -> _Known:
+        """The D's cap, from what it reported (looked at again every LOOK_AGAIN seconds)."""
+        known = self._known.get(decode_url)
+        now = self.clock()
+        if known is not None and now < known.until:
+            return known
+        if known is None:
+            known = self._known[decode_url] = _Known()
+            if len(self._known) > 4096:          # Ds come and go: forget those long gone
+                self._known = {decode_url: known}
+        known.until = now + LOOK_AGAIN
         instance = self.find(decode_url)
         facts = self.load.facts(instance) if instance is not None else None
-        if facts is None or not facts.capacity:
-            return self._publish(decode_url, max(1, FALLBACK // self.shares))
-        cap = max(1, int(HIGH_WATER * facts.capacity / self.shares))
-        if self._said.get(decode_url) != facts.capacity:
-            self._said[decode_url] = facts.capacity
+        capacity = facts.capacity if facts is not None else 0
+        if capacity and capacity != known.capacity:
             log.info("%s reports %d blocks of KV cache: its pins are kept within %d of them, "
-                     "and cut where its usage passes %d%%", instance.name, facts.capacity,
-                     int(HIGH_WATER * facts.capacity), HIGH_WATER * 100)
-        report = self.load.reported(instance)
-        if report is None or self._read_at.get(decode_url) == report.read_at:
-            return self._publish(decode_url, cap)
-        self._read_at[decode_url] = report.read_at
-        over = (report.kv_usage - HIGH_WATER) * facts.capacity / self.workers
-        if over <= 0:
-            return self._publish(decode_url, cap)
-        # D is fuller than the mark: this call's answer makes the store release that much,
-        # once; the next calls answer the cap again.
-        return self._publish(decode_url, max(1, min(cap, int(pinned - over))))
+                     "and cut where its usage passes %d%%", instance.name, capacity,
+                     int(HIGH_WATER * capacity), HIGH_WATER * 100)
+        known.instance, known.capacity = instance, capacity
+        known.ranks = facts.ranks if facts is not None else 1
+        known.cap = max(1, int((HIGH_WATER * capacity if capacity else FALLBACK) / self.shares))
+        return known
 
-    def _publish(self, decode_url: str, budget: int) -> int:
-        """Each worker its part of the D's whole budget (the gauge sums the workers)."""
-        metrics.PINNED_BUDGET.labels(public_url(decode_url)).set(budget * self._part)
-        return budget
+    def _publish(self, decode_url: str, limit: Limit) -> Limit:
+        """Each worker its part of the D's cap (the gauge sums the workers); written when it
+        changes."""
+        part = limit.cap * self._part
+        if self._published.get(decode_url) != part:
+            self._published[decode_url] = part
+            metrics.PINNED_BUDGET.labels(public_url(decode_url)).set(part)
+        return limit

@@ -43,10 +43,12 @@ from gateway.support import metrics
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("waiting", "running", "kv_usage", "block_size", "capacity", "prefix_caching",
+FIELDS = ("waiting", "running", "kv_usage", "block_size", "capacity", "prefix_caching", "ranks",
           "read_at", "claimed_at")
-_WAITING, _RUNNING, _KV, _BLOCK, _CAPACITY, _CACHING, _READ_AT, _CLAIMED_AT = range(len(FIELDS))
+(_WAITING, _RUNNING, _KV, _BLOCK, _CAPACITY, _CACHING, _RANKS, _READ_AT,
+ _CLAIMED_AT) = range(len(FIELDS))
 _WIDTH = len(FIELDS)
+assert len(LOAD_VALUES) == LOAD_ROWS * _WIDTH, "gateway.slots.LOAD_VALUES: a row per FIELDS"
 _PROBES = 16            # rows looked at from a key's own before the table counts as full
 # The three gauges, by the name each sample line starts with.
 _GAUGES = {b"vllm:num_requests_waiting": _WAITING, b"vllm:num_requests_running": _RUNNING,
@@ -71,8 +73,15 @@ class Facts:
     not say: fixed while it runs."""
 
     block_size: int         # tokens a block
-    capacity: int           # blocks (num_gpu_blocks), summed over its data-parallel ranks
+    capacity: int           # blocks (num_gpu_blocks): every data-parallel rank's together
     prefix_caching: bool | None
+    ranks: int = 1          # its data-parallel engines, each with its share of the capacity
+
+    def said(self) -> str:
+        """As a log line or a report says them."""
+        on = {True: "on", False: "off", None: "not said"}[self.prefix_caching]
+        return (f"KV block size {self.block_size or 'not said'}, "
+                f"{self.capacity or 'not said'} blocks, prefix caching {on}")
 
 
 class Page(NamedTuple):
@@ -85,6 +94,15 @@ class Page(NamedTuple):
     block_size: float = 0.0
     capacity: float = 0.0
     prefix_caching: float = 0.0
+    ranks: float = 0.0
+
+    def facts(self) -> Facts | None:
+        """The cache's facts, if the page says any."""
+        if not (self.block_size or self.capacity or self.prefix_caching):
+            return None
+        return Facts(int(self.block_size), int(self.capacity),
+                     None if not self.prefix_caching else self.prefix_caching == 2.0,
+                     max(1, int(self.ranks)))
 
 
 def _cache_config(line: bytes) -> tuple[float, float, float]:
@@ -115,7 +133,7 @@ def parse(text: bytes) -> Page | None:
     found = [0.0, 0.0, 0.0]
     seen = set()
     capacity = None
-    block, blocks, caching = 0.0, 0.0, 0.0
+    block, blocks, caching, ranks = 0.0, 0.0, 0.0, 0
     for line in text.splitlines():
         if not line.startswith(b"vllm:"):
             continue
@@ -123,12 +141,15 @@ def parse(text: bytes) -> Page | None:
         index = _GAUGES.get(name)
         by_reason = name == _BY_REASON and b'reason="capacity"' in line
         if name == _CACHE_CONFIG:
-            # One per data-parallel rank: their blocks add up; ranks that disagree on the
-            # block size (they never should) leave it unknown.
+            # One line per data-parallel rank, each with the ranks' blocks together (vLLM's
+            # front end sums them before it logs: v1/engine/core_client.py ~L874-877,
+            # v1/metrics/loggers.py ~L1133-1136); ranks that disagree on the block size (they
+            # never should) leave it unknown.
             size, count, on = _cache_config(line)
             block = size if not block or block == size else -1.0
-            blocks += count
+            blocks = max(blocks, count)
             caching = caching or on
+            ranks += 1
             continue
         if index is None and not by_reason:
             continue
@@ -148,7 +169,7 @@ def parse(text: bytes) -> Page | None:
     # Without the reason label (vLLM before it) the total counts every remote-KV load a D
     # has in flight: no queue signal then, only the KV cache's (-1: unknown).
     found[_WAITING] = capacity if capacity is not None else -1.0
-    return Page(*found, max(block, 0.0), blocks, caching)
+    return Page(*found, max(block, 0.0), blocks, caching, float(ranks))
 
 
 class LoadTable:
@@ -199,7 +220,7 @@ class LoadTable:
         if self.keys[row] != self.key(url):      # another worker took the row meanwhile
             return
         base = row * _WIDTH
-        self.values[base + _WAITING:base + _CACHING + 1] = list(page)
+        self.values[base + _WAITING:base + _RANKS + 1] = list(page)
         self.values[base + _READ_AT] = now
 
     def read(self, url: str, now: float, stale: float) -> Reported | None:
@@ -219,10 +240,9 @@ class LoadTable:
         if row is None:
             return None
         base = row * _WIDTH
-        block, blocks, caching = self.values[base + _BLOCK:base + _CACHING + 1]
-        if self.values[base + _READ_AT] <= 0 or not (block or blocks or caching):
+        if self.values[base + _READ_AT] <= 0:
             return None
-        return Facts(int(block), int(blocks), None if not caching else caching == 2.0)
+        return Page(0.0, 0.0, 0.0, *self.values[base + _BLOCK:base + _RANKS + 1]).facts()
 
 
 class EngineLoad:
@@ -310,10 +330,7 @@ class EngineLoad:
         facts = self.table.facts(instance.url)
         if facts is None or facts == before:
             return
-        on = {True: "on", False: "off", None: "not said"}[facts.prefix_caching]
-        log.info("%s (%s): KV block size %s, %s blocks, prefix caching %s", instance.name,
-                 instance.public_url, facts.block_size or "not said",
-                 facts.capacity or "not said", on)
+        log.info("%s (%s): %s", instance.name, instance.public_url, facts.said())
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -333,8 +350,8 @@ class BlockSize:
     """The KV block size of one model's engines, which partial reuse cuts D's block lists at:
     `given` (--kv-block-size) if set; else the size every engine of the model reports
     (vllm:cache_config_info), None while none has (no partial reuse yet) or when they disagree
-    (none then: a warning says so); vLLM's default where reports are off. Once known, looked
-    at again once a second, not per turn."""
+    (none then: a warning says so); vLLM's default where reports are off. Looked at again
+    once a second (five times while unknown), not per turn."""
 
     def __init__(self, given: int | None, pools: Iterable[Pool], load: EngineLoad,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -352,7 +369,8 @@ class BlockSize:
         if not self.load.enabled:
             return DEFAULT_BLOCK_SIZE
         now = self.clock()
-        if self._value is None or now - self._at >= 1.0:    # unknown: asked again each time
+        # Known: looked at again once a second; not (yet) known, five times a second.
+        if now - self._at >= (1.0 if self._value is not None else 0.2):
             self._value, self._at = self._read(), now
         return self._value
 

@@ -8,6 +8,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -16,6 +17,16 @@ from gateway.support import metrics
 from gateway.support.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
+
+# What every P and D needs (README, "The vLLM engines"): the NIXL connector, both roles, and
+# bidirectional transfer, off by default (vLLM 0.33.0 nixl/base_scheduler.py ~L174-180), without
+# which a D keeps nothing after a turn (nixl/pull_scheduler.py ~L232-233) and a P reads nothing
+# from a D (~L130-134).
+KV_TRANSFER_CONFIG = ("--kv-transfer-config '{\"kv_connector\":\"NixlConnector\","
+                      "\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
+                      "{\"bidirectional_kv_xfer\":true}}'")
+MISSES = 2          # probes in a row an engine that answered before may miss before it is down
+CONCURRENT = 8      # probes at once in a round
 
 
 def public_url(url: str) -> str:
@@ -66,12 +77,14 @@ class Instance:
     open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
     # The last probe's answer (Prober): None before the first, or with probes off.
     answered: bool | None = None
+    missed: int = 0             # probes in a row it did not answer
     served: tuple[str, ...] | None = None   # the models its /v1/models lists, once it answered
     why: str = ""               # why the last probe found it not ready
     # A D: did its last finished two-stage turn return kv_transfer_params (keep its blocks for
     # the next turn's P)? None before any; and how many such turns kept nothing.
     keeps_blocks: bool | None = None
     kept_nothing: int = 0
+    warned: bool = False        # ...said once (per worker)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -127,7 +140,7 @@ class Pool:
         self._turn = 0                    # round robin: where the next search starts
         self._lock = threading.Lock()
         self._clock = clock
-        self.on_down: Callable[[], None] | None = None   # wakes the prober
+        self.on_down: Callable[[], None] | None = None   # wakes the prober (down, or added)
         # Are the instances probed (Prober)? Then one is ready only once it answered; without
         # probes, every instance not marked down is taken as ready.
         self.probed = False
@@ -151,6 +164,8 @@ class Pool:
         (log.debug if origin == "settings" else log.info)("%s (%s) added (%s)", instance.name,
                                                           instance.public_url,
                                                           public_url(origin))
+        if self.on_down is not None:        # probed at once, not at the next round
+            self.on_down()
         return instance, True
 
     def remove(self, url: str) -> Instance | None:
@@ -253,8 +268,13 @@ class Pool:
         return f"no {what} answers its health check"
 
     def probed_now(self, instance: Instance, answered: bool, why: str = "") -> None:
-        """A probe's answer: ready (back if it was down) or not (down until one answers)."""
+        """A probe's answer: ready (back if it was down) or not (down until one answers). An
+        engine that answered before is given up only after `MISSES` probes in a row: a busy
+        vLLM can miss one (its /health shares the event loop with every stream)."""
         with self._lock:
+            instance.missed = 0 if answered else instance.missed + 1
+            if not answered and instance.answered and instance.missed < MISSES:
+                return
             before, instance.answered, instance.why = instance.answered, answered, why
             if answered and instance.down:
                 instance.failures, instance.down, instance.open_until = 0, False, 0.0
@@ -276,26 +296,22 @@ class Pool:
         so no later turn of its conversations reads any. Said once per engine, counted."""
         with self._lock:
             instance.kept_nothing += 1
-            first, instance.keeps_blocks = instance.keeps_blocks is not False, False
+            instance.keeps_blocks = False
+            first, instance.warned = not instance.warned, True
         metrics.DECODE_KEPT_NOTHING.labels(instance.name).inc()
         if first:
             log.warning(
                 "%s (%s) finished a turn without kv_transfer_params: it keeps no KV blocks for "
                 "the next turn, so no turn of its conversations can reuse them. Start it with "
-                "bidirectional KV transfer: --kv-transfer-config '{\"kv_connector\":"
-                "\"NixlConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
-                "{\"bidirectional_kv_xfer\":true}}'%s (`pd-gateway check` tests a P/D pair)",
-                instance.name, instance.public_url,
+                "bidirectional KV transfer: %s%s (`pd-gateway check` tests a P/D pair)",
+                instance.name, instance.public_url, KV_TRANSFER_CONFIG,
                 "; a streamed turn also needs a vLLM whose streams carry the params "
                 "(PR #40186)" if streamed else "")
 
-    def kept(self, instance: Instance) -> None:
+    @staticmethod
+    def kept(instance: Instance) -> None:
         """A D returned its params after a turn it loaded from P."""
-        if instance.keeps_blocks is not True:
-            if instance.keeps_blocks is False:
-                log.info("%s (%s) keeps its blocks for the next turn again", instance.name,
-                         instance.public_url)
-            instance.keeps_blocks = True
+        instance.keeps_blocks = True
 
     def readiness(self, url: str) -> tuple[Instance | None, str]:
         """The instance at `url` if it may take a request now, else None and why: down (or
@@ -323,11 +339,13 @@ class Pool:
             instance.inflight -= 1
 
     def succeeded(self, instance: Instance) -> None:
-        if instance.failures or instance.down or instance.open_until:
+        if instance.failures or instance.down or instance.open_until or instance.answered is False:
             with self._lock:
                 instance.failures = 0
                 instance.down = False
                 instance.open_until = 0.0
+                if instance.answered is False:    # it answered a request: it answers
+                    instance.answered, instance.missed, instance.why = True, 0, ""
 
     def failed(self, instance: Instance, unreachable: bool) -> None:
         """Record a failure: unreachable marks it down at once; others count toward the breaker."""
@@ -377,6 +395,7 @@ class Prober:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._probes: ThreadPoolExecutor | None = None
 
     @property
     def enabled(self) -> bool:
@@ -404,12 +423,17 @@ class Prober:
             self._wake.clear()
 
     def probe_all(self) -> None:
-        """One round: every instance of every pool."""
-        for pool in self.pools:
-            for instance in pool.instances:
-                if self._stop.is_set():
-                    return
+        """One round: every instance of every pool, at most `CONCURRENT` at once (one that does
+        not answer costs its timeout, not the others' turn)."""
+        todo = [(pool, instance) for pool in self.pools for instance in pool.instances]
+        if len(todo) <= 1:
+            for pool, instance in todo:
                 self.probe_one(pool, instance)
+            return
+        if self._probes is None:     # kept: its threads (greenlets) made once, idle between
+            self._probes = ThreadPoolExecutor(CONCURRENT)
+        for _ in self._probes.map(lambda job: self.probe_one(*job), todo):
+            pass
 
     def probe_one(self, pool: Pool, instance: Instance) -> None:
         if not self.probe(instance):
@@ -430,3 +454,5 @@ class Prober:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(self.interval + 2)    # a probe in progress times out within 1 s
+        if self._probes is not None:
+            self._probes.shutdown(wait=False)

@@ -27,7 +27,7 @@ from typing import Callable
 
 from gateway.engines.instances import Pool
 from gateway.engines.upstream import Upstream
-from gateway.reuse.store import Entry
+from gateway.reuse.store import Entry, pinned_blocks
 from gateway.support import metrics
 from gateway.support.errors import GatewayError
 
@@ -63,6 +63,9 @@ class Releaser:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # The blocks the queued releases of each D's entries still hold there: a D's budget
+        # counts them as released already (gateway.engines.d_budget).
+        self._pending: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -72,12 +75,26 @@ class Releaser:
         """`entry` will not be read: release its blocks soon. Never blocks, never raises."""
         if not self.enabled or not entry.params:
             return
+        self._count(entry, 1)
         try:
             self._jobs.put_nowait((entry, reason))
         except queue.Full:
+            self._count(entry, -1)
             metrics.RELEASES.labels(reason, "skipped").inc()
             return
         self.start()
+
+    def pending(self, decode_url: str) -> int:
+        """Blocks on that D whose releases are queued, not yet sent."""
+        return self._pending.get(decode_url, 0)
+
+    def _count(self, entry: Entry, sign: int) -> None:
+        with self._lock:
+            left = self._pending.get(entry.decode_url, 0) + sign * pinned_blocks(entry)
+            if left > 0:
+                self._pending[entry.decode_url] = left
+            else:
+                self._pending.pop(entry.decode_url, None)
 
     def start(self) -> None:
         """The background loop (a greenlet under gevent), once per process, after fork."""
@@ -108,7 +125,10 @@ class Releaser:
             except queue.Empty:
                 continue
             started = time.monotonic()
-            self.release(entry, reason)
+            try:
+                self.release(entry, reason)
+            finally:
+                self._count(entry, -1)
             self._stop.wait(max(0.0, pause - (time.monotonic() - started)))
 
     def _sweep(self) -> None:

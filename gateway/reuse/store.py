@@ -11,6 +11,7 @@ from typing import Callable, Protocol, Sequence
 
 from cachetools import TLRUCache
 
+from gateway.engines.d_budget import Limit
 from gateway.engines.instances import public_url
 from gateway.reuse.packing import digest_bytes, expiry, pack, unpack
 from gateway.support import metrics
@@ -36,12 +37,13 @@ class Entry:
     prefixes: bytes | None = None
 
 
-Budget = Callable[[str, int], int]     # (D's URL, blocks pinned there now) -> its budget
+Budget = Callable[[str], Limit]     # D's URL -> its pinned budget now (gateway.engines.d_budget)
 
 
 def fixed(budget: int) -> Budget:
     """The same budget for every D (0: none)."""
-    return lambda decode, pinned: budget
+    limit = Limit(budget)
+    return lambda decode: limit
 
 
 class ConversationStore(Protocol):
@@ -133,7 +135,7 @@ class _LeavingCache(TLRUCache):
 
 class Pinned:
     """The blocks each D keeps for one store's entries, oldest entry first; past its budget on
-    one D (`budget(decode, pinned)`; 0: none) the oldest of its entries are to be dropped. Not
+    one D (`budget(decode)`, a Limit; 0: none) the oldest of its entries are to be dropped. Not
     thread-safe: the store's lock covers it."""
 
     def __init__(self, budget: int | Budget = 0) -> None:
@@ -152,7 +154,7 @@ class Pinned:
     def over(self, decode: str, keep: bytes | None = None) -> list[bytes]:
         """The keys of `decode`'s oldest entries beyond its budget now (never `keep`)."""
         total = self._totals.get(decode, 0)
-        budget = self.budget(decode, total)
+        budget = self.budget(decode).at(total)
         over: list[bytes] = []
         if not budget or total <= budget:
             return over
@@ -315,6 +317,12 @@ local function unpin(prefix, member)
     if not d then return 0 end
     return unpin_from(prefix, d, member)
 end
+-- A D's budget for its total now: `cap` (0: none), or `cut` fewer than the total, once
+-- (gateway.engines.d_budget.Limit.at).
+local function budget_at(cap, cut, total)
+    if cut <= 0 then return cap end
+    return math.max(1, math.min(cap, total - cut))
+end
 -- D's oldest entries (never `keep`) taken out while its total is over its budget: their values
 -- and D's total after. `alone`: the total when `keep` is all that is left.
 local function trim(prefix, d, keep, budget, total, alone)
@@ -328,7 +336,7 @@ local function trim(prefix, d, keep, budget, total, alone)
         end
         if not oldest then                    -- `keep` alone (or nothing): the total is known
             total = alone
-            redis.call('SET', total_key, total)
+            redis.call('SET', total_key, total, 'KEEPTTL')
             break
         end
         total = total - unpin_from(prefix, d, oldest)
@@ -351,9 +359,9 @@ end
 return false
 """
 
-# KEYS[1] the entry; ARGV: packed entry, expiry (ms), now (ms), member, blocks, budget, D id,
-# prefix. Returns the entry it replaced (or false), the entries dropped over D's budget (oldest
-# first, never this one), and D's total after.
+# KEYS[1] the entry; ARGV: packed entry, expiry (ms), now (ms), member, blocks, budget's cap, D
+# id, prefix, budget's cut. Returns the entry it replaced (or false), the entries dropped over
+# D's budget (oldest first, never this one), and D's total after.
 _PUT = _UNPIN + """
 local prefix, member, d, expiry = ARGV[8], ARGV[4], ARGV[7], tonumber(ARGV[2])
 local zset, blocks, total_key = prefix .. 'pinned:' .. d, prefix .. 'pinned-blocks:' .. d,
@@ -368,7 +376,8 @@ redis.call('HSET', blocks, member, ARGV[5])
 redis.call('SET', prefix .. 'pinned-of:' .. member, d, 'PXAT', ARGV[2])
 local total = redis.call('INCRBY', total_key, ARGV[5])
 local over
-over, total = trim(prefix, d, member, tonumber(ARGV[6]), total, tonumber(ARGV[5]))
+over, total = trim(prefix, d, member, budget_at(tonumber(ARGV[6]), tonumber(ARGV[9]), total),
+                   total, tonumber(ARGV[5]))
 -- The ledger outlives its last entry by a minute at most.
 local keep_until = expiry + 60000
 for _, key in ipairs({zset, blocks, total_key}) do
@@ -380,13 +389,14 @@ end
 return {old or false, over, total}
 """
 
-# ARGV: prefix, D id, budget. A D's budget that shrank: its oldest entries beyond it taken out.
-# Returns their values and D's total after.
+# ARGV: prefix, D id, budget's cap and cut. A D's budget that shrank: its oldest entries beyond
+# it taken out. Returns their values and D's total after.
 _TRIM = _UNPIN + """
 local prefix, d = ARGV[1], ARGV[2]
 local total = tonumber(redis.call('GET', prefix .. 'pinned-total:' .. d) or '0')
 local over
-over, total = trim(prefix, d, false, tonumber(ARGV[3]), total, 0)
+over, total = trim(prefix, d, false, budget_at(tonumber(ARGV[3]), tonumber(ARGV[4]), total),
+                   total, 0)
 return {over, total}
 """
 
@@ -555,8 +565,6 @@ class RedisStore(_Takes):
             return None
         return entry, now, expires_ms, _decode_id(entry.decode_url)
 
-    def _budget_of(self, decode_url: str) -> int:
-        return self.budget(decode_url, self._totals.get(decode_url, 0))
 
     def _counted(self, decode_url: str, total: int) -> None:
         self._totals[decode_url] = total
@@ -577,11 +585,12 @@ class RedisStore(_Takes):
             return
         entry, now, expires_ms, decode_id = stamp
         packed_entry = encode(entry)
+        limit = self.budget(entry.decode_url)
         try:
             old, over, total = self._put(
                 keys=[self.PREFIX + key],
                 args=[packed_entry, expires_ms, int(now * 1000), key, pinned_blocks(entry),
-                      self._budget_of(entry.decode_url), decode_id, self.PREFIX])
+                      limit.cap, decode_id, self.PREFIX, limit.cut])
         except self._errors as exc:
             self._failed("put", exc)
             return
@@ -595,15 +604,16 @@ class RedisStore(_Takes):
     def sweep(self) -> None:
         """Redis expires entries itself, unseen (the next put on their D uncounts them): their
         blocks are D's to free at its TTL, a few seconds later. A D whose budget shrank below
-        what the store holds there has its oldest entries released now."""
+        what the store holds there (its total as Redis counts it, whatever this worker saw)
+        has its oldest entries released now."""
         for decode_url, total in list(self._totals.items()):
-            budget = self.budget(decode_url, total)
-            if budget and total > budget:
-                self._trim_to(decode_url, budget)
+            limit = self.budget(decode_url)
+            if limit.cut or (limit.cap and total > limit.cap):
+                self._trim_to(decode_url, limit)
 
-    def _trim_to(self, decode_url: str, budget: int) -> None:
+    def _trim_to(self, decode_url: str, limit: Limit) -> None:
         try:
-            over, total = self._trim(args=[self.PREFIX, _decode_id(decode_url), budget])
+            over, total = self._trim(args=[self.PREFIX, _decode_id(decode_url), *limit])
         except self._errors as exc:
             self._failed("ledger", exc)
             return
@@ -636,6 +646,10 @@ local function unpin(keys, member)
 end
 -- D's oldest members (never `keep`) uncounted while its total is over its budget: the members
 -- (the caller takes their entries, in their own slots) and D's total after.
+local function budget_at(cap, cut, total)
+    if cut <= 0 then return cap end
+    return math.max(1, math.min(cap, total - cut))
+end
 local function trim(keys, keep, budget, total, alone)
     local over = {}
     for _ = 1, 256 do
@@ -646,7 +660,7 @@ local function trim(keys, keep, budget, total, alone)
         end
         if not oldest then
             total = alone
-            redis.call('SET', keys[3], total)
+            redis.call('SET', keys[3], total, 'KEEPTTL')
             break
         end
         total = total - unpin(keys, oldest)
@@ -676,9 +690,9 @@ local owner = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[2], ARGV[3], 'PXAT', ARGV[2])
 return {old or false, owner or false}
 """
-# KEYS: D's sorted set, blocks and total; ARGV: member, blocks, expiry (ms), now (ms), budget,
-# 1 if the member was on this D already. Returns the members over budget (oldest first, never
-# this one; the caller takes their entries) and D's total after.
+# KEYS: D's sorted set, blocks and total; ARGV: member, blocks, expiry (ms), now (ms), budget's
+# cap, 1 if the member was on this D already, budget's cut. Returns the members over budget
+# (oldest first, never this one; the caller takes their entries) and D's total after.
 _C_PUT_LEDGER = _C_LEDGER + """
 local member, expiry = ARGV[1], tonumber(ARGV[3])
 if ARGV[6] == '1' then unpin(KEYS, member) end
@@ -689,7 +703,8 @@ redis.call('ZADD', KEYS[1], expiry, member)
 redis.call('HSET', KEYS[2], member, ARGV[2])
 local total = redis.call('INCRBY', KEYS[3], ARGV[2])
 local over
-over, total = trim(KEYS, member, tonumber(ARGV[5]), total, tonumber(ARGV[2]))
+over, total = trim(KEYS, member, budget_at(tonumber(ARGV[5]), tonumber(ARGV[7]), total), total,
+                   tonumber(ARGV[2]))
 local keep_until = expiry + 60000
 for _, key in ipairs(KEYS) do
     local left = redis.call('PTTL', key)
@@ -699,11 +714,12 @@ for _, key in ipairs(KEYS) do
 end
 return {over, total}
 """
-# KEYS: D's sorted set, blocks and total; ARGV: its budget. Returns the members over it (the
-# caller takes their entries) and D's total after.
+# KEYS: D's sorted set, blocks and total; ARGV: its budget's cap and cut. Returns the members
+# over it (the caller takes their entries) and D's total after.
 _C_TRIM = _C_LEDGER + """
-local over, total = trim(KEYS, false, tonumber(ARGV[1]),
-                         tonumber(redis.call('GET', KEYS[3]) or '0'), 0)
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local over
+over, total = trim(KEYS, false, budget_at(tonumber(ARGV[1]), tonumber(ARGV[2]), total), total, 0)
 return {over, total}
 """
 # KEYS: an entry over its D's budget, its owner key; ARGV: the D id.
@@ -796,21 +812,22 @@ class RedisClusterStore(RedisStore):
         self._dropped([old] if old and old != packed else [], "replaced")
         # The entry is stored; its D's ledger (on another node, perhaps failing over) is
         # counted on the way, and entries over D's budget taken out of their own slots.
+        limit = self.budget(entry.decode_url)
         try:
             over, total = self._put_ledger(
                 keys=self._ledger(decode_id),
-                args=[member, pinned_blocks(entry), expires_ms, int(now * 1000),
-                      self._budget_of(entry.decode_url), 1 if owner == decode_id else 0])
+                args=[member, pinned_blocks(entry), expires_ms, int(now * 1000), limit.cap,
+                      1 if owner == decode_id else 0, limit.cut])
         except self._errors as exc:
             self._failed("ledger", exc)
             return
         self._counted(entry.decode_url, total)
         self._dropped(self._take_members(over, decode_id), "budget")
 
-    def _trim_to(self, decode_url: str, budget: int) -> None:
+    def _trim_to(self, decode_url: str, limit: Limit) -> None:
         decode_id = _decode_id(decode_url)
         try:
-            over, total = self._c_trim(keys=self._ledger(decode_id), args=[budget])
+            over, total = self._c_trim(keys=self._ledger(decode_id), args=list(limit))
         except self._errors as exc:
             self._failed("ledger", exc)
             return
