@@ -59,7 +59,7 @@ class Releaser:
         self.prefill_for = prefill_for      # the P pool of the entry's model (None: no D there)
         self.rate = rate
         self.sweep = sweep                  # the store's expiry and budgets, once a second
-        self._jobs: queue.Queue[tuple[Entry, str]] = queue.Queue(backlog)
+        self._jobs: queue.Queue[tuple[Entry, str] | None] = queue.Queue(backlog)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -108,6 +108,10 @@ class Releaser:
     def stop(self, timeout: float = READ_TIMEOUT + 1) -> None:
         """End the loop, waiting for a release in flight (none outlives its gateway)."""
         self._stop.set()
+        try:
+            self._jobs.put_nowait(None)     # wakes the loop now, not at its next timeout
+        except queue.Full:
+            pass
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -121,9 +125,12 @@ class Releaser:
                 self._sweep()
                 swept = time.monotonic()
             try:
-                entry, reason = self._jobs.get(timeout=SWEEP_SECONDS)
+                job = self._jobs.get(timeout=SWEEP_SECONDS)
             except queue.Empty:
                 continue
+            if job is None:                 # stop() woke it
+                continue
+            entry, reason = job
             started = time.monotonic()
             try:
                 self.release(entry, reason)
