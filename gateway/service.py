@@ -17,7 +17,7 @@ from gateway.engines.instances import Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.upstream import Upstream
 from gateway.engines.watch import Watch
-from gateway.flow.disagg import Disagg
+from gateway.flow.disagg import Disagg, Work
 from gateway.flow.fast_path import FastPath
 from gateway.flow.model_pools import ModelPool, ModelPools
 from gateway.flow.release import Releaser
@@ -201,8 +201,11 @@ class Gateway:
                      if self.owners.may_forward(arrival.port) else None)
             tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
             # Its key's requests and tokens per minute, where the turn runs; then a place for
-            # this turn or its relay. Either way 429 with nothing started.
-            ticket = self._counted(held, tenant, limits, raw) if owner is None else NO_TICKET
+            # this turn or its relay. Either way 429 with nothing started. Charged once an
+            # engine worked for it (`work`), whatever happens after; else given back.
+            work = Work()
+            ticket = (self._counted(held, tenant, limits, raw, work) if owner is None
+                      else NO_TICKET)
             self._admit(held, self.admission if owner is None else self.relays, tenant, limits)
             total = self.settings.total_timeout
             held.callback(Watch(arrival.socket, time.monotonic() + total if total else None).stop)
@@ -212,10 +215,10 @@ class Gateway:
                 body_held()     # relayed: the owner holds the body now, this worker only bytes
             if reply is None:
                 if owner is not None:                    # its owner is away: served here
-                    ticket = self._counted(held, tenant, limits, raw)
+                    ticket = self._counted(held, tenant, limits, raw, work)
                     if self.relays is not self.admission:
                         self._admit(held, self.admission, tenant, limits)
-                reply = self._serve(pool, request, conversation, headers, request_id)
+                reply = self._serve(pool, request, conversation, headers, request_id, work)
                 if ticket is not NO_TICKET:
                     reply.headers.update(ticket.headers)
                     held.callback(_charge(ticket, reply, len(raw)))
@@ -228,12 +231,27 @@ class Gateway:
             _release(reply.close)                # the body is whole: it goes out regardless
         return reply
 
-    def _counted(self, held: ExitStack, tenant: str, limits: KeyLimits, raw: bytes) -> Ticket:
-        """Count the request against its key's limits (429 if over); given back if the turn
-        never runs."""
+    def refuse_early(self, headers: Mapping[str, str]) -> None:
+        """429 before the body is read, for a key whose requests of this window this worker
+        has seen spent."""
+        self.tenants.refuse_early(*self.api_keys.tenant(headers.get("Authorization")))
+
+    def _counted(self, held: ExitStack, tenant: str, limits: KeyLimits, raw: bytes,
+                 work: Work) -> Ticket:
+        """Count the request against its key's limits (429 if over). A turn that ends before
+        its reply is charged its prompt tokens if an engine worked for it (P prefilled it, or
+        D answered), else given back; a reply's own charge (`_charge`) comes first."""
         ticket = self.tenants.admit(tenant, limits, len(raw))
         if ticket is not NO_TICKET:
-            held.callback(ticket.refund)
+            estimate = max(1, len(raw) // BYTES_PER_TOKEN)     # as Tenants.admit has it
+
+            def settle() -> None:
+                if work.done:
+                    ticket.charge(work.prompt_tokens if work.prompt_tokens is not None
+                                  else estimate)
+                else:
+                    ticket.refund()
+            held.callback(settle)
         return ticket
 
     @staticmethod
@@ -241,7 +259,7 @@ class Gateway:
         held.callback(admission.enter(tenant, limits.weight, limits.turns))
 
     def _serve(self, pool: ModelPool, request: ClientRequest, conversation: Conversation,
-               headers: Mapping[str, str], request_id: str) -> Reply:
+               headers: Mapping[str, str], request_id: str, work: Work) -> Reply:
         identity = conversation.identity()
         own_salt = request.body.get("cache_salt")
         if self.salted and (own_salt is None or isinstance(own_salt, str)):
@@ -253,7 +271,7 @@ class Gateway:
         engine_headers = self.upstream.headers(request_id, client_credential,
                                                logs.traceparent(headers.get("traceparent")),
                                                headers.get("tracestate"))
-        return pool.disagg.run(request, identity, engine_headers, request_id)
+        return pool.disagg.run(request, identity, engine_headers, request_id, work)
 
     def models(self) -> dict:
         """/v1/models: with one pool, the list of the first D that answers, healthy ones first;

@@ -153,6 +153,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         streaming = False
         try:
             gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
+            gateway.refuse_early(request.headers)      # a key whose requests are spent, too
             hold = gateway.bodies.hold()
             try:
                 raw = _read_body(gateway.settings.max_body_bytes, hold)   # before the watcher

@@ -3,6 +3,8 @@
 (gateway/front/admission.py)."""
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -300,3 +302,87 @@ def test_a_forwarded_turn_carries_its_keys_headers(engines, tmp_path):
         assert reply.headers["x-ratelimit-limit-requests"] == "50"
         assert reply.headers["x-ratelimit-remaining-requests"] == "49"
         assert gateway.metric("pd_gateway_forwarded_total", result="sent") == 1
+
+
+# --- a turn an engine worked for is charged; a key over its rate costs no parse -----------------
+
+SLOW_HOSTS = ("127.0.0.185", "127.0.0.186")     # P, D (D decoding at 50 ms a token)
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def slow_engines():
+    with EmulatorProcess("prefill", host=SLOW_HOSTS[0], itl_ms=1,
+                         bidirectional_kv_xfer=True) as p, \
+            EmulatorProcess("decode", host=SLOW_HOSTS[1], itl_ms=50,
+                            bidirectional_kv_xfer=True) as d:
+        yield p, d
+
+
+def _post(gateway, key: str, body: dict) -> requests.Response:
+    return requests.post(gateway.url + CHAT, json={"model": MODEL, **body}, timeout=20,
+                         headers={"Authorization": f"Bearer {key}"})
+
+
+def test_a_turn_p_prefilled_is_charged_whatever_happens_after(slow_engines, tmp_path):
+    """`max_completion_tokens: 0` passes the gateway and P (which gets max_tokens 1), and D
+    refuses it: P computed the prompt all the same. A key of 3 requests a minute gets 3 such
+    turns, not 25: the fourth is refused before any engine is called."""
+    p, d = slow_engines
+    keys = tmp_path / "keys"
+    keys.write_text("greedy rpm=3\n")
+    before = p.stats()["requests"]
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), release_rate=0) as gateway:
+        body = {"messages": [{"role": "user", "content": "a long document " * 50}],
+                "max_completion_tokens": 0}
+        codes = [_post(gateway, "greedy", body).status_code for _ in range(4)]
+        assert codes == [400, 400, 400, 429]
+        assert p.stats()["requests"] - before == 3
+
+
+def test_a_client_that_leaves_while_d_decodes_is_charged(slow_engines, tmp_path):
+    """A non-streamed turn whose client leaves once P has prefilled: P's work is done, so the
+    request counts (before, it was given back, and a key could make P prefill without end)."""
+    p, d = slow_engines
+    keys = tmp_path / "keys"
+    keys.write_text("leaver rpm=2\n")
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), release_rate=0) as gateway:
+        body = json.dumps({"model": MODEL, "max_tokens": 200, "messages": [
+            {"role": "user", "content": "tell me a long story"}]}).encode()
+        for n in range(2):
+            running = d.stats()["requests"]
+            sock = socket.create_connection((gateway.host, gateway.port))
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer leaver\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (CHAT.encode(), len(body), body))
+            # D has the turn (P prefilled it): the client goes.
+            wait_until(lambda: d.stats()["requests"] > running, 10, "D to get the turn")
+            sock.close()
+        wait_until(lambda: d.stats()["aborted_streams"] + d.stats()["completed"] >= 2, 20,
+                   "D to see both turns end")
+        reply = _post(gateway, "leaver", {"max_tokens": 2,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 429
+        assert reply.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_key_whose_requests_are_spent_is_refused_before_its_body_arrives(slow_engines,
+                                                                            tmp_path):
+    """Its next request is refused on its headers: a body of 32 MiB costs no parse (here it
+    never even arrives)."""
+    p, d = slow_engines
+    keys = tmp_path / "keys"
+    keys.write_text("spent rpm=1\n")
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), release_rate=0) as gateway:
+        assert _post(gateway, "spent", {"max_tokens": 1, "messages": [
+            {"role": "user", "content": "hi"}]}).status_code == 200
+        sock = socket.create_connection((gateway.host, gateway.port))
+        try:
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer spent\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 33554432\r\n\r\n{"
+                         % CHAT.encode())
+            sock.settimeout(10)
+            head = sock.recv(4096)
+        finally:
+            sock.close()
+        assert head.startswith(b"HTTP/1.1 429") and b"x-ratelimit-remaining-requests: 0" in head

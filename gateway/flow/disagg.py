@@ -120,6 +120,16 @@ def replayable(failure: GatewayError | None) -> bool:
 
 
 @dataclass(slots=True)
+class Work:
+    """What the engines have done for a turn so far, for its key's limits: a turn an engine
+    worked for (P prefilled it, or D answered it) is charged, whatever happens after; one
+    no engine worked for is given back."""
+
+    done: bool = False
+    prompt_tokens: int | None = None     # as P reported them
+
+
+@dataclass(slots=True)
 class Turn:
     """One turn through the flow: what the client asked, whose conversation it is, what the
     engines get with it, and, once D answers, what D produced."""
@@ -129,6 +139,7 @@ class Turn:
     headers: dict          # the engines' headers (request id, trace context, credential)
     request_id: str        # for the access log
     started: float         # perf_counter() at its start: TTFT and P's time count from it
+    work: Work             # what the engines did for it (the caller's, for the key's limits)
     decoded: Decoded | None = None
     params_to_d: bool = False   # D was sent P's params (it loads the prompt from P)
 
@@ -213,9 +224,10 @@ class Disagg:
             return instance, result
 
     def run(self, request: ClientRequest, identity: Identity, headers: dict,
-            request_id: str) -> Reply:
-        """One turn: the entry, P (unless the fast path skips it), D, the relay."""
-        turn = Turn(request, identity, headers, request_id, time.perf_counter())
+            request_id: str, work: Work | None = None) -> Reply:
+        """One turn: the entry, P (unless the fast path skips it), D, the relay. `work` hears
+        what the engines did for it as they do it."""
+        turn = Turn(request, identity, headers, request_id, time.perf_counter(), work or Work())
         for pool in (self.decode, self.prefill):
             # No D (or P) answers its probes: fail now, before P computes a prompt no D can
             # decode, and before the conversation's entry is taken (it stays for a retry).
@@ -289,6 +301,7 @@ class Disagg:
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
         prompt_tokens = count_prefill(prefill_reply, reuse.entry.params if reuse else None,
                                       cache == "partial")
+        turn.work.done, turn.work.prompt_tokens = True, prompt_tokens     # P computed it
         d_body = self._decode_body(turn)
         turn.decoded.prompt_tokens = prompt_tokens
         with_blocks = decode_body(d_body, prefill_reply, prefill)
@@ -326,6 +339,7 @@ class Disagg:
                 lambda d, failure: self.upstream.post_json(d, request.path, body_for(failure),
                                                            headers),
                 only=only)
+            turn.work.done = True
             self._count(request, cache, path)
             reply = decoded.absorb_body(reply)
             self._remember(turn, decode)
@@ -337,6 +351,7 @@ class Disagg:
             lambda d, failure: self.upstream.open_stream(d, request.path, body_for(failure),
                                                          headers),
             hold=True, only=only)
+        turn.work.done = True
         relay = StreamRelay(stream, decoded, decode, self.decode, turn.started,
                             lambda: self._remember(turn, decode),
                             lambda ttft, outcome: self._log_turn(trace, decode, decoded, ttft,

@@ -88,8 +88,9 @@ class RateLimited(Overloaded):
 @dataclass
 class Ticket:
     """One admitted request's count: its headers; `charge`, the correction once the turn has
-    ended; `refund`, what gives it all back if the turn never ran (refused for a place, an
-    engine that failed first). Whichever comes first is the one that counts."""
+    ended (or failed after an engine worked for it); `refund`, what gives it all back if no
+    engine did (refused for a place, an engine that failed first). Whichever comes first is
+    the one that counts."""
 
     headers: dict[str, str]
     charge: Callable[[int], None] = lambda tokens: None
@@ -127,6 +128,27 @@ class Tenants:
         self._ends: dict[str, float] = {}      # each counter's window end, as last asked
         self._failed_at = float("-inf")
         self._lock = threading.Lock()
+        # Keys whose requests of this window are spent, as this worker counted them: until the
+        # window ends, their next request is refused before its body is read.
+        self._spent: dict[str, tuple[float, dict[str, str]]] = {}
+
+    def refuse_early(self, tenant: str, limits: KeyLimits) -> None:
+        """Raise RateLimited if `tenant`'s requests of this window are spent, as far as this
+        worker knows: before its body is read or parsed (a key already over its limit would
+        otherwise still cost the worker the parse of whatever body it sends)."""
+        spent = self._spent.get(tenant) if limits.rpm else None
+        if spent is None:
+            return
+        until, headers = spent
+        now = self.clock()
+        if now >= until:
+            self._spent.pop(tenant, None)
+            return
+        metrics.RATE_LIMITED.labels("requests").inc()
+        reset = max(0.001, until - now)
+        raise RateLimited(f"Rate limit reached for requests per minute: limit {limits.rpm}. "
+                          f"Please try again in {duration(reset)}.", reset,
+                          {**headers, "x-ratelimit-reset-requests": duration(reset)})
 
     def _counters(self):
         """The storage, made on first use (a cluster client asks its seeds at once): a
@@ -167,6 +189,7 @@ class Tenants:
         checks = [("requests", self._item(limits.rpm), 1)] if limits.rpm else []
         if limits.tpm:
             checks.append(("tokens", self._item(limits.tpm), estimate))
+        spent_until = None
         try:
             storage = self._counters()
             now = self.clock()
@@ -180,11 +203,15 @@ class Tenants:
                 headers.update({f"x-ratelimit-limit-{kind}": str(item.amount),
                                 f"x-ratelimit-remaining-{kind}": str(max(0, item.amount - count)),
                                 f"x-ratelimit-reset-{kind}": duration(reset)})
+                if kind == "requests" and count >= item.amount:    # none left this window
+                    spent_until = now + reset
                 if count > item.amount:
                     for given_key, given_item, given in counted:
                         storage.incr(given_key, given_item.get_expiry(), amount=-given)
                     headers[f"x-ratelimit-remaining-{kind}"] = str(
                         max(0, item.amount - count + cost))
+                    if kind == "requests":
+                        self._spend(tenant, spent_until, headers)
                     metrics.RATE_LIMITED.labels(kind).inc()
                     raise RateLimited(
                         f"Rate limit reached for {kind} per minute: limit {item.amount}"
@@ -195,6 +222,8 @@ class Tenants:
         except Exception as exc:       # the storage failed: admit, uncounted, for a second
             self._failed(exc)
             return NO_TICKET
+        if spent_until is not None:
+            self._spend(tenant, spent_until, headers)
         settled = []
         window_end = self._ends.get(counted[-1][0], 0.0)
 
@@ -216,9 +245,15 @@ class Tenants:
                 return
             settled.append(True)
             if self.clock() < window_end:
+                self._spent.pop(tenant, None)        # its last request given back
                 for key, item, cost in counted:
                     self._incr(storage, key, item, -cost)
         return Ticket(headers, charge, refund)
+
+    def _spend(self, tenant: str, until: float, headers: dict[str, str]) -> None:
+        if len(self._spent) > 100_000:           # keys come and go: forget the lot
+            self._spent.clear()
+        self._spent[tenant] = (until, {**headers, "x-ratelimit-remaining-requests": "0"})
 
     def _incr(self, storage, key: str, item, amount: int) -> None:
         try:
