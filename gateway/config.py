@@ -38,19 +38,38 @@ def _key_list(value: Any) -> list[str]:
     return keys
 
 
+def split_host_port(item: str) -> tuple[str, int | None]:
+    """An allowlist entry's host part and its port, if it names one: "10.0.0.0/8",
+    "10.0.0.0/8:8100", "*.internal:8100", "[fd00::/8]:8100" (an IPv6 network with a port in
+    brackets; without one, as it is)."""
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        return host, (_port(rest[1:]) if rest.startswith(":") else None)
+    if item.count(":") == 1:
+        host, _, number = item.partition(":")
+        return host, _port(number)
+    return item, None
+
+
 def _host_list(value: Any) -> list[str]:
-    """Networks (10.0.0.0/8, 127.0.0.1) and host names (vllm-3.internal, *.internal)."""
+    """Networks (10.0.0.0/8, 127.0.0.1) and host names (vllm-3.internal, *.internal), each with a
+    port or not (10.0.0.0/8:8100: only that port)."""
     items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
     hosts = []
     for item in items:
+        host, number = split_host_port(str(item))
+        suffix = "" if number is None else f":{number}"
         try:
-            hosts.append(str(ipaddress.ip_network(item, strict=False)))
+            network = ipaddress.ip_network(host, strict=False)
         except ValueError:
-            name = item.lower().removeprefix("*.")
+            name = host.lower().removeprefix("*.")
             if not name or not all(part.isascii() and part.replace("-", "").isalnum()
                                    for part in name.split(".")):
                 raise ValueError(f"{item!r} is neither a network nor a host name") from None
-            hosts.append(item.lower())
+            hosts.append(host.lower() + suffix)
+            continue
+        hosts.append((f"[{network}]" if suffix and network.version == 6 else str(network))
+                     + suffix)
     return hosts
 
 
@@ -379,10 +398,13 @@ class Settings:
                                     "common system prompt.", choices=("auto", "on", "off"))
     admin_instance_hosts: list[str] = option([], _host_list, "Where engines added through "
                                              "/admin/instances may be: networks (10.0.0.0/8) "
-                                             "and host names (*.internal: any name under it). "
+                                             "and host names (*.internal: any name under it), "
+                                             "each on any port or on one (10.0.0.0/8:8100). "
                                              "Empty: only the hosts --prefill and --decode name. "
                                              "Others get 403: the admin token cannot point the "
-                                             "gateway at any address it reaches.",
+                                             "gateway at any address it reaches. An added URL "
+                                             "is scheme://host:port, nothing more (no "
+                                             "user:password, path or query: 400).",
                                              nargs="+", show="hosts of --prefill, --decode")
     admin_token: str = option("", str, "Bearer token for GET /admin/status, the detailed report "
                               "(engine URLs, in-flight counts, breakers, store, worker); empty "

@@ -3,10 +3,13 @@ probe answers, requests in flight), admin changes shared through their file, and
 whose D has gone does (pinned at the wire with `responses`)."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import threading
 
 import pytest
+import requests
 import responses
 from responses import matchers
 
@@ -327,6 +330,17 @@ def test_the_admin_endpoint_follows_the_admin_rule(two_d_client, app):
     (["*.internal", "vllm.example"], "http://vllm.example:8100", 201),
     (["*.internal", "vllm.example"], "http://internal.evil:8100", 403),
     (["*.internal", "vllm.example"], "http://10.9.0.1:8100", 403),   # names, not what they resolve to
+    # One parse, the connection's: what one parser reads as a host the next must not read as
+    # another (urlsplit took the host after the last @, past the backslash).
+    ([], "http://169.254.169.254:80\\@10.9.0.1:8100", 400),
+    ([], "http://user:pw@10.9.0.1:8100", 400),             # no user:password in an added URL
+    ([], "http://10.9.0.1:8100/admin", 400),               # no path,
+    ([], "http://10.9.0.1:8100?next=http://evil", 400),    # query
+    ([], "http://10.9.0.1:8100#frag", 400),                # or fragment
+    (["10.9.0.0/24:8100"], "http://10.9.0.5:8100", 201),    # a port in the allowlist
+    (["10.9.0.0/24:8100"], "http://10.9.0.5:22", 403),
+    (["*.internal:8100"], "http://p3.pods.internal:9000", 403),
+    (["[fd00::/8]:8100"], "http://[fd00::5]:8100", 201),
 ])
 def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, status):
     """With the admin token, /admin/instances could point the gateway at any address it reaches
@@ -338,7 +352,7 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
         reply = app.test_client().post("/admin/instances", json={"role": "decode", "url": url},
                                        headers=ADMIN)
         assert reply.status_code == status, reply.get_json()
-        if status == 403:
+        if status in (400, 403):
             assert reply.get_json()["error"]["param"] == "url"
     finally:
         app.extensions["pd_gateway"].close()
@@ -356,3 +370,73 @@ def test_engine_credentials_never_reach_reports_or_logs(caplog):
     assert [i["url"] for i in pool.report()] == ["http://10.9.0.3:8200", "http://10.9.0.4:8200"]
     assert "s3cret" not in caplog.text and "hunter2" not in caplog.text
     assert "10.9.0.3:8200" in caplog.text
+
+
+# --- on real sockets: added URLs parsed once, and no redirect followed ------------------------
+
+class _Engine(http.server.BaseHTTPRequestHandler):
+    """An engine that answers /health and sends everything else elsewhere (a 302)."""
+
+    elsewhere = ""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/health":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+        else:
+            self.send_response(302)
+            self.send_header("Location", self.elsewhere + self.path)
+            self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+class _Trap(http.server.BaseHTTPRequestHandler):
+    """Where a redirect would lead: it counts who comes."""
+
+    visits: list = []
+
+    def do_GET(self):  # noqa: N802
+        type(self).visits.append(self.path)
+        body = json.dumps({"object": "list", "data": [{"id": "secret-model"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.processes
+def test_an_added_engine_url_is_parsed_once_and_no_redirect_is_followed():
+    from emulator.process import EmulatorProcess, free_port
+    from tests.helpers.servers import gateway_process
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for host, handler in (("127.0.0.191", _Trap), ("127.0.0.192", _Engine)):
+            server = http.server.ThreadingHTTPServer((host, free_port(host)), handler)
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            servers.append(server)
+        trap, engine = (f"http://{s.server_address[0]}:{s.server_address[1]}" for s in servers)
+        _Engine.elsewhere = trap
+        p = stack.enter_context(EmulatorProcess("prefill", host="127.0.0.193",
+                                                bidirectional_kv_xfer=True))
+        gateway = stack.enter_context(gateway_process([p.url], [engine], admin_token="t"))
+        # The gateway's /v1/models asks its D, which redirects: not followed.
+        assert requests.get(gateway.url + "/v1/models", timeout=10).status_code == 502
+        assert _Trap.visits == []
+        # The allowlist is the settings' hosts (127.0.0.192, 127.0.0.193): a URL urlsplit
+        # reads as one of them and urllib3 as another is refused, not added.
+        bypass = f"http://127.0.0.191:{servers[0].server_address[1]}\\\\@127.0.0.192:1"
+        reply = requests.post(gateway.url + "/admin/instances", headers=ADMIN, timeout=10,
+                              json={"role": "decode", "url": bypass})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "url"
+        listed = requests.get(gateway.url + "/admin/instances", headers=ADMIN, timeout=10)
+        assert [i["url"] for i in listed.json()["decode"]] == [engine]
+        assert _Trap.visits == []

@@ -29,7 +29,10 @@ import time
 from typing import Callable
 from urllib.parse import urlsplit
 
-from gateway.config import Settings, _url_list
+from urllib3.exceptions import LocationParseError
+from urllib3.util import parse_url
+
+from gateway.config import Settings, _url_list, split_host_port
 from gateway.engines.discovery import Discovery, Resolver
 from gateway.engines.instances import Pool, public_url
 from gateway.slots import APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, SLOT_ENV
@@ -79,27 +82,59 @@ class ChangeLog:
 
 
 class Allowed:
-    """Is a URL's host one of these networks or names (`*.domain`: any name under it)? A name
-    is matched as written, never resolved: it could resolve anywhere by the time it is used."""
+    """Is a URL's host (and port) one of these networks or names (`*.domain`: any name under
+    it), each with its port where it names one? A name is matched as written, never resolved:
+    it could resolve anywhere by the time it is used."""
 
     def __init__(self, hosts: list[str]) -> None:
-        self.networks, self.names, self.domains = [], set(), []
-        for host in hosts:
+        self.networks: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None]] = []
+        self.names: list[tuple[str, int | None]] = []
+        self.domains: list[tuple[str, int | None]] = []
+        for item in hosts:
+            host, port = split_host_port(item)
             try:
-                self.networks.append(ipaddress.ip_network(host, strict=False))
+                self.networks.append((ipaddress.ip_network(host, strict=False), port))
             except ValueError:
                 if host.startswith("*."):
-                    self.domains.append(host[1:].lower())
+                    self.domains.append((host[1:].lower(), port))
                 else:
-                    self.names.add(host.lower())
+                    self.names.append((host.lower(), port))
 
     def __call__(self, url: str) -> bool:
-        host = (urlsplit(url).hostname or "").lower()
+        """`url` as `added_url` gives it (one parse: urllib3's, the connection's own)."""
+        parsed = parse_url(url)
+        host, port = (parsed.host or "").strip("[]").lower(), parsed.port
+        fits = lambda allowed: allowed is None or allowed == port   # noqa: E731
         try:
             address = ipaddress.ip_address(host)
         except ValueError:
-            return host in self.names or host.endswith(tuple(self.domains))
-        return any(address in network for network in self.networks) or host in self.names
+            return (any(host == name and fits(p) for name, p in self.names)
+                    or any(host.endswith(domain) and fits(p) for domain, p in self.domains))
+        return (any(address in network and fits(p) for network, p in self.networks)
+                or any(host == name and fits(p) for name, p in self.names))
+
+
+def added_url(url: object) -> str:
+    """An engine URL given through /admin/instances, parsed once with the parser the
+    connection uses (urllib3's) and refused unless it is `scheme://host:port`: no user:password
+    (an `EVIL:PORT\\@ALLOWED:1` would be read as one host by one parser and another by the
+    next), no backslash, path, query or fragment. Returns it as the gateway keeps it."""
+    if not isinstance(url, str):
+        raise ValueError("url must be a string")
+    if "\\" in url or not url.isprintable() or any(c.isspace() for c in url):
+        raise ValueError("a URL with a backslash, a space or a control character")
+    try:
+        parsed = parse_url(url if "://" in url else "http://" + url)
+    except LocationParseError:
+        raise ValueError(f"{url!r} is not an http://host:port URL") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.port is None:
+        raise ValueError(f"{url!r} is not an http://host:port URL")
+    if parsed.auth is not None:
+        raise ValueError("no user:password in an added engine's URL")
+    if parsed.path not in (None, "", "/") or parsed.query is not None or parsed.fragment is not None:
+        raise ValueError("an added engine's URL is scheme://host:port, with no path or query")
+    (checked,) = _url_list(f"{parsed.scheme}://{parsed.host}:{parsed.port}")
+    return checked
 
 
 class Membership:
@@ -146,7 +181,7 @@ class Membership:
 
     def remove(self, role: object, url: object, model: object = None) -> dict:
         """Remove an instance in every worker; what runs on it finishes there."""
-        pool, url = self._pool(role, model), self._url(url)
+        pool, url = self._pool(role, model), self._known_url(url)
         instance = pool.get(url)
         if instance is None:
             raise NotFound(f"no {role} instance at {public_url(url)}")
@@ -190,6 +225,15 @@ class Membership:
 
     @staticmethod
     def _url(url: object) -> str:
+        try:
+            return added_url(url)
+        except ValueError as exc:
+            raise BadRequest(f"url: {exc}", param="url") from exc
+
+    @staticmethod
+    def _known_url(url: object) -> str:
+        """A URL naming an instance to remove, as the settings may have given it (a path, a
+        user:password): it only names what is there."""
         try:
             if not isinstance(url, str):
                 raise ValueError("url must be a string")

@@ -230,6 +230,14 @@ class DirectReply:
         self.raw.close()        # a whole body gave its connection back already
 
 
+def _raise_unless_ok(response: requests.Response) -> None:
+    """requests' HTTPError for an error or a redirect (not followed: see `Upstream.get_bytes`)."""
+    response.raise_for_status()
+    if response.is_redirect:
+        raise requests.HTTPError(f"{response.status_code} redirect, not followed",
+                                 response=response)
+
+
 class Upstream:
     """One `requests.Session` per process (created after fork) for all calls to the engines."""
 
@@ -406,7 +414,8 @@ class Upstream:
     def probe(self, instance: Instance, timeout: float = 1.0) -> bool:
         """Does the instance answer GET /health with 200?"""
         try:
-            with self.session.get(instance.url + "/health", timeout=timeout) as response:
+            with self.session.get(instance.url + "/health", timeout=timeout,
+                                  allow_redirects=False) as response:
                 return response.status_code == 200
         except requests.RequestException:
             return False
@@ -414,7 +423,8 @@ class Upstream:
     def served_models(self, instance: Instance, timeout: float = 5.0) -> list[str] | None:
         """The model ids the instance's GET /v1/models lists; None if it did not answer so."""
         try:
-            with self.session.get(instance.url + "/v1/models", timeout=timeout) as response:
+            with self.session.get(instance.url + "/v1/models", timeout=timeout,
+                                  allow_redirects=False) as response:
                 data = response.json().get("data") if response.status_code == 200 else None
         except (requests.RequestException, ValueError, AttributeError):
             return None
@@ -423,16 +433,19 @@ class Upstream:
         return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     def get_bytes(self, instance: Instance, path: str, timeout: float) -> bytes:
-        """GET `path`'s body (raises requests' errors; for background reads, not requests)."""
-        with self.session.get(instance.url + path, timeout=timeout) as response:
-            response.raise_for_status()
+        """GET `path`'s body (raises requests' errors; for background reads, not requests).
+        No engine call follows a redirect: an engine answers where it is, and a redirect would
+        take the gateway wherever the answer says."""
+        with self.session.get(instance.url + path, timeout=timeout,
+                              allow_redirects=False) as response:
+            _raise_unless_ok(response)
             return response.content
 
     def get_json(self, instance: Instance, path: str, read_timeout: float | None = None) -> dict:
         try:
             response = self.session.get(instance.url + path, timeout=(
-                self.timeout[0], read_timeout or self.timeout[1]))
-            response.raise_for_status()
+                self.timeout[0], read_timeout or self.timeout[1]), allow_redirects=False)
+            _raise_unless_ok(response)
             return response.json()
         except (requests.RequestException, ValueError) as exc:
             raise BadGateway(f"{instance.name} did not answer {path}") from exc
