@@ -13,6 +13,7 @@ import responses
 from emulator.process import wait_until
 from gateway.support import logs
 from tests.helpers.payloads import D_URL, P_URL, chat_events, d_params, p_params, p_reply
+from tests.helpers.servers import MODEL
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -78,3 +79,25 @@ def test_a_client_cannot_forge_a_line_of_the_text_log(fresh_engines, gateway_fac
     assert reply.status_code == 404
     wait_until(lambda: "nope\\n2026" in gateway.log(), 10, "the engine's answer logged")
     assert not any(line.startswith(forged) for line in gateway.log().splitlines())
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_model_name_is_logged_short_and_reads_as_it_is_written(fresh_engines, gateway_factory,
+                                                                  log_format):
+    """A model name of 200,000 characters with a right-to-left override and Unicode's line
+    separator: the engine echoes it in its 404 and the gateway logs the answer, and a gateway of
+    several models answers its own 404 with it. Each says a bounded part of it, the override
+    and the separator escaped, in either log format."""
+    p, d = fresh_engines
+    name = "\u202e" + "x" * 100_000 + "\u2028" + "y" * 100_000
+    models = [f"{MODEL};prefill={p.url};decode={d.url}"]
+    for gateway in (gateway_factory([p.url], [d.url], log_format=log_format),
+                    gateway_factory([], [], models=" ".join(models), log_format=log_format)):
+        before = len(gateway.log())
+        reply = requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": name, "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 404 and len(reply.json()["error"]["message"]) < 2_000
+        wait_until(lambda: "\\u202e" in gateway.log()[before:], 10, "the 404 logged")
+        logged = gateway.log()[before:]
+        assert "\u202e" not in logged and "\u2028" not in logged
+        assert max(len(line) for line in logged.splitlines()) < 4_000

@@ -26,7 +26,7 @@ from gateway.engines.watch import (NOT_WAITING, TrackedHTTPPool, TrackedHTTPSPoo
                                    current_watch)
 from gateway.support import jsonio
 from gateway.support.errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout,
-                                    ServiceUnavailable, UpstreamRejected)
+                                    ServiceUnavailable, UpstreamRejected, clip)
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +129,16 @@ def _translate(exc: Exception, instance: Instance,
 
 
 def _error_message(response: requests.Response) -> str:
+    """An engine's error message, as long as a message should be (it may echo a client's
+    input whole: vLLM's "The model `...` does not exist")."""
     try:
         error = response.json().get("error")
         message = error.get("message") if isinstance(error, dict) else error
         if isinstance(message, str) and message:
-            return message
+            return clip(message, 1000)
     except (ValueError, AttributeError):
         pass
-    return response.reason or f"HTTP {response.status_code}"
+    return clip(response.reason or f"HTTP {response.status_code}", 200)
 
 
 class EngineAdapter(HTTPAdapter):

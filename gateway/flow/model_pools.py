@@ -16,7 +16,7 @@ from gateway.config import ModelSpec
 from gateway.engines.instances import Pool
 from gateway.flow.disagg import Disagg
 from gateway.parse import ClientRequest
-from gateway.support.errors import NotFound
+from gateway.support.errors import NotFound, clip
 
 
 class ModelNotFound(NotFound):
@@ -26,8 +26,8 @@ class ModelNotFound(NotFound):
     type = "NotFoundError"
 
     def __init__(self, model: object, served: list[str]) -> None:
-        super().__init__(f"The model `{model}` does not exist. Valid aliases: "
-                         f"{', '.join(served)}.", param="model")
+        super().__init__(f"The model `{clip(str(model))}` does not exist. Valid aliases: "
+                         f"{clip(', '.join(served), 2000)}.", param="model")
 
 
 @dataclass(eq=False)

@@ -34,7 +34,7 @@ from gateway.reuse import partial
 from gateway.reuse.conversation import Identity, canonical_json, word_boundary
 from gateway.reuse.store import Entry
 from gateway.support import metrics
-from gateway.support.errors import ClientGone, GatewayError
+from gateway.support.errors import ClientGone, GatewayError, clip
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,9 @@ class TemplateProbe:
         keeps = (len(reply) > len(generation) and reply[:len(generation)] == generation
                  and following[:len(reply)] == reply)
         if not keeps:
-            log.warning("the chat template of model %r does not keep the prefix property "
-                        "(earlier text re-rendered): every reuse is token-verified", body.get("model"))
+            log.warning("the chat template of model %s does not keep the prefix property "
+                        "(earlier text re-rendered): every reuse is token-verified",
+                        clip(repr(body.get("model"))))
         return self._remember(body, keeps, "safe" if keeps else "unsafe")
 
     def _remember(self, body: dict, safe: bool, result: str) -> bool:

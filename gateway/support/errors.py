@@ -9,6 +9,12 @@ from werkzeug.wrappers import Response
 from gateway.support import jsonio
 
 
+def clip(text: str, limit: int = 200) -> str:
+    """What a message quotes of a client (a model's name, an engine's echo of one), at most
+    `limit` characters: a body of 32 MiB must not become a log line, or an error, of as much."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 class GatewayError(Exception):
     """An error a client sees; subclasses fix the HTTP status and the OpenAI error type."""
 

@@ -27,11 +27,32 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-# Control characters (and Unicode's line breaks) as escapes: a message that quotes a client
-# (an engine's "The model `x` does not exist" echoes the request's model) keeps to its line.
-_CONTROL = {c: f"\\x{c:02x}" if c < 256 else f"\\u{c:04x}"
-            for c in [*range(32), 127, 0x85, 0x2028, 0x2029]}
-_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\t"})
+# Every character that is not printable as an escape: control characters and Unicode's line
+# and paragraph separators (a message that quotes a client, as an engine's "The model `x` does
+# not exist" echoes the request's model, keeps to its line), and format characters such as the
+# right-to-left override (U+202E: a line that reads otherwise than it is written).
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\t"}
+
+
+def _escaped(text: str, json_escapes: bool = False) -> str:
+    """`text` with each character that is not printable escaped (`\\xNN`, `\\uNNNN`; in JSON,
+    `\\uNNNN` only, a pair of them beyond the BMP)."""
+    out = []
+    for c in text:
+        if c.isprintable() or (c == "\t" and not json_escapes):
+            out.append(c)
+            continue
+        code = ord(c)
+        if not json_escapes and c in _NAMED:
+            out.append(_NAMED[c])
+        elif json_escapes and code > 0xFFFF:
+            high, low = divmod(code - 0x10000, 0x400)
+            out.append(f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}")
+        elif code < 256 and not json_escapes:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "".join(out)
 
 
 class TextFormatter(logging.Formatter):
@@ -40,7 +61,7 @@ class TextFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
-        return line if line.isprintable() else line.translate(_CONTROL)
+        return line if line.isprintable() else _escaped(line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -50,7 +71,9 @@ class JsonFormatter(logging.Formatter):
                 "request_id": getattr(record, "request_id", "-"), "message": record.getMessage()}
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False)
+        text = json.dumps(line, ensure_ascii=False)
+        # json escapes control characters; what else is not printable, as \\u escapes.
+        return text if text.isprintable() else _escaped(text, json_escapes=True)
 
 
 def configure(level: str, fmt: str = "text") -> None:
