@@ -386,3 +386,23 @@ def test_a_key_whose_requests_are_spent_is_refused_before_its_body_arrives(slow_
         finally:
             sock.close()
         assert head.startswith(b"HTTP/1.1 429") and b"x-ratelimit-remaining-requests: 0" in head
+
+
+def test_each_tenant_probes_a_template_of_its_own(fresh_engines, tmp_path):
+    """A template's probe (three /tokenize calls) is each key's: shared, a turn whose template
+    another key had probed would skip them, and its time would tell that the other key sent
+    the same `tools`."""
+    p, d = fresh_engines
+    keys = tmp_path / "keys"
+    keys.write_text("one\ntwo\n")
+    tools = [{"type": "function", "function": {"name": "secret_tool", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    body = {"messages": [{"role": "user", "content": "which tool?"}], "tools": tools,
+            "max_tokens": 2}
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), release_rate=0) as gateway:
+        calls = []
+        for key in ("one", "one", "two"):
+            before = p.stats()["tokenize_requests"]
+            assert _post(gateway, key, body).status_code == 200
+            calls.append(p.stats()["tokenize_requests"] - before)
+        assert calls == [3, 0, 3]

@@ -276,7 +276,7 @@ class Disagg:
 
             sent.retrying(failure)
             if identity.reusable and admitted is None:
-                self.exactness.prepare(request, tokenize)
+                self.exactness.prepare(request, tokenize, identity.tenant)
             # A retry never replays D's params: the failed P may already have read the blocks.
             # (After a refused connection it cannot have; one more miss keeps the rule simple.)
             reuse = None
@@ -319,7 +319,8 @@ class Disagg:
         D's token ids let the next turn be verified; asked for here (once the template is
         known), they never reach a client that did not ask for them itself."""
         request = turn.request
-        ask_ids = (turn.identity.reusable and self.exactness.wants_ids(request)
+        ask_ids = (turn.identity.reusable
+                   and self.exactness.wants_ids(request, turn.identity.tenant)
                    and not request.body.get("return_token_ids"))
         turn.decoded = Decoded(strip_ids=ask_ids)
         return {**request.wire, "return_token_ids": True} if ask_ids else request.wire

@@ -44,7 +44,7 @@ class FastPath:
 
         # The same proof as the two-stage path: a decode-only turn never reuses what P would
         # not have been allowed to read.
-        exactness.prepare(request, on_d)
+        exactness.prepare(request, on_d, identity.tenant)
         reuse = exactness.admit(entry, request, identity, on_d)
         if reuse.result == "error":
             return None, "tokenize_failed", None    # D's /tokenize failed: P may still prove it

@@ -124,6 +124,7 @@ class Identity:
     # found only through this digest (reasoning the reply did not have) is treated as not plain
     # either (`reasoning_added`): its reuse is always token-verified (gateway.reuse.exactness).
     unreasoned: Mapping[int, bytes] = field(default_factory=dict)
+    tenant: bytes = b""                  # a hash of the credential (tenant_of)
 
     def lookups(self) -> list[str]:
         """Store keys to try, longest history first."""
@@ -251,7 +252,7 @@ class Conversation:
         return Identity(root=self._root, explicit=bool(self.explicit_id), scope=scope,
                         messages=messages, prompt=prompt,
                         reusable=all(body.get(name) is None for name in NO_REUSE),
-                        unreasoned=unreasoned)
+                        unreasoned=unreasoned, tenant=self.tenant)
 
 
 def identify(body: Mapping[str, Any], headers: Mapping[str, str],

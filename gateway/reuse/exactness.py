@@ -90,7 +90,9 @@ def _propagate(exc: GatewayError) -> bool:
 
 
 class TemplateProbe:
-    """Does a template keep the prefix property for plain turns? Probed once per template.
+    """Does a template keep the prefix property for plain turns? Probed once per template and
+    tenant: a probe's answer is known at once for a template already probed, so shared between
+    tenants the time of a turn would tell one tenant whether another sent the same `tools`.
 
     render(history) + reply must be a prefix of render(history + reply + next), and the
     generation prompt a prefix of the rendered reply. Three /tokenize calls per template
@@ -105,37 +107,37 @@ class TemplateProbe:
         self._probing: dict[str, threading.Lock] = {}   # one probe per template at a time
 
     @staticmethod
-    def key(body: dict) -> str:
+    def key(body: dict, tenant: bytes = b"") -> str:
         fields = canonical_json({k: body.get(k) for k in TEMPLATE_FIELDS if k in body})
-        return hashlib.blake2b(fields, digest_size=16).hexdigest()
+        return hashlib.blake2b(fields, digest_size=16, key=tenant[:64]).hexdigest()
 
-    def known(self, body: dict) -> bool | None:
-        key = self.key(body)
+    def known(self, body: dict, tenant: bytes = b"") -> bool | None:
+        key = self.key(body, tenant)
         with self._lock:
             if key in self._failed:
                 return False
             return self._known.get(key)
 
-    def safe(self, body: dict, tokenize: Tokenize) -> bool:
-        cached = self.known(body)
+    def safe(self, body: dict, tokenize: Tokenize, tenant: bytes = b"") -> bool:
+        cached = self.known(body, tenant)
         if cached is not None:
             return cached
-        key = self.key(body)
+        key = self.key(body, tenant)
         with self._lock:
             probing = self._probing.setdefault(key, threading.Lock())
         with probing:       # the first request of a new template probes; the others wait for it
-            cached = self.known(body)
+            cached = self.known(body, tenant)
             if cached is not None:
                 return cached
             try:
-                return self._probe(body, tokenize)
+                return self._probe(body, tokenize, key)
             finally:
                 with self._lock:
                     self._probing.pop(key, None)
 
-    def _probe(self, body: dict, tokenize: Tokenize) -> bool:
+    def _probe(self, body: dict, tokenize: Tokenize, key: str) -> bool:
         if any(body.get(name) is not None for name in NOT_TOKENIZABLE):
-            return self._remember(body, False, "unsafe")
+            return self._remember(key, False, "unsafe")
         fields = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body and k != "messages"}
         fields.pop("add_generation_prompt", None)
         fields.pop("continue_final_message", None)
@@ -151,7 +153,7 @@ class TemplateProbe:
                         exc.message, int(self._failed.ttl))
             metrics.TEMPLATE_PROBES.labels("error").inc()
             with self._lock:
-                self._failed[self.key(body)] = True
+                self._failed[key] = True
             return False
         keeps = (len(reply) > len(generation) and reply[:len(generation)] == generation
                  and following[:len(reply)] == reply)
@@ -159,12 +161,12 @@ class TemplateProbe:
             log.warning("the chat template of model %s does not keep the prefix property "
                         "(earlier text re-rendered): every reuse is token-verified",
                         clip(repr(body.get("model"))))
-        return self._remember(body, keeps, "safe" if keeps else "unsafe")
+        return self._remember(key, keeps, "safe" if keeps else "unsafe")
 
-    def _remember(self, body: dict, safe: bool, result: str) -> bool:
+    def _remember(self, key: str, safe: bool, result: str) -> bool:
         metrics.TEMPLATE_PROBES.labels(result).inc()
         with self._lock:
-            self._known[self.key(body)] = safe
+            self._known[key] = safe
         return safe
 
 
@@ -189,12 +191,13 @@ class Exactness:
         if len(self._reasoning_models) < 1024:
             self._reasoning_models.add(model)
 
-    def prepare(self, request: ClientRequest, tokenize: Tokenize) -> None:
-        """Learn the request's template behaviour before its first reuse decision (auto, chat)."""
+    def prepare(self, request: ClientRequest, tokenize: Tokenize, tenant: bytes = b"") -> None:
+        """Learn the request's template behaviour before its first reuse decision (auto, chat),
+        each tenant its own probe."""
         if self.mode == "auto" and request.is_chat:
-            self.templates.safe(request.body, tokenize)
+            self.templates.safe(request.body, tokenize, tenant)
 
-    def wants_ids(self, request: ClientRequest) -> bool:
+    def wants_ids(self, request: ClientRequest, tenant: bytes = b"") -> bool:
         """Should D return token ids, so that the next turn can be verified?"""
         if self.mode == "off":
             return False
@@ -204,7 +207,7 @@ class Exactness:
             return False
         body = request.body
         return (bool(body.get("tools")) or body.get("model") in self._reasoning_models
-                or self.templates.known(body) is not True)
+                or self.templates.known(body, tenant) is not True)
 
     def held(self, prompt_ids: list | None, output_ids: list | None,
              held: Any, single_group: bool) -> tuple[str | None, bytes | None]:
@@ -218,7 +221,7 @@ class Exactness:
         """What P may read of `entry`'s blocks for this request. Counts why not."""
         proven = entry.plain and identity.at_boundary(entry.history_len)
         if self.mode == "off" or (self.mode == "auto" and proven and (
-                not request.is_chat or self.templates.known(request.body))):
+                not request.is_chat or self.templates.known(request.body, identity.tenant))):
             if proven:
                 metrics.REUSE_CHECKS.labels("digest").inc()
                 return Reuse(entry, None, "digest")
