@@ -58,6 +58,12 @@ class Gateway:
         self.store = store if store is not None else create_store(settings)
         concurrency = (settings.threads if settings.worker_class == "gthread"
                        else settings.worker_connections)
+        if (settings.upstream_api_key and not os.environ.get("GATEWAY_UPSTREAM_API_KEY")
+                and settings.upstream_api_key == os.environ.get("OPENAI_API_KEY")):
+            # Said where it came from, never what it is: a key an operator did not mean to
+            # hand the engines is found this way.
+            log.info("the engines get the key in $OPENAI_API_KEY (as the seed proxy does); "
+                     "--upstream-api-key or GATEWAY_UPSTREAM_API_KEY sets another")
         self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
                                  pool_size=concurrency, api_key=settings.upstream_api_key,
                                  hosts=len(settings.engine_urls())

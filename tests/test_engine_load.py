@@ -11,7 +11,8 @@ import requests
 
 from emulator.metrics import exposition
 from emulator.process import EmulatorProcess, wait_until
-from gateway.engines.engine_load import FIELDS, EngineLoad, Facts, LoadTable, Page, parse
+from gateway.engines.engine_load import (FIELDS, RECLAIM, EngineLoad, Facts, LoadTable, Page,
+                                         parse)
 from gateway.engines.instances import Pool
 from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
@@ -140,6 +141,23 @@ def test_engines_whose_rows_collide_keep_their_own():
     assert other.claim("http://d:3", 10.0, 1.0) is None      # full: that one goes unread
     one.write("http://d:3", rows[0], Page(9.0, 9.0, 9.0), 11.0)  # not its row: nothing written
     assert other.read(urls[0], 11.0, 3.0).waiting == 1.0
+
+
+def test_rows_of_engines_gone_are_taken_by_new_ones():
+    """Engines come and go (DNS, admin): a row no worker has claimed for a minute is an engine
+    gone, and a new engine takes it once the table is full (before, after as many engine URLs
+    as rows, new engines got no report)."""
+    one, other = _tables(rows=2)
+    gone = ["http://gone:1", "http://gone:2"]
+    for url in gone:
+        row = one.claim(url, 10.0, 1.0)
+        one.write(url, row, Page(0.0, 0.0, 0.5, 16.0, 600.0, 2.0), 10.0)
+    assert other.claim("http://new:1", 40.0, 1.0) is None           # full, none gone yet
+    row = other.claim("http://new:1", 10.0 + RECLAIM, 1.0)
+    assert row is not None and other.facts("http://new:1") is None  # none of the gone one's
+    other.write("http://new:1", row, Page(1.0, 0.0, 0.25), 71.0)
+    assert one.read("http://new:1", 71.5, 3.0).waiting == 1.0
+    assert sum(one.row(url) is not None for url in gone) == 1
 
 
 def test_every_engine_of_every_pool_is_read_once_a_round():

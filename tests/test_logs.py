@@ -101,3 +101,19 @@ def test_a_model_name_is_logged_short_and_reads_as_it_is_written(fresh_engines, 
         logged = gateway.log()[before:]
         assert "\u202e" not in logged and "\u2028" not in logged
         assert max(len(line) for line in logged.splitlines()) < 4_000
+
+
+def test_an_engine_key_from_openai_api_key_is_said_and_never_shown(fresh_engines, monkeypatch):
+    """The seed's convention: the engines' key from $OPENAI_API_KEY. Where a gateway takes it
+    from there, its log says so at start (an operator finds a key the engines get without
+    meaning to), and never shows the key."""
+    from tests.helpers.servers import gateway_process
+    p, d = fresh_engines
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-never-in-a-log-4711")
+    with gateway_process([p.url], [d.url]) as gateway:
+        assert requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+        log = gateway.log()
+    assert "the engines get the key in $OPENAI_API_KEY" in log
+    assert "sk-never-in-a-log-4711" not in log

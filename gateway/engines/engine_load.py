@@ -50,6 +50,7 @@ FIELDS = ("waiting", "running", "kv_usage", "block_size", "capacity", "prefix_ca
 _WIDTH = len(FIELDS)
 assert len(LOAD_VALUES) == LOAD_ROWS * _WIDTH, "gateway.slots.LOAD_VALUES: a row per FIELDS"
 _PROBES = 16            # rows looked at from a key's own before the table counts as full
+RECLAIM = 60.0          # seconds unclaimed after which a row's engine counts as gone
 # The three gauges, by the name each sample line starts with.
 _GAUGES = {b"vllm:num_requests_waiting": _WAITING, b"vllm:num_requests_running": _RUNNING,
            b"vllm:kv_cache_usage_perc": _KV}
@@ -184,15 +185,18 @@ class LoadTable:
         return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(),
                               "little", signed=True) or 1
 
-    def row(self, url: str, make: bool = False) -> int | None:
-        """The row of `url` (taken if `make` and it has none); None if it has none."""
+    def row(self, url: str, make: bool = False, now: float | None = None) -> int | None:
+        """The row of `url` (taken if `make` and it has none); None if it has none. With `now`,
+        a row no worker has claimed for RECLAIM seconds (its engine gone from every pool) is
+        taken when no other is free: engines come and go, and the table must not fill with
+        those gone."""
         found = self._found.get(url)
         if found is not None and self.keys[found[1]] == found[0]:
             return found[1]
         key = self.key(url)
         start = key % self.rows
-        for step in range(_PROBES):
-            row = (start + step) % self.rows
+        rows = [(start + step) % self.rows for step in range(_PROBES)]
+        for row in rows:
             held = self.keys[row]
             if held == 0:
                 if not make:
@@ -200,14 +204,24 @@ class LoadTable:
                 self.keys[row] = key        # two workers taking one row: the next read mends it
             elif held != key:
                 continue
-            if len(self._found) < self.rows:
-                self._found[url] = (key, row)
-            return row
+            return self._found_at(url, key, row)
+        if make and now is not None:
+            for row in rows:
+                base = row * _WIDTH
+                if now - self.values[base + _CLAIMED_AT] >= RECLAIM:
+                    self.values[base:base + _WIDTH] = [0.0] * _WIDTH
+                    self.keys[row] = key
+                    return self._found_at(url, key, row)
         return None
+
+    def _found_at(self, url: str, key: int, row: int) -> int:
+        if len(self._found) < self.rows:
+            self._found[url] = (key, row)
+        return row
 
     def claim(self, url: str, now: float, interval: float) -> int | None:
         """The row to read `url` into, unless another worker claimed it within `interval`."""
-        row = self.row(url, make=True)
+        row = self.row(url, make=True, now=now)
         if row is None:
             return None
         base = row * _WIDTH
