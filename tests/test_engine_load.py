@@ -3,7 +3,12 @@ per host, and the choice of P and D passing over an engine that is queueing or f
 report."""
 from __future__ import annotations
 
+import http.server
+import itertools
+import json
 import multiprocessing
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -170,11 +175,14 @@ def test_every_engine_of_every_pool_is_read_once_a_round():
         return pages[instance.url]
 
     table, _ = _tables()
-    clock = iter([float(t) for t in range(100, 200)])
+    clock = itertools.count(100)          # each engine read from a thread of its own
     load = EngineLoad(get, pools, interval=1.0, queue_limit=0, kv_full=0.95, table=table,
-                      clock=lambda: next(clock))
-    load.read_all()
-    assert asked == ["http://p:1", "http://d:1", "http://d:2"]
+                      clock=lambda: float(next(clock)))
+    try:
+        load.read_all()
+    finally:
+        load.stop()
+    assert sorted(asked) == ["http://d:1", "http://d:2", "http://p:1"]    # at once, any order
     # d:1 waits for capacity (1 > 0): busy; d:2's page is no report: not busy.
     assert [load.busy(i) for i in pools[1].instances] == [True, False]
 
@@ -260,3 +268,68 @@ def test_new_conversations_go_to_the_d_that_is_not_full(full_d, interval):
         for response in held:
             response.result().close()
         assert all(turn.result().status_code == 200 for turn in turns)
+
+
+# --- an engine's page, bounded ----------------------------------------------------------------
+
+class _BadPages(http.server.BaseHTTPRequestHandler):
+    """An engine whose /metrics trickles (a byte every 0.2 s, for as long as anyone reads) or
+    is larger than any page should be; /health and /v1/models as vLLM's."""
+
+    protocol_version = "HTTP/1.1"
+    kind = "trickle"
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path != "/metrics":
+            body = b"" if self.path == "/health" else json.dumps(
+                {"object": "list", "data": [{"id": MODEL}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        # A page vLLM could send, but for its 9 MiB of comment lines.
+        page = VLLM_PAGE + b"# padding\n" * (9 * 1024 * 1024 // 10)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        try:
+            if self.kind == "large":
+                self.wfile.write(page)
+                return
+            for _ in range(300):           # a minute at most: the test is long over by then
+                self.wfile.write(b"#")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:                     # the reader gave up: what it should do
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("kind", ["trickle", "large"])
+def test_an_engine_whose_page_trickles_or_is_too_large_delays_no_other(kind):
+    """One D's /metrics trickles, or weighs 9 MiB: its read fails within its timeout (2 s) or
+    at 8 MiB, and the P's reports go on being read each second meanwhile (before, the trickle
+    held the one reader for good, and every engine's report went stale)."""
+    handler = type("Pages", (_BadPages,), {"kind": kind})
+    server = http.server.ThreadingHTTPServer(("127.0.0.195", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    bad = f"http://127.0.0.195:{server.server_address[1]}"
+    try:
+        with EmulatorProcess("prefill", host="127.0.0.196") as p, \
+                gateway_process([p.url], [bad]) as gateway:
+            wait_until(lambda: gateway.metric("pd_gateway_engine_metrics_reads_total",
+                                              role="prefill", result="read") >= 4, 15,
+                       "the P's reports, read each second")
+            wait_until(lambda: gateway.metric("pd_gateway_engine_metrics_reads_total",
+                                              role="decode", result="failed") >= 1, 15,
+                       "the D's page given up")
+            assert gateway.metric("pd_gateway_engine_metrics_reads_total", role="decode",
+                                  result="read") == 0
+            assert gateway.metric("pd_gateway_engine_kv_blocks", role="prefill") == 20000
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import http.server
+import json
 import socket
 import threading
 import time
@@ -538,3 +540,56 @@ def test_a_reply_head_is_read_as_http_client_reads_it(lines, version):
             assert words(ours.headers.get(variant)) == words(theirs.headers.get(variant))
     assert (ours.chunked, ours.length, ours.will_close) == \
         (theirs.chunked, theirs.length, theirs.will_close)
+
+
+class _Sizes(http.server.BaseHTTPRequestHandler):
+    """Answers a POST with a JSON body of `size` bytes and `status`."""
+
+    protocol_version = "HTTP/1.1"
+    size, status = 3000, 200
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        message = "x" * (self.size - 30)
+        body = json.dumps({"error": {"message": message}} if self.status >= 400
+                          else {"text": message}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except OSError:       # the gateway stopped reading: as it should
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_engine_reply_is_read_up_to_its_limit_and_no_further(monkeypatch):
+    """A reply beyond what the gateway reads of one is a 502, not the worker's memory; an error
+    body, however large, gives its message from its first MiB."""
+    from gateway.engines import upstream as module
+    from gateway.engines.instances import Instance
+    from gateway.support.errors import BadGateway, UpstreamRejected
+    monkeypatch.setattr(module, "REPLY_LIMIT", 1000)
+    with contextlib.ExitStack() as stack:
+        upstream = module.Upstream(2.0, 5.0, pool_size=2)
+        stack.callback(upstream.close)
+        for size, status in ((900, 200), (3000, 200), (5 * 1024 * 1024, 400)):
+            handler = type("Sized", (_Sizes,), {"size": size, "status": status})
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            engine = Instance(f"http://127.0.0.1:{server.server_address[1]}", "prefill", 0)
+            call = lambda: upstream.post_json(engine, "/v1/completions", {}, {})  # noqa: E731
+            if size == 900:
+                assert len(call()["text"]) == 870
+            elif status == 200:
+                with pytest.raises(BadGateway, match="larger than 1,000 bytes"):
+                    call()
+            else:           # a stream's error: its body read for the message, 1 MiB at most
+                with pytest.raises(UpstreamRejected) as refused:
+                    upstream.open_stream(engine, "/v1/completions", {}, {})
+                assert refused.value.status == 400 and len(refused.value.message) < 2000

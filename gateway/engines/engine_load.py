@@ -34,6 +34,7 @@ import logging
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
@@ -51,6 +52,7 @@ _WIDTH = len(FIELDS)
 assert len(LOAD_VALUES) == LOAD_ROWS * _WIDTH, "gateway.slots.LOAD_VALUES: a row per FIELDS"
 _PROBES = 16            # rows looked at from a key's own before the table counts as full
 RECLAIM = 60.0          # seconds unclaimed after which a row's engine counts as gone
+CONCURRENT = 8          # engines read at once
 # The three gauges, by the name each sample line starts with.
 _GAUGES = {b"vllm:num_requests_waiting": _WAITING, b"vllm:num_requests_running": _RUNNING,
            b"vllm:kv_cache_usage_perc": _KV}
@@ -276,6 +278,7 @@ class EngineLoad:
         self.clock = clock          # CLOCK_MONOTONIC: one clock for every process of the host
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._readers: ThreadPoolExecutor | None = None
 
     @property
     def enabled(self) -> bool:
@@ -293,6 +296,8 @@ class EngineLoad:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.interval + 2)
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)
 
     def reported(self, instance: Instance) -> Reported | None:
         return self.table.read(instance.url, self.clock(), 3 * self.interval)
@@ -316,27 +321,38 @@ class EngineLoad:
                                        or report.kv_usage >= self.kv_full)
 
     def read_all(self) -> None:
-        """One round: each engine no other worker has read within the interval."""
-        for pool in self.pools:
-            for instance in pool.instances:
-                if self._stop.is_set():
-                    return
-                now = self.clock()
-                row = self.table.claim(instance.url, now, self.interval)
-                if row is None:
-                    continue
-                try:
-                    page = parse(self.get(instance, min(self.interval, 2.0)))
-                except Exception as exc:      # down, slow, not vLLM: its report goes stale
-                    log.debug("%s /metrics: %r", instance.name, exc)
-                    page = None
-                if page is None:
-                    metrics.ENGINE_METRICS_READS.labels(pool.role, "failed").inc()
-                    continue
-                before = self.table.facts(instance.url)
-                self.table.write(instance.url, row, page, self.clock())
-                self._tell(instance, before)
-                metrics.ENGINE_METRICS_READS.labels(pool.role, "read").inc()
+        """One round: each engine no other worker has read within the interval, `CONCURRENT`
+        at once (an engine that answers slowly, or trickles its page, costs its own read's
+        time, at most its timeout, not the others' turn)."""
+        todo = [(pool, instance) for pool in self.pools for instance in pool.instances]
+        if len(todo) <= 1:
+            for pool, instance in todo:
+                self.read_one(pool, instance)
+            return
+        if self._readers is None:        # kept: its threads (greenlets) made once
+            self._readers = ThreadPoolExecutor(CONCURRENT)
+        for _ in self._readers.map(lambda job: self.read_one(*job), todo):
+            pass
+
+    def read_one(self, pool: Pool, instance: Instance) -> None:
+        if self._stop.is_set():
+            return
+        row = self.table.claim(instance.url, self.clock(), self.interval)
+        if row is None:
+            return
+        try:
+            # Bounded in time and size (Upstream.get_bytes): a page that trickles is cut.
+            page = parse(self.get(instance, min(self.interval, 2.0)))
+        except Exception as exc:      # down, slow, too large, not vLLM: its report goes stale
+            log.debug("%s /metrics: %r", instance.name, exc)
+            page = None
+        if page is None:
+            metrics.ENGINE_METRICS_READS.labels(pool.role, "failed").inc()
+            return
+        before = self.table.facts(instance.url)
+        self.table.write(instance.url, row, page, self.clock())
+        self._tell(instance, before)
+        metrics.ENGINE_METRICS_READS.labels(pool.role, "read").inc()
 
     def _tell(self, instance: Instance, before: Facts | None) -> None:
         """Log what an engine says of its KV cache, the first time and when it changes (a

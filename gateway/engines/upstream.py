@@ -130,7 +130,11 @@ def _translate(exc: Exception, instance: Instance,
 
 def _error_message(response: requests.Response) -> str:
     """An engine's error message, as long as a message should be (it may echo a client's
-    input whole: vLLM's "The model `...` does not exist")."""
+    input whole: vLLM's "The model `...` does not exist"), from at most ERROR_LIMIT bytes of
+    its body."""
+    if not getattr(response, "_content_consumed", False):
+        body = response.raw.read(ERROR_LIMIT, decode_content=True)
+        response._content, response._content_consumed = body, True
     try:
         error = response.json().get("error")
         message = error.get("message") if isinstance(error, dict) else error
@@ -230,6 +234,21 @@ class DirectReply:
 
     def close(self) -> None:
         self.raw.close()        # a whole body gave its connection back already
+
+
+# What an engine's replies may weigh: a page (/metrics, /v1/models: vLLM's are tens of KB) and
+# an answer to a POST (P's, /tokenize's, a whole reply of D's with its token ids: what a context
+# of a million tokens takes); beyond, the call fails. Read whole, an engine's reply of any size
+# was the gateway's memory (a 150 MB /metrics page took a worker to ~790 MB).
+HEALTH_LIMIT = 64 * 1024
+ERROR_LIMIT = 1024 * 1024
+PAGE_LIMIT = 8 * 1024 * 1024
+REPLY_LIMIT = 64 * 1024 * 1024
+READ_CHUNK = 64 * 1024
+
+
+class EngineReplyTooLarge(requests.RequestException):
+    """An engine's reply beyond what the gateway reads of one."""
 
 
 def _raise_unless_ok(response: requests.Response) -> None:
@@ -337,8 +356,13 @@ class Upstream:
             if not stream:
                 # Read whole, as Session.send does (the connection returns to its pool), in
                 # one read: requests' `content` reads through a generator of 10 KB chunks
-                # (measured: 40 us a P call).
-                response._content = response.raw.read(decode_content=True)
+                # (measured: 40 us a P call). One byte more than may come says it was more.
+                content = response.raw.read(REPLY_LIMIT + 1, decode_content=True)
+                if len(content) > REPLY_LIMIT:
+                    response.raw.close()
+                    raise BadGateway(f"{instance.name} sent a reply larger than "
+                                     f"{REPLY_LIMIT:,} bytes")
+                response._content = content
                 response._content_consumed = True
         # urllib3's own errors: the body read above is urllib3's (requests would wrap them);
         # ValueError: a bad header.
@@ -413,21 +437,47 @@ class Upstream:
         """POST the client's bytes unchanged and return the open response, whatever its status."""
         return Stream(self._send(instance, path, raw, headers, stream=True), instance)
 
+    def _get(self, instance: Instance, path: str, timeout: float, limit: int) -> bytes:
+        """GET `path`'s body: within `timeout` seconds in all (a reply that trickles is cut, as
+        a slow one is), at most `limit` bytes, no redirect followed (an engine answers where it
+        is; a redirect would take the gateway wherever the answer says). Raises requests'
+        errors, an error status or a redirect among them."""
+        deadline = time.monotonic() + timeout
+        with self.session.get(instance.url + path, timeout=(min(self.timeout[0], timeout),
+                                                            timeout),
+                              allow_redirects=False, stream=True) as response:
+            _raise_unless_ok(response)
+            chunks, size = [], 0
+            try:
+                while True:
+                    # read1: what has come, at once (read(n) would wait for n bytes).
+                    chunk = response.raw.read1(READ_CHUNK)
+                    if not chunk:
+                        return b"".join(chunks)
+                    size += len(chunk)
+                    if size > limit:
+                        raise EngineReplyTooLarge(f"{instance.name}'s {path} is larger than "
+                                                  f"{limit:,} bytes")
+                    if time.monotonic() > deadline:
+                        raise requests.Timeout(f"{instance.name}'s {path} took longer than "
+                                               f"{timeout:g} s")
+                    chunks.append(chunk)
+            except (Urllib3Error, http.client.HTTPException, OSError) as exc:
+                raise requests.ConnectionError(str(exc)) from exc
+
     def probe(self, instance: Instance, timeout: float = 1.0) -> bool:
         """Does the instance answer GET /health with 200?"""
         try:
-            with self.session.get(instance.url + "/health", timeout=timeout,
-                                  allow_redirects=False) as response:
-                return response.status_code == 200
+            self._get(instance, "/health", timeout, HEALTH_LIMIT)
+            return True
         except requests.RequestException:
             return False
 
     def served_models(self, instance: Instance, timeout: float = 5.0) -> list[str] | None:
         """The model ids the instance's GET /v1/models lists; None if it did not answer so."""
         try:
-            with self.session.get(instance.url + "/v1/models", timeout=timeout,
-                                  allow_redirects=False) as response:
-                data = response.json().get("data") if response.status_code == 200 else None
+            data = jsonio.loads_engine(self._get(instance, "/v1/models", timeout,
+                                                 PAGE_LIMIT)).get("data")
         except (requests.RequestException, ValueError, AttributeError):
             return None
         if not isinstance(data, list):
@@ -435,19 +485,16 @@ class Upstream:
         return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     def get_bytes(self, instance: Instance, path: str, timeout: float) -> bytes:
-        """GET `path`'s body (raises requests' errors; for background reads, not requests).
-        No engine call follows a redirect: an engine answers where it is, and a redirect would
-        take the gateway wherever the answer says."""
-        with self.session.get(instance.url + path, timeout=timeout,
-                              allow_redirects=False) as response:
-            _raise_unless_ok(response)
-            return response.content
+        """GET `path`'s body, bounded as `_get` (raises requests' errors; for background
+        reads, not requests)."""
+        return self._get(instance, path, timeout, PAGE_LIMIT)
 
     def get_json(self, instance: Instance, path: str, read_timeout: float | None = None) -> dict:
         try:
-            response = self.session.get(instance.url + path, timeout=(
-                self.timeout[0], read_timeout or self.timeout[1]), allow_redirects=False)
-            _raise_unless_ok(response)
-            return response.json()
+            reply = jsonio.loads_engine(self._get(instance, path,
+                                                  read_timeout or self.timeout[1], PAGE_LIMIT))
         except (requests.RequestException, ValueError) as exc:
             raise BadGateway(f"{instance.name} did not answer {path}") from exc
+        if not isinstance(reply, dict):
+            raise BadGateway(f"{instance.name} did not answer {path} with a JSON object")
+        return reply
