@@ -37,6 +37,7 @@ class Mode:
     note: str = ""
 
 
+TENANTS = 3          # the clients' keys: each its own tenant (its own template probes)
 MODES = (
     Mode("plain", {}, note="default template: keeps the prefix"),
     Mode("reasoning-dropped", {"reasoning_share": 0.5, "template_quirks": "drop_reasoning"},
@@ -119,7 +120,7 @@ def _collect_stream(stream) -> dict:
 
 def chat_conversation(url: str, mode: Mode, client: Client, turns: int, seed: int) -> Outcome:
     """One conversation of `turns` turns; a tool call is answered with a tool result."""
-    sdk = OpenAI(base_url=url + "/v1", api_key=f"tenant-{seed % 3}", max_retries=0, timeout=60)
+    sdk = OpenAI(base_url=url + "/v1", api_key=f"tenant-{seed % TENANTS}", max_retries=0, timeout=60)
     outcome = Outcome()
     messages = [{"role": "system", "content": "answer briefly"},
                 # Which replies reason or call a tool follows from the prompt (the emulator's
@@ -157,7 +158,7 @@ def completions_conversation(url: str, client: Client, turns: int, seed: int) ->
     """Prompt + reply, continued with a space (a token boundary) on even turns and glued to the
     reply's last word on odd ones: after a stop D holds that word, and the glued word is another
     token, so the next prompt is not a token prefix of what D holds although its text is."""
-    sdk = OpenAI(base_url=url + "/v1", api_key=f"tenant-{seed % 3}", max_retries=0, timeout=60)
+    sdk = OpenAI(base_url=url + "/v1", api_key=f"tenant-{seed % TENANTS}", max_retries=0, timeout=60)
     outcome = Outcome()
     prompt = f"story {uuid.uuid4().hex} number {seed} begins"
     try:
