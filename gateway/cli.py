@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     # read it and say where it came from (gateway.service), never what it is.
     env = settings.to_env()
     if (settings.upstream_api_key and "GATEWAY_UPSTREAM_API_KEY" not in os.environ
-            and not any(a.startswith("--upstream-api-key") for a in argv)):
+            and settings.upstream_api_key == os.environ.get("OPENAI_API_KEY")):
         env.pop("GATEWAY_UPSTREAM_API_KEY")
     os.environ.update(env)
     command = [sys.executable, "-m", "gunicorn", "-c", "python:gateway.standalone_conf"]

@@ -44,7 +44,9 @@ def split_host_port(item: str) -> tuple[str, int | None]:
     brackets; without one, as it is)."""
     if item.startswith("["):
         host, _, rest = item[1:].partition("]")
-        return host, (_port(rest[1:]) if rest.startswith(":") else None)
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{item!r}: after ] comes :port or nothing")
+        return host, (_port(rest[1:]) if rest else None)
     if item.count(":") == 1:
         host, _, number = item.partition(":")
         return host, _port(number)

@@ -25,7 +25,7 @@ from gateway.flow.reply import Reply
 from gateway.front.admission import Admission, BodyBudget
 from gateway.front.auth import ApiKeys
 from gateway.front.owners import Owners
-from gateway.front.tenants import BYTES_PER_TOKEN, NO_TICKET, KeyLimits, Tenants, Ticket
+from gateway.front.tenants import NO_TICKET, KeyLimits, Tenants, Ticket
 from gateway.parse import ClientRequest, parse
 from gateway.reuse.conversation import Conversation, tenant_salt
 from gateway.reuse.exactness import Exactness
@@ -227,7 +227,7 @@ class Gateway:
                 reply = self._serve(pool, request, conversation, headers, request_id, work)
                 if ticket is not NO_TICKET:
                     reply.headers.update(ticket.headers)
-                    held.callback(_charge(ticket, reply, len(raw)))
+                    held.callback(_charge(ticket, reply))
         except BaseException:
             _release(held.close)      # the error the client sees is the one that stopped it
             raise
@@ -249,12 +249,10 @@ class Gateway:
         D answered), else given back; a reply's own charge (`_charge`) comes first."""
         ticket = self.tenants.admit(tenant, limits, len(raw))
         if ticket is not NO_TICKET:
-            estimate = max(1, len(raw) // BYTES_PER_TOKEN)     # as Tenants.admit has it
-
             def settle() -> None:
                 if work.done:
                     ticket.charge(work.prompt_tokens if work.prompt_tokens is not None
-                                  else estimate)
+                                  else ticket.estimate)
                 else:
                     ticket.refund()
             held.callback(settle)
@@ -338,11 +336,11 @@ class Gateway:
         self.upstream.close()
 
 
-def _charge(ticket: Ticket, reply: Reply, body_bytes: int) -> Callable[[], None]:
+def _charge(ticket: Ticket, reply: Reply) -> Callable[[], None]:
     """The turn's tokens, counted against its key's tokens per minute once the reply ends."""
     def charge() -> None:
         if reply.decoded is not None:
-            ticket.charge(reply.decoded.tokens(body_bytes // BYTES_PER_TOKEN))
+            ticket.charge(reply.decoded.tokens(ticket.estimate))
     return charge
 
 

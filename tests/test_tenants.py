@@ -17,6 +17,7 @@ from emulator.process import EmulatorProcess, wait_until
 from gateway.front.admission import Admission
 from gateway.front.auth import ApiKeys
 from gateway.support.errors import Overloaded
+from gateway.engines.instances import Pool
 from gateway.front.tenants import KeyLimits, RateLimited, Tenants, duration
 from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
@@ -406,3 +407,29 @@ def test_each_tenant_probes_a_template_of_its_own(fresh_engines, tmp_path):
             assert _post(gateway, key, body).status_code == 200
             calls.append(p.stats()["tokenize_requests"] - before)
         assert calls == [3, 0, 3]
+
+
+@pytest.mark.parametrize("failure, worked", [
+    ("ClientGone", True),          # the client left while the engine computed
+    ("GatewayTimeout", True),      # it computed past the deadline
+    ("BadGateway", True),          # it failed after it got the request
+    ("ServiceUnavailable", False),  # no connection: it never got it
+    ("UpstreamRejected", False),   # it refused the request (a 4xx)
+])
+def test_an_engine_that_got_the_request_worked_for_it(failure, worked):
+    """What decides whether a failed turn is charged (gateway.flow.disagg.Work)."""
+    from gateway.flow.disagg import Disagg, Work
+    from gateway.reuse.store import LocalStore
+    from gateway.support import errors
+    pool = Pool("prefill", ["http://10.9.0.1:8100"])
+    disagg = Disagg(LocalStore(10, 450), None, pool, pool, attempts=1)
+    exc = getattr(errors, failure)("failed", **({"status": 400} if failure == "UpstreamRejected"
+                                                else {}))
+    work = Work()
+
+    def call(instance, previous):
+        raise exc
+
+    with pytest.raises(errors.GatewayError):
+        disagg._attempt(pool, "k", None, call, work=work)
+    assert work.done is worked

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gzip
 import http.server
 import json
 import socket
@@ -593,3 +594,39 @@ def test_an_engine_reply_is_read_up_to_its_limit_and_no_further(monkeypatch):
                 with pytest.raises(UpstreamRejected) as refused:
                     upstream.open_stream(engine, "/v1/completions", {}, {})
                 assert refused.value.status == 400 and len(refused.value.message) < 2000
+
+
+class _Gzipped(http.server.BaseHTTPRequestHandler):
+    """An engine (or a proxy before it) that compresses its pages whatever it is asked."""
+
+    protocol_version = "HTTP/1.1"
+    page = b"vllm:num_requests_running{engine=\"0\"} 1.0\n" * 100
+    asked: list = []
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        type(self).asked.append(self.headers.get("Accept-Encoding"))
+        body = gzip.compress(self.page)
+        self.send_response(200)
+        self.send_header("Content-Encoding", "gzip")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_compressed_page_is_read_as_its_text_and_none_is_asked_for():
+    from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Gzipped)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    upstream = Upstream(2.0, 5.0, pool_size=2)
+    try:
+        engine = Instance(f"http://127.0.0.1:{server.server_address[1]}", "decode", 0)
+        assert upstream.get_bytes(engine, "/metrics", 2.0) == _Gzipped.page
+        assert _Gzipped.asked == ["identity"]
+    finally:
+        upstream.close()
+        server.shutdown()
+        server.server_close()

@@ -34,13 +34,13 @@ import logging
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
 from gateway.engines.instances import Instance, Pool
 from gateway.slots import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
 from gateway.support import metrics
+from gateway.support.fanout import Fanout
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +187,12 @@ class LoadTable:
         return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(),
                               "little", signed=True) or 1
 
-    def row(self, url: str, make: bool = False, now: float | None = None) -> int | None:
+    def row(self, url: str, make: bool = False, now: float | None = None,
+            interval: float = 0.0) -> int | None:
         """The row of `url` (taken if `make` and it has none); None if it has none. With `now`,
-        a row no worker has claimed for RECLAIM seconds (its engine gone from every pool) is
-        taken when no other is free: engines come and go, and the table must not fill with
-        those gone."""
+        a row no worker has claimed for RECLAIM seconds, or three intervals if that is longer
+        (its engine gone from every pool), is taken when no other is free: engines come and go,
+        and the table must not fill with those gone."""
         found = self._found.get(url)
         if found is not None and self.keys[found[1]] == found[0]:
             return found[1]
@@ -210,20 +211,21 @@ class LoadTable:
         if make and now is not None:
             for row in rows:
                 base = row * _WIDTH
-                if now - self.values[base + _CLAIMED_AT] >= RECLAIM:
+                if now - self.values[base + _CLAIMED_AT] >= max(RECLAIM, 3 * interval):
                     self.values[base:base + _WIDTH] = [0.0] * _WIDTH
                     self.keys[row] = key
                     return self._found_at(url, key, row)
         return None
 
     def _found_at(self, url: str, key: int, row: int) -> int:
-        if len(self._found) < self.rows:
-            self._found[url] = (key, row)
+        if len(self._found) >= self.rows:      # engines come and go: start the cache again
+            self._found.clear()
+        self._found[url] = (key, row)
         return row
 
     def claim(self, url: str, now: float, interval: float) -> int | None:
         """The row to read `url` into, unless another worker claimed it within `interval`."""
-        row = self.row(url, make=True, now=now)
+        row = self.row(url, make=True, now=now, interval=interval)
         if row is None:
             return None
         base = row * _WIDTH
@@ -278,7 +280,7 @@ class EngineLoad:
         self.clock = clock          # CLOCK_MONOTONIC: one clock for every process of the host
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._readers: ThreadPoolExecutor | None = None
+        self._readers = Fanout(CONCURRENT)
 
     @property
     def enabled(self) -> bool:
@@ -296,8 +298,7 @@ class EngineLoad:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.interval + 2)
-        if self._readers is not None:
-            self._readers.shutdown(wait=False)
+        self._readers.close()
 
     def reported(self, instance: Instance) -> Reported | None:
         return self.table.read(instance.url, self.clock(), 3 * self.interval)
@@ -324,15 +325,8 @@ class EngineLoad:
         """One round: each engine no other worker has read within the interval, `CONCURRENT`
         at once (an engine that answers slowly, or trickles its page, costs its own read's
         time, at most its timeout, not the others' turn)."""
-        todo = [(pool, instance) for pool in self.pools for instance in pool.instances]
-        if len(todo) <= 1:
-            for pool, instance in todo:
-                self.read_one(pool, instance)
-            return
-        if self._readers is None:        # kept: its threads (greenlets) made once
-            self._readers = ThreadPoolExecutor(CONCURRENT)
-        for _ in self._readers.map(lambda job: self.read_one(*job), todo):
-            pass
+        self._readers.run(lambda job: self.read_one(*job),
+                          [(pool, instance) for pool in self.pools for instance in pool.instances])
 
     def read_one(self, pool: Pool, instance: Instance) -> None:
         if self._stop.is_set():

@@ -8,13 +8,13 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from gateway.support import metrics
 from gateway.support.errors import ServiceUnavailable
+from gateway.support.fanout import Fanout
 
 log = logging.getLogger(__name__)
 
@@ -395,7 +395,7 @@ class Prober:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._probes: ThreadPoolExecutor | None = None
+        self._probes = Fanout(CONCURRENT)
 
     @property
     def enabled(self) -> bool:
@@ -425,15 +425,8 @@ class Prober:
     def probe_all(self) -> None:
         """One round: every instance of every pool, at most `CONCURRENT` at once (one that does
         not answer costs its timeout, not the others' turn)."""
-        todo = [(pool, instance) for pool in self.pools for instance in pool.instances]
-        if len(todo) <= 1:
-            for pool, instance in todo:
-                self.probe_one(pool, instance)
-            return
-        if self._probes is None:     # kept: its threads (greenlets) made once, idle between
-            self._probes = ThreadPoolExecutor(CONCURRENT)
-        for _ in self._probes.map(lambda job: self.probe_one(*job), todo):
-            pass
+        self._probes.run(lambda job: self.probe_one(*job),
+                         [(pool, instance) for pool in self.pools for instance in pool.instances])
 
     def probe_one(self, pool: Pool, instance: Instance) -> None:
         if not self.probe(instance):
@@ -454,5 +447,4 @@ class Prober:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(self.interval + 2)    # a probe in progress times out within 1 s
-        if self._probes is not None:
-            self._probes.shutdown(wait=False)
+        self._probes.close()

@@ -110,6 +110,8 @@ class Allowed:
         except ValueError:
             return (any(host == name and fits(p) for name, p in self.names)
                     or any(host.endswith(domain) and fits(p) for domain, p in self.domains))
+        # An IPv4 address written as IPv6 (::ffff:169.254.169.254) is the IPv4 host it maps.
+        address = getattr(address, "ipv4_mapped", None) or address
         return (any(address in network and fits(p) for network, p in self.networks)
                 or any(host == name and fits(p) for name, p in self.names))
 
@@ -234,6 +236,10 @@ class Membership:
     def _known_url(url: object) -> str:
         """A URL naming an instance to remove, as the settings may have given it (a path, a
         user:password): it only names what is there."""
+        try:
+            return added_url(url)       # as an added one was kept
+        except ValueError:
+            pass
         try:
             if not isinstance(url, str):
                 raise ValueError("url must be a string")

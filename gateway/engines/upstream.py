@@ -133,7 +133,10 @@ def _error_message(response: requests.Response) -> str:
     input whole: vLLM's "The model `...` does not exist"), from at most ERROR_LIMIT bytes of
     its body."""
     if not getattr(response, "_content_consumed", False):
-        body = response.raw.read(ERROR_LIMIT, decode_content=True)
+        body = response.raw.read(ERROR_LIMIT + 1, decode_content=True)
+        if len(body) > ERROR_LIMIT:          # more than a message: the rest is never read, so
+            response.raw.close()             # the connection is closed, not pooled
+            body = body[:ERROR_LIMIT]
         response._content, response._content_consumed = body, True
     try:
         error = response.json().get("error")
@@ -285,6 +288,8 @@ class Upstream:
         self.timeout = (connect_timeout, read_timeout)
         self._timeout = Timeout(connect=connect_timeout, read=read_timeout)
         self.api_key = api_key
+        # The GETs' bodies as the POSTs' are: not compressed (their size is read as it comes).
+        self.session.headers["Accept-Encoding"] = "identity"
         if api_key:
             # The GETs (probes, /v1/models, /metrics) carry it too: vLLM's --api-key guards
             # every /v1 path, GET /v1/models among them (vLLM 0.33.0
@@ -438,32 +443,36 @@ class Upstream:
         return Stream(self._send(instance, path, raw, headers, stream=True), instance)
 
     def _get(self, instance: Instance, path: str, timeout: float, limit: int) -> bytes:
-        """GET `path`'s body: within `timeout` seconds in all (a reply that trickles is cut, as
-        a slow one is), at most `limit` bytes, no redirect followed (an engine answers where it
-        is; a redirect would take the gateway wherever the answer says). Raises requests'
-        errors, an error status or a redirect among them."""
+        """GET `path`'s body, answered 200: each read within `timeout` and no read begun after
+        it has passed since the call began (a reply that trickles is cut, as a slow one is), at
+        most `limit` bytes once decoded, no redirect followed (an engine answers where it is; a
+        redirect would take the gateway wherever the answer says). Raises requests' errors, an
+        error status or a redirect among them."""
         deadline = time.monotonic() + timeout
         with self.session.get(instance.url + path, timeout=(min(self.timeout[0], timeout),
                                                             timeout),
                               allow_redirects=False, stream=True) as response:
             _raise_unless_ok(response)
+            if response.status_code != 200:
+                raise requests.HTTPError(f"{response.status_code}, not 200", response=response)
             chunks, size = [], 0
-            try:
-                while True:
-                    # read1: what has come, at once (read(n) would wait for n bytes).
-                    chunk = response.raw.read1(READ_CHUNK)
-                    if not chunk:
-                        return b"".join(chunks)
-                    size += len(chunk)
-                    if size > limit:
-                        raise EngineReplyTooLarge(f"{instance.name}'s {path} is larger than "
-                                                  f"{limit:,} bytes")
-                    if time.monotonic() > deadline:
-                        raise requests.Timeout(f"{instance.name}'s {path} took longer than "
-                                               f"{timeout:g} s")
-                    chunks.append(chunk)
-            except (Urllib3Error, http.client.HTTPException, OSError) as exc:
-                raise requests.ConnectionError(str(exc)) from exc
+            while True:
+                try:
+                    # read1: what has come, at once (read(n) would wait for n bytes); decoded,
+                    # a call's output capped at its size (urllib3 2.x).
+                    chunk = response.raw.read1(READ_CHUNK, decode_content=True)
+                except (Urllib3Error, http.client.HTTPException, OSError) as exc:
+                    raise requests.ConnectionError(str(exc)) from exc
+                if not chunk:
+                    return b"".join(chunks)
+                size += len(chunk)
+                if size > limit:
+                    raise EngineReplyTooLarge(f"{instance.name}'s {path} is larger than "
+                                              f"{limit:,} bytes")
+                if time.monotonic() > deadline:
+                    raise requests.Timeout(f"{instance.name}'s {path} took longer than "
+                                           f"{timeout:g} s")
+                chunks.append(chunk)
 
     def probe(self, instance: Instance, timeout: float = 1.0) -> bool:
         """Does the instance answer GET /health with 200?"""

@@ -19,7 +19,7 @@ from gateway.reuse.exactness import Exactness, Reuse, plain_reply
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
 from gateway.support import metrics
-from gateway.support.errors import GatewayError, ServiceUnavailable
+from gateway.support.errors import GatewayError, ServiceUnavailable, UpstreamRejected
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
@@ -189,12 +189,15 @@ class Disagg:
 
     def _attempt(self, pool: Pool, key: str, prefer: str | None,
                  call: Callable[[Instance, GatewayError | None], T],
-                 hold: bool = False, only: Instance | None = None) -> tuple[Instance, T]:
+                 hold: bool = False, only: Instance | None = None,
+                 work: Work | None = None) -> tuple[Instance, T]:
         """`call(instance, last failure)` on instances of `pool` until one answers.
 
         Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
         request's fault and is not retried. With `hold`, the instance stays counted in flight
         (the caller releases it when the stream ends). With `only`, that instance, once.
+        `work` hears of an engine that got the request and may have computed for it before it
+        failed, or before its client left (all but a connection never made and a 4xx refusal).
         """
         tried: list[Instance] = []
         failure = None
@@ -205,6 +208,9 @@ class Disagg:
                 result = call(instance, failure)
             except GatewayError as exc:
                 pool.release(instance)
+                if work is not None and not isinstance(exc, (ServiceUnavailable,
+                                                             UpstreamRejected)):
+                    work.done = True
                 if not exc.instance_fault:
                     raise
                 pool.failed(instance, unreachable=isinstance(exc, ServiceUnavailable))
@@ -293,7 +299,7 @@ class Disagg:
 
         try:
             prefill, (reuse, prefill_reply) = self._attempt(self.prefill, identity.root, None,
-                                                            prefill_call)
+                                                            prefill_call, work=turn.work)
         except GatewayError as exc:
             sent.failed(exc)
             raise
@@ -339,7 +345,7 @@ class Disagg:
                 self.decode, turn.identity.root, prefer,
                 lambda d, failure: self.upstream.post_json(d, request.path, body_for(failure),
                                                            headers),
-                only=only)
+                only=only, work=turn.work)
             turn.work.done = True
             self._count(request, cache, path)
             reply = decoded.absorb_body(reply)
@@ -351,7 +357,7 @@ class Disagg:
             self.decode, turn.identity.root, prefer,
             lambda d, failure: self.upstream.open_stream(d, request.path, body_for(failure),
                                                          headers),
-            hold=True, only=only)
+            hold=True, only=only, work=turn.work)
         turn.work.done = True
         relay = StreamRelay(stream, decoded, decode, self.decode, turn.started,
                             lambda: self._remember(turn, decode),

@@ -95,6 +95,7 @@ class Ticket:
     headers: dict[str, str]
     charge: Callable[[int], None] = lambda tokens: None
     refund: Callable[[], None] = lambda: None
+    estimate: int = 1           # the prompt's tokens as counted before the turn
 
 
 NO_TICKET = Ticket({})
@@ -133,15 +134,23 @@ class Tenants:
         self._spent: dict[str, tuple[float, dict[str, str]]] = {}
 
     def refuse_early(self, tenant: str, limits: KeyLimits) -> None:
-        """Raise RateLimited if `tenant`'s requests of this window are spent, as far as this
-        worker knows: before its body is read or parsed (a key already over its limit would
-        otherwise still cost the worker the parse of whatever body it sends)."""
+        """Raise RateLimited if `tenant`'s requests of this window are spent: before its body
+        is parsed (a key already over its limit would otherwise still cost the worker the parse
+        of whatever body it sends). Asked of the counter itself, and only for a key this worker
+        has refused in this window: a refund (here, in another worker, on another host) or a
+        new limit may have left it a request."""
         spent = self._spent.get(tenant) if limits.rpm else None
         if spent is None:
             return
         until, headers = spent
         now = self.clock()
-        if now >= until:
+        try:
+            item = self._item(limits.rpm)
+            count = (self._counters().get(item.key_for(tenant, "requests"))
+                     if now < until else 0)
+        except Exception:           # the storage failing: the turn's own count decides
+            return
+        if count < limits.rpm:
             self._spent.pop(tenant, None)
             return
         metrics.RATE_LIMITED.labels("requests").inc()
@@ -189,7 +198,6 @@ class Tenants:
         checks = [("requests", self._item(limits.rpm), 1)] if limits.rpm else []
         if limits.tpm:
             checks.append(("tokens", self._item(limits.tpm), estimate))
-        spent_until = None
         try:
             storage = self._counters()
             now = self.clock()
@@ -203,15 +211,13 @@ class Tenants:
                 headers.update({f"x-ratelimit-limit-{kind}": str(item.amount),
                                 f"x-ratelimit-remaining-{kind}": str(max(0, item.amount - count)),
                                 f"x-ratelimit-reset-{kind}": duration(reset)})
-                if kind == "requests" and count >= item.amount:    # none left this window
-                    spent_until = now + reset
                 if count > item.amount:
                     for given_key, given_item, given in counted:
                         storage.incr(given_key, given_item.get_expiry(), amount=-given)
                     headers[f"x-ratelimit-remaining-{kind}"] = str(
                         max(0, item.amount - count + cost))
-                    if kind == "requests":
-                        self._spend(tenant, spent_until, headers)
+                    if kind == "requests":        # its next: refused before its body
+                        self._spend(tenant, now + reset, headers)
                     metrics.RATE_LIMITED.labels(kind).inc()
                     raise RateLimited(
                         f"Rate limit reached for {kind} per minute: limit {item.amount}"
@@ -222,8 +228,6 @@ class Tenants:
         except Exception as exc:       # the storage failed: admit, uncounted, for a second
             self._failed(exc)
             return NO_TICKET
-        if spent_until is not None:
-            self._spend(tenant, spent_until, headers)
         settled = []
         window_end = self._ends.get(counted[-1][0], 0.0)
 
@@ -245,10 +249,9 @@ class Tenants:
                 return
             settled.append(True)
             if self.clock() < window_end:
-                self._spent.pop(tenant, None)        # its last request given back
                 for key, item, cost in counted:
                     self._incr(storage, key, item, -cost)
-        return Ticket(headers, charge, refund)
+        return Ticket(headers, charge, refund, estimate)
 
     def _spend(self, tenant: str, until: float, headers: dict[str, str]) -> None:
         if len(self._spent) > 100_000:           # keys come and go: forget the lot
