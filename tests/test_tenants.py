@@ -369,14 +369,14 @@ def test_a_client_that_leaves_while_d_decodes_is_charged(slow_engines, tmp_path)
 
 def test_a_key_whose_requests_are_spent_is_refused_before_its_body_arrives(slow_engines,
                                                                             tmp_path):
-    """Its next request is refused on its headers: a body of 32 MiB costs no parse (here it
-    never even arrives)."""
+    """Once refused in the window, its next request is refused on its headers: a body of
+    32 MiB costs no parse (here it never even arrives)."""
     p, d = slow_engines
     keys = tmp_path / "keys"
     keys.write_text("spent rpm=1\n")
     with gateway_process([p.url], [d.url], api_keys_file=str(keys), release_rate=0) as gateway:
-        assert _post(gateway, "spent", {"max_tokens": 1, "messages": [
-            {"role": "user", "content": "hi"}]}).status_code == 200
+        turn = {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        assert [_post(gateway, "spent", turn).status_code for _ in range(2)] == [200, 429]
         sock = socket.create_connection((gateway.host, gateway.port))
         try:
             sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer spent\r\n"
