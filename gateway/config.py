@@ -369,6 +369,15 @@ class Settings:
     admission_wait: float = option(0.01, bounded(float, 0.0), "Seconds a waiting turn may wait "
                                    "for a place before it is refused (keep it short: a refusal "
                                    "should come fast, the client retries).")
+    admission_fair_wait: float = option(30.0, bounded(float, 0.0), "Seconds a turn of a "
+                                        "client key under its share of --max-turns may wait "
+                                        "for the next freed place (ahead of keys over theirs) "
+                                        "before it is refused: a key back after a pause finds "
+                                        "every place held by another's long turns, and a short "
+                                        "wait and its client's retries may all end before one "
+                                        "frees. At most half the threads --max-turns leaves "
+                                        "free wait so with gthread, --admission-queue with "
+                                        "gevent.")
     retry_after: int = option(1, positive(int),
                               "Seconds a refused turn's Retry-After header asks the client to wait.")
     api_keys: list[str] = option([], _key_list, "Client API keys (space or comma separated): a "

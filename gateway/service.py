@@ -100,8 +100,13 @@ class Gateway:
         threads = int(os.environ.get(THREADS_ENV, 0))
         threaded = bool(threads) or settings.worker_class == "gthread"
         limit = settings.turn_limit(threads)
+        # Turns of a key under its share wait longer for a place (gateway.front.admission):
+        # with gthread each holds a thread, so at most half of those --max-turns leaves free.
+        fair = dict(fair_wait=settings.admission_fair_wait,
+                    patient=(max(0, (threads or settings.threads) - limit) // 2 if threaded
+                             else settings.admission_queue))
         self.admission = Admission(limit, settings.admission_queue,
-                                   settings.admission_wait, settings.retry_after)
+                                   settings.admission_wait, settings.retry_after, **fair)
         self.bodies = BodyBudget(settings.max_bodies_bytes, settings.retry_after)
         # A request relayed to the worker that owns its conversation holds, for its whole
         # stream, a thread here (gthread: counted with the turns, which need the same threads)
@@ -110,7 +115,7 @@ class Gateway:
         # behind them: a deadlock. Its owner admits the turn itself.
         self.relays = (self.admission if threaded else
                        Admission(limit, settings.admission_queue, settings.admission_wait,
-                                 settings.retry_after))
+                                 settings.retry_after, **fair))
         self.api_keys = ApiKeys(settings.api_keys, settings.api_keys_file,
                                 defaults=KeyLimits(settings.key_rpm, settings.key_tpm,
                                                    settings.key_turns))

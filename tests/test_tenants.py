@@ -205,6 +205,38 @@ def test_a_full_queue_of_one_tenant_does_not_refuse_another_a_free_place():
     assert admission.tenants["a"].inflight == 2 and admission.waiting == 0
 
 
+def test_a_key_under_its_share_waits_for_the_next_freed_place_ahead_of_others():
+    """Places held by another key's long turns: a key back after a pause (or new) waits up to
+    fair_wait for the next freed place, where other turns wait `wait` (here none); a second
+    such turn beyond `patient` is refused at once."""
+    admission = Admission(limit=2, queue=0, wait=0, retry_after=1, fair_wait=10.0, patient=1)
+    noisy = [admission.enter("noisy"), admission.enter("noisy")]
+    got = []
+    quiet = threading.Thread(target=lambda: got.append(admission.enter("quiet")))
+    quiet.start()
+    wait_until(lambda: admission.waiting_for_share == 1, 5, "quiet waiting")
+    with pytest.raises(Overloaded):
+        admission.enter("noisy")                      # over its share: no wait
+    with pytest.raises(Overloaded):
+        admission.enter("other")                      # under its share, but one waits already
+    noisy.pop()()
+    quiet.join(5)
+    assert got and admission.tenants["quiet"].inflight == 1
+    assert admission.waiting == admission.waiting_for_share == 0
+
+
+def test_a_key_refused_after_its_wait_keeps_its_claim_for_its_retry():
+    admission = Admission(limit=2, queue=0, wait=0, retry_after=1, fair_wait=0.05, patient=4)
+    noisy = [admission.enter("noisy"), admission.enter("noisy")]
+    with pytest.raises(Overloaded):
+        admission.enter("quiet")                      # nothing freed within its wait
+    assert admission.active_seconds >= 2 * admission.retry_after
+    noisy.pop()()
+    with pytest.raises(Overloaded):
+        admission.enter("noisy")                      # the freed place is quiet's claim
+    admission.enter("quiet")                          # its retry takes it at once
+
+
 def test_a_keys_turns_at_once_are_bounded():
     admission = Admission(limit=8, queue=0, wait=0, retry_after=1)
     admission.enter("t", turns=2)
@@ -323,6 +355,42 @@ def slow_engines():
 def _post(gateway, key: str, body: dict) -> requests.Response:
     return requests.post(gateway.url + CHAT, json={"model": MODEL, **body}, timeout=20,
                          headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_key_back_after_a_pause_gets_a_place_another_keys_long_turns_hold(
+        slow_engines, tmp_path, worker_class):
+    """Both places held by a noisy key's turns of ~2 s, its clients knocking on without pause:
+    a quiet key's one turn (the OpenAI SDK, no retries) waits for the next freed place and is
+    served. Before, it was refused at once (10 ms of wait), and so were its SDK's retries."""
+    p, d = slow_engines
+    keys = tmp_path / "keys"
+    keys.write_text("noisy\nquiet\n")
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys), max_turns=2,
+                         worker_class=worker_class, threads=8, release_rate=0) as gateway:
+        long_turn = {"max_tokens": 40, "messages": [{"role": "user", "content": "go on"}]}
+        running = d.stats()["requests"]
+        done = threading.Event()
+        refused = []
+
+        def knock() -> None:
+            for _ in range(2000):                     # bounded; stops when quiet is served
+                if done.is_set():
+                    return
+                refused.append(_post(gateway, "noisy", long_turn).status_code == 429)
+
+        with ThreadPoolExecutor(4) as pool:
+            holders = [pool.submit(knock) for _ in range(3)]
+            wait_until(lambda: d.stats()["requests"] - running >= 2, 10, "noisy's turns on D")
+            wait_until(lambda: any(refused), 10, "noisy refused beyond its places")
+            try:
+                reply = _sdk(gateway, "quiet").chat.completions.create(
+                    model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            finally:
+                done.set()
+            for holder in holders:
+                holder.result()
+        assert reply.choices[0].message.content
 
 
 def test_a_turn_p_prefilled_is_charged_whatever_happens_after(slow_engines, tmp_path):

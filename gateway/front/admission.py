@@ -39,16 +39,28 @@ class Admission:
     weights`, and the places it is entitled to and may need (up to the most it has had at
     once) stay free for it: another tenant takes them only within its own share. A waiting
     turn gets a freed place in weighted-fair order (the tenant with the fewest turns for its
-    weight first). One tenant (no client keys) is first come, as before."""
+    weight first). One tenant (no client keys) is first come, as before.
+
+    A turn of a tenant under its share that finds no free place waits for the next freed one
+    up to `fair_wait` seconds (other turns `wait`; at most `patient` such turns at once, as
+    each holds a thread with gthread): with places held by long turns of a tenant over its
+    share, a short wait and a client's retries could all end before any place was freed (a
+    key back after a pause got 429 on every try). Refused even so, its claim to its share is
+    kept for ACTIVE_SECONDS (twice the Retry-After if longer), so the client's retry finds it."""
 
     def __init__(self, limit: int, queue: int, wait: float, retry_after: int,
-                 clock=time.monotonic) -> None:
+                 fair_wait: float = 0.0, patient: int = 0, clock=time.monotonic) -> None:
         self.limit = limit
         self.queue = queue
         self.wait = wait
         self.retry_after = retry_after
+        self.fair_wait = fair_wait
+        self.patient = patient
         self.inflight = 0
         self.waiting = 0
+        self.waiting_for_share = 0
+        # A refused tenant's claim outlasts the wait its Retry-After asks for, and a retry.
+        self.active_seconds = max(ACTIVE_SECONDS, 2.0 * retry_after)
         self.clock = clock
         self.tenants: dict[str, _Tenant] = {}
         self._ready = threading.Condition(threading.Lock())
@@ -69,20 +81,25 @@ class Admission:
                 self._take(own)
                 metrics.ADMISSIONS.labels("admitted").inc()
                 return lambda: self._leave(own)
-            if self.waiting >= self.queue:
+            patient = (self.fair_wait > self.wait and self.waiting_for_share < self.patient
+                       and self._under_share(own, now))
+            if self.waiting >= self.queue and not patient:
                 self._refuse("queue_full")
             self.waiting += 1
             own.waiting += 1
-            deadline = now + self.wait
+            self.waiting_for_share += patient
+            deadline = now + (self.fair_wait if patient else self.wait)
             try:
                 while not (self._may_take(own) and self._next_in_line() is own):
                     left = deadline - self.clock()
                     if left <= 0:
+                        own.seen = self.clock()   # its claim outlives the Retry-After
                         self._refuse("waited")
                     self._ready.wait(left)
             finally:
                 self.waiting -= 1
                 own.waiting -= 1
+                self.waiting_for_share -= patient
                 self._ready.notify_all()      # the next in line may be another tenant
             self._take(own)
             metrics.ADMISSIONS.labels("queued").inc()
@@ -104,9 +121,8 @@ class Admission:
         own.weight, own.seen = weight, now
         return own
 
-    @staticmethod
-    def _active(t: _Tenant, now: float) -> bool:
-        return t.inflight > 0 or t.waiting > 0 or now - t.seen < ACTIVE_SECONDS
+    def _active(self, t: _Tenant, now: float) -> bool:
+        return t.inflight > 0 or t.waiting > 0 or now - t.seen < self.active_seconds
 
     def _may_take(self, own: _Tenant) -> bool:
         if self.inflight >= self.limit:
@@ -120,6 +136,15 @@ class Admission:
                        for t in active if t is not own)
         return (self.inflight + reserved < self.limit
                 or own.inflight < self.limit * own.weight / total)
+
+    def _under_share(self, own: _Tenant, now: float) -> bool:
+        """Has `own` fewer turns (in flight and waiting) than its share, beside other active
+        tenants? (One tenant alone is first come: no share to wait for.)"""
+        active = [t for t in self.tenants.values() if t is own or self._active(t, now)]
+        if len(active) < 2:
+            return False
+        total = sum(t.weight for t in active)
+        return own.inflight + own.waiting < self.limit * own.weight / total
 
     def _before_waiters(self, own: _Tenant) -> bool:
         """May a newcomer of `own` take a free place now: no waiting tenant that may take one
