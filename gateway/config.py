@@ -233,8 +233,9 @@ class Settings:
     store_ttl: float = option(450.0, positive(float), "Seconds a conversation entry is kept; keep "
                               "it below D's KV block TTL (480 s).")
     store_size: int = option(100_000, positive(int), "Conversation entries kept per worker "
-                             "before the least recently used are evicted (local store; bound a "
-                             "Redis store with its maxmemory).")
+                             "before the least recently used are evicted (with client keys, the "
+                             "key with the most entries first; local store; bound a Redis store "
+                             "with its maxmemory).")
     pinned_blocks: int | None = option(None, auto_or(bounded(int, 0)), "Blocks each D may keep "
                                        "pinned for conversations waiting for their next turn: "
                                        "auto, from what each D reports (vllm:cache_config_info's "
@@ -243,7 +244,9 @@ class Settings:
                                        "docs/d-memory.md); or a number for every D (each worker "
                                        "of a local store keeps its share; a Redis store one "
                                        "budget for every host). Beyond it the least recently "
-                                       "active are released; 0: no budget.", show="auto")
+                                       "active are released (with client keys, the key holding "
+                                       "the most first: keys share it equally); 0: no budget.",
+                                       show="auto")
     release_rate: float = option(50.0, bounded(float, 0.0), "Releases per second per worker: an "
                                  "entry dropped unread (refused, used by a decode-only turn, "
                                  "evicted, replaced, expired, over budget) has a P tell its D to "

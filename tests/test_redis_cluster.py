@@ -17,6 +17,7 @@ from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.d_budget import Limit
 from gateway.reuse.store import Entry, RedisClusterStore, RedisStore, redis_client
 from tests.helpers.servers import MODEL, starts_processes
+from tests.helpers.tenant_shares import one_tenants_long_turn_releases_nothing_of_anothers
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,13 @@ def test_each_ds_pinned_budget_holds_across_conversations_in_other_slots(cluster
     # A regenerated turn replaces its entry: released as replaced, counted once.
     store.put("k", entry(5, blocks=4, decode_url=d), roots[0])
     assert dropped[2:] == [("r4", "replaced")]
+
+
+def test_one_tenants_long_turn_releases_nothing_of_anothers_on_a_cluster(cluster):
+    ticks = itertools.count()
+    one_tenants_long_turn_releases_nothing_of_anothers(
+        RedisClusterStore(cluster.url, ttl=60, timeout=2, pinned_budget=100,
+                          timer=lambda: time.time() + next(ticks)))
 
 
 def test_a_ds_budget_that_shrank_is_met_at_the_next_sweep(cluster):

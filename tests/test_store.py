@@ -1,6 +1,7 @@
 """The stores: single-use take, TTL, a size bound (local), atomic take and failures (Redis)."""
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from gateway.engines.d_budget import Limit
 from gateway.reuse.store import Entry, LocalStore, RedisStore
+from tests.helpers.tenant_shares import one_tenants_long_turn_releases_nothing_of_anothers
 
 
 def bare(found):
@@ -402,3 +404,40 @@ def test_a_shared_ledger_that_lost_pieces_mends_itself_and_never_loops(redis_ser
     (total_key,) = redis_server.client.keys("pd-gateway:pinned-total:*")
     assert int(redis_server.client.get(total_key)) == 3   # k3 alone: the total mended
     assert 0 < redis_server.client.pttl(total_key) <= 90_000
+
+
+# --- tenants share a D's budget and the store's size ------------------------------------------
+
+def test_one_tenants_long_turn_releases_nothing_of_anothers_locally(clock):
+    one_tenants_long_turn_releases_nothing_of_anothers(
+        LocalStore(maxsize=1000, ttl=450, timer=clock, pinned_budget=100))
+
+
+@pytest.mark.processes
+def test_one_tenants_long_turn_releases_nothing_of_anothers_in_redis(redis_server):
+    ticks = itertools.count()       # entries put in one millisecond would tie in D's order
+    one_tenants_long_turn_releases_nothing_of_anothers(
+        RedisStore(redis_server.url, ttl=450, timeout=2, pinned_budget=100,
+                   timer=lambda: time.time() + next(ticks)))
+
+
+def test_one_tenant_alone_keeps_its_latest_turn_over_the_budget_as_before(clock):
+    store = LocalStore(maxsize=100, ttl=450, timer=clock, pinned_budget=10)
+    dropped = dropping(store)
+    store.put("a", on("http://d", 1, blocks=4), tenant="t")
+    store.put("b", on("http://d", 2, blocks=11), tenant="t")
+    assert dropped == [("r1", "http://d", "budget")] and store.pinned() == {"http://d": 11}
+
+
+def test_a_full_store_makes_room_with_the_tenant_that_holds_the_most(clock):
+    """One key's turns can no longer flush the worker's store: the tenant with the most entries
+    gives way, its oldest first; alone, the least recently used goes as before."""
+    store = LocalStore(maxsize=10, ttl=450, timer=clock)
+    dropped = dropping(store)
+    for n in range(4):
+        store.put(f"quiet{n}", on("http://d", n, blocks=1), tenant="quiet")
+    for n in range(10, 30):
+        store.put(f"noisy{n}", on("http://d", n, blocks=1), tenant="noisy")
+    assert all(store.take(f"quiet{n}") is not None for n in range(4))
+    assert dropped == [(f"r{n}", "http://d", "evicted") for n in range(10, 24)]
+    assert len(store) == 6

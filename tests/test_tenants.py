@@ -337,6 +337,30 @@ def test_a_forwarded_turn_carries_its_keys_headers(engines, tmp_path):
         assert gateway.metric("pd_gateway_forwarded_total", result="sent") == 1
 
 
+def test_one_keys_long_turn_releases_none_of_another_keys_conversations(engines, tmp_path):
+    """D's budget of 100 blocks: a key's 10 conversations of a block or two each, then another
+    key's turn of 3,300 words (some 200 blocks, over the budget alone). Before, that turn's
+    entry stayed and every conversation of the first key was released to make room (their next
+    turns missed); tenants sharing the budget, it is that turn's entry that goes."""
+    p, d = engines
+    keys = tmp_path / "keys"
+    keys.write_text("victim\nnoisy\n")
+    with gateway_process([p.url], [d.url], api_keys_file=str(keys),
+                         pinned_blocks="100") as gateway:
+        histories = [[{"role": "user", "content": f"conversation {n}: hello"}] for n in range(10)]
+        for history in histories:
+            reply = _post(gateway, "victim", {"max_tokens": 8, "messages": history})
+            history += [reply.json()["choices"][0]["message"], {"role": "user", "content": "and?"}]
+        long_turn = {"max_tokens": 8, "messages": [{"role": "user", "content": "word " * 3300}]}
+        assert _post(gateway, "noisy", long_turn).status_code == 200
+        caches = [_post(gateway, "victim", {"max_tokens": 8, "messages": history}
+                        ).headers["X-Gateway-Cache"] for history in histories]
+        assert caches == ["hit"] * 10
+        wait_until(lambda: gateway.metric("pd_gateway_releases_total", reason="budget"), 10,
+                   "the long turn's entry released")
+        assert gateway.metric("pd_gateway_releases_total", reason="budget") == 1
+
+
 # --- a turn an engine worked for is charged; a key over its rate costs no parse -----------------
 
 SLOW_HOSTS = ("127.0.0.185", "127.0.0.186")     # P, D (D decoding at 50 ms a token)

@@ -182,7 +182,7 @@ class Disagg:
         log.debug("conversation %s: history does not extend its entry; miss", key[:12])
         if identity.explicit:
             # Someone else's history under this id: leave the entry to its conversation.
-            self.store.put(key, entry, identity.root)
+            self.store.put(key, entry, identity.root, identity.tenant_id)
         else:
             self.releaser.drop(entry, "mismatch")
         return None
@@ -439,7 +439,8 @@ class Disagg:
         self.store.put(key, Entry(params=params, decode_url=decode.url,
                                   history_digest=digest, history_len=length,
                                   plain=plain_reply(identity, decoded, request.body),
-                                  token_digest=held, prefixes=prefixes), identity.root)
+                                  token_digest=held, prefixes=prefixes), identity.root,
+                       identity.tenant_id)
         decoded.kept = True
         metrics.ENTRIES.labels("stored").inc()
 

@@ -126,6 +126,12 @@ class Identity:
     unreasoned: Mapping[int, bytes] = field(default_factory=dict)
     tenant: bytes = b""                  # a hash of the credential (tenant_of)
 
+    @property
+    def tenant_id(self) -> str:
+        """The tenant's name where the store shares D's budget between tenants (16 hex digits
+        of its hash: nothing of the credential)."""
+        return self.tenant[:8].hex()
+
     def lookups(self) -> list[str]:
         """Store keys to try, longest history first."""
         if not self.reusable:

@@ -55,8 +55,10 @@ class ConversationStore(Protocol):
 
     def take(self, key: str, tag: str = "") -> Entry | None: ...
 
-    def put(self, key: str, entry: Entry, tag: str = "") -> None:
-        """Store the entry, replacing any older one for the key."""
+    def put(self, key: str, entry: Entry, tag: str = "", tenant: str = "") -> None:
+        """Store the entry, replacing any older one for the key. `tenant` (the client key's
+        id): tenants share each D's pinned budget (and a local store's size) equally, the one
+        holding the most giving way first."""
 
     def report(self) -> dict:
         """What /health shows of the store."""
@@ -116,13 +118,21 @@ class _LeavingCache(TLRUCache):
     (the cache also expires on every write, where expired items would leave unseen)."""
 
     def __init__(self, maxsize: int, timer: Callable[[], float],
-                 on_leave: Callable[[bytes, bytes, str], None]) -> None:
+                 on_leave: Callable[[bytes, bytes, str], None],
+                 evictee: Callable[[], bytes | None] = lambda: None) -> None:
         super().__init__(maxsize=maxsize, ttu=lambda _key, packed, _now: expiry(packed),
                          timer=timer)
         self._on_leave = on_leave
+        self._evictee = evictee
 
     def popitem(self):  # type: ignore[no-untyped-def]
-        key, value = super().popitem()
+        """Room for a new entry: `evictee()`'s (the tenant holding the most entries gives way,
+        its oldest first), else the least recently used."""
+        key = self._evictee()
+        if key is not None and key in self:
+            value = self.pop(key)
+        else:
+            key, value = super().popitem()
         self._on_leave(key, value, "evicted")
         return key, value
 
@@ -134,35 +144,58 @@ class _LeavingCache(TLRUCache):
 
 
 class Pinned:
-    """The blocks each D keeps for one store's entries, oldest entry first; past its budget on
-    one D (`budget(decode)`, a Limit; 0: none) the oldest of its entries are to be dropped. Not
-    thread-safe: the store's lock covers it."""
+    """The blocks each D keeps for one store's entries, by tenant (client key), oldest entry
+    first; past its budget on one D (`budget(decode)`, a Limit; 0: none) entries are to be
+    dropped. Each tenant with entries on a D is entitled to an equal share of its budget: the
+    tenant holding the most gives way first, its own oldest entries first (its newest too: one
+    tenant's long turn may not release every other tenant's conversations). One tenant alone
+    gives way oldest first, never the entry just added. Not thread-safe: the store's lock
+    covers it."""
 
     def __init__(self, budget: int | Budget = 0) -> None:
         self.budget: Budget = budget if callable(budget) else fixed(budget)
         self._totals: dict[str, int] = {}
-        self._order: dict[str, OrderedDict[bytes, int]] = {}
+        # Per D, per tenant: its entries' blocks, oldest first, and their sum.
+        self._order: dict[str, dict[str, OrderedDict[bytes, int]]] = {}
+        self._held: dict[str, dict[str, int]] = {}
+        self._tenant: dict[bytes, str] = {}
+        # Every entry of each tenant, oldest first (the store's size is shared by tenant too).
+        self._entries: dict[str, OrderedDict[bytes, None]] = {}
 
-    def add(self, decode: str, key: bytes, blocks: int) -> list[bytes]:
-        """Count the entry's blocks; the keys of the oldest entries of `decode` beyond the
-        budget. Never the entry just added: a conversation longer than the budget keeps its
-        latest turn (alone on its D then)."""
+    def add(self, decode: str, key: bytes, blocks: int, tenant: str = "") -> list[bytes]:
+        """Count the entry's blocks; the keys of the entries of `decode` beyond the budget.
+        Never the entry just added while its tenant is alone on D: a conversation longer than
+        the budget keeps its latest turn (alone on its D then)."""
         self._totals[decode] = self._totals.get(decode, 0) + blocks
-        self._order.setdefault(decode, OrderedDict())[key] = blocks
+        self._order.setdefault(decode, {}).setdefault(tenant, OrderedDict())[key] = blocks
+        held = self._held.setdefault(decode, {})
+        held[tenant] = held.get(tenant, 0) + blocks
+        self._tenant[key] = tenant
+        self._entries.setdefault(tenant, OrderedDict())[key] = None
         return self.over(decode, keep=key)
 
     def over(self, decode: str, keep: bytes | None = None) -> list[bytes]:
-        """The keys of `decode`'s oldest entries beyond its budget now (never `keep`)."""
+        """The keys of `decode`'s entries beyond its budget now: the largest holder's oldest
+        first (never `keep` while one tenant holds them all)."""
         total = self._totals.get(decode, 0)
         budget = self.budget(decode).at(total)
         over: list[bytes] = []
         if not budget or total <= budget:
             return over
-        for old_key, old_blocks in self._order.get(decode, {}).items():
-            if total <= budget or old_key == keep:
+        held = dict(self._held.get(decode, {}))
+        alone = len(held) == 1
+        orders = {tenant: iter(order.items())
+                  for tenant, order in self._order.get(decode, {}).items()}
+        while total > budget and held:
+            tenant = max(held, key=held.__getitem__)
+            old_key, old_blocks = next(orders[tenant], (None, 0))
+            if old_key is None or (old_key == keep and alone):
                 break
             over.append(old_key)
             total -= old_blocks
+            held[tenant] -= old_blocks
+            if held[tenant] <= 0:
+                del held[tenant]
         return over
 
     def remove(self, decode: str, key: bytes, blocks: int) -> None:
@@ -171,11 +204,30 @@ class Pinned:
             self._totals[decode] = left
         else:
             self._totals.pop(decode, None)
-        order = self._order.get(decode)
-        if order is not None:
-            order.pop(key, None)
-            if not order:
-                del self._order[decode]
+        tenant = self._tenant.pop(key, None)
+        entries = self._entries.get(tenant)
+        if entries is not None:
+            entries.pop(key, None)
+            if not entries:
+                del self._entries[tenant]
+        orders = self._order.get(decode)
+        if tenant is None or orders is None or orders.get(tenant, {}).pop(key, None) is None:
+            return
+        held = self._held[decode]
+        held[tenant] -= blocks
+        if not orders[tenant]:
+            del orders[tenant], held[tenant]
+            if not orders:
+                del self._order[decode], self._held[decode]
+
+    def evictee(self) -> bytes | None:
+        """The entry to make room with in a full store, tenants sharing it equally: the oldest
+        of the tenant with the most entries; None with one tenant (the least recently used
+        goes, as before)."""
+        if len(self._entries) < 2:
+            return None
+        most = max(self._entries.values(), key=len)
+        return next(iter(most))
 
     def total(self, decode: str) -> int:
         return self._totals.get(decode, 0)
@@ -197,11 +249,11 @@ class LocalStore(_Takes):
                  pinned_budget: int | Budget = 0) -> None:
         # The cache is not thread-safe (even a read reorders its LRU links), so every
         # operation holds the lock; none does I/O while holding it.
-        self._cache = _LeavingCache(maxsize, timer, self._left)
+        self._pinned = Pinned(pinned_budget)
+        self._cache = _LeavingCache(maxsize, timer, self._left, self._pinned.evictee)
         self._lock = threading.Lock()
         self._timer = timer
         self._ttl = ttl
-        self._pinned = Pinned(pinned_budget)
         self._dropped: list[tuple[Entry, str]] = []   # under the lock; handed out after it
         self.on_drop: Callable[[Entry, str], None] = _ignore
 
@@ -218,7 +270,7 @@ class LocalStore(_Takes):
                 return key, entry
         return None
 
-    def put(self, key: str, entry: Entry, tag: str = "") -> None:
+    def put(self, key: str, entry: Entry, tag: str = "", tenant: str = "") -> None:
         now = self._timer()
         entry = stamped(entry, now, self._ttl)
         if entry.expires_at <= now:
@@ -234,7 +286,7 @@ class LocalStore(_Takes):
             if old is not None:
                 self._left(k, old, "replaced")
             self._cache[k] = packed
-            self._drop_over(self._pinned.add(entry.decode_url, k, pinned_blocks(entry)))
+            self._drop_over(self._pinned.add(entry.decode_url, k, pinned_blocks(entry), tenant))
         self._publish(entry.decode_url)
 
     @property
@@ -297,25 +349,55 @@ class LocalStore(_Takes):
 
 
 # The blocks each D keeps for a Redis store's entries, shared by every gateway host: per D (an
-# id of its URL) a sorted set of entry keys by expiry, their blocks and the total, all expiring
-# after its last entry; and per entry, which D it is on (expiring with the entry). Scripts reach
-# these keys by name (one primary, as the take already needs). Every loop is bounded, and a
-# ledger that lost pieces (keys deleted by hand, an allkeys-* eviction) mends itself.
-_UNPIN = """
-local function unpin_from(prefix, d, member)
-    local blocks = prefix .. 'pinned-blocks:' .. d
-    local n = tonumber(redis.call('HGET', blocks, member) or '0')
-    if n > 0 then redis.call('DECRBY', prefix .. 'pinned-total:' .. d, n) end
-    redis.call('HDEL', blocks, member)
-    redis.call('ZREM', prefix .. 'pinned:' .. d, member)
-    local owner = prefix .. 'pinned-of:' .. member
-    if redis.call('GET', owner) == d then redis.call('DEL', owner) end
+# id of its URL) a sorted set of entry keys by expiry, their blocks and the total, each tenant's
+# blocks (a sorted set) and entries (a sorted set by expiry, named after D's) and each entry's
+# tenant, all expiring after its last entry; and per entry, which D it is on (expiring with the
+# entry). Every loop is bounded, and a ledger that lost pieces (keys deleted by hand, an
+# allkeys-* eviction) mends itself.
+#
+# The ledger's functions take its keys: D's sorted set, blocks, total, tenants' blocks, entries'
+# tenants (a Redis Cluster passes them, in D's hash slot; one primary names them).
+_LEDGER = """
+local function unpin(keys, member)
+    local n = tonumber(redis.call('HGET', keys[2], member) or '0')
+    if n > 0 then redis.call('DECRBY', keys[3], n) end
+    redis.call('HDEL', keys[2], member)
+    redis.call('ZREM', keys[1], member)
+    local tenant = redis.call('HGET', keys[5], member)
+    if tenant then
+        redis.call('HDEL', keys[5], member)
+        redis.call('ZREM', keys[1] .. ':' .. tenant, member)
+        if tonumber(redis.call('ZINCRBY', keys[4], -n, tenant)) <= 0 then
+            redis.call('ZREM', keys[4], tenant)
+        end
+    end
     return n
 end
-local function unpin(prefix, member)
-    local d = redis.call('GET', prefix .. 'pinned-of:' .. member)
-    if not d then return 0 end
-    return unpin_from(prefix, d, member)
+-- Count an entry on D (after `unpin` of any older count of it); D's total after.
+local function pin(keys, member, blocks, expiry, tenant)
+    redis.call('ZADD', keys[1], expiry, member)
+    redis.call('HSET', keys[2], member, blocks)
+    redis.call('HSET', keys[5], member, tenant)
+    redis.call('ZADD', keys[1] .. ':' .. tenant, expiry, member)
+    redis.call('ZINCRBY', keys[4], blocks, tenant)
+    return redis.call('INCRBY', keys[3], blocks)
+end
+-- Uncount D's members that expired (D has freed their blocks too), at most 64 a call.
+local function expired(keys, now)
+    for _, gone in ipairs(redis.call('ZRANGEBYSCORE', keys[1], '-inf', '(' .. now, 'LIMIT', 0, 64)) do
+        unpin(keys, gone)
+    end
+end
+-- The ledger's keys outlive its last entry by a minute at most.
+local function keep_ledger(keys, tenant, now, expiry)
+    local keep_until = expiry + 60000
+    local all = {keys[1], keys[2], keys[3], keys[4], keys[5], keys[1] .. ':' .. tenant}
+    for _, key in ipairs(all) do
+        local left = redis.call('PTTL', key)
+        if left < 0 or now + left < keep_until then
+            redis.call('PEXPIREAT', key, keep_until)
+        end
+    end
 end
 -- A D's budget for its total now: `cap` (0: none), or `cut` fewer than the total, once
 -- (gateway.engines.d_budget.Limit.at).
@@ -323,27 +405,76 @@ local function budget_at(cap, cut, total)
     if cut <= 0 then return cap end
     return math.max(1, math.min(cap, total - cut))
 end
--- D's oldest entries (never `keep`) taken out while its total is over its budget: their values
--- and D's total after. `alone`: the total when `keep` is all that is left.
-local function trim(prefix, d, keep, budget, total, alone)
-    local zset, total_key = prefix .. 'pinned:' .. d, prefix .. 'pinned-total:' .. d
+-- The next member to give way (gateway.reuse.store.Pinned.over): while several tenants hold
+-- blocks on D, the oldest of the one holding the most (`keep` too); else the oldest but `keep`.
+local function next_over(keys, keep, alone)
+    if not alone then
+        local most = redis.call('ZREVRANGE', keys[4], 0, 0)[1]
+        if most then
+            local own = keys[1] .. ':' .. most
+            local oldest = redis.call('ZRANGE', own, 0, 0)[1]
+            if oldest then
+                redis.call('ZREM', own, oldest)   -- gone from a ledger that lost pieces too
+                return oldest
+            end
+        end
+    end
+    for _, m in ipairs(redis.call('ZRANGE', keys[1], 0, 1)) do
+        if m ~= keep then return m end
+    end
+    return nil
+end
+-- D's members taken out while its total is over its budget: the members (their entries are
+-- the caller's to take) and D's total after. `alone`: the total when `keep` is all that is left.
+local function trim(keys, keep, budget, total, alone)
     local over = {}
+    local one_tenant = redis.call('ZCARD', keys[4]) < 2
     for _ = 1, 256 do                         -- bounded: a call never holds Redis long
         if budget <= 0 or total <= budget then break end
-        local oldest = nil                    -- the first by expiry that is not `keep`
-        for _, m in ipairs(redis.call('ZRANGE', zset, 0, 1)) do
-            if m ~= keep then oldest = m; break end
-        end
+        local oldest = next_over(keys, keep, one_tenant)
         if not oldest then                    -- `keep` alone (or nothing): the total is known
             total = alone
-            redis.call('SET', total_key, total, 'KEEPTTL')
+            redis.call('SET', keys[3], total, 'KEEPTTL')
             break
         end
-        total = total - unpin_from(prefix, d, oldest)
-        local value = redis.call('GETDEL', prefix .. oldest)
-        if value then table.insert(over, value) end
+        total = total - unpin(keys, oldest)
+        table.insert(over, oldest)
     end
     return over, total
+end
+"""
+
+# One primary: the scripts name the ledger's keys themselves, and take the entries over budget.
+_UNPIN = _LEDGER + """
+local function ledger(prefix, d)
+    local base = prefix .. 'pinned'
+    return {base .. ':' .. d, base .. '-blocks:' .. d, base .. '-total:' .. d,
+            base .. '-held:' .. d, base .. '-tenant:' .. d}
+end
+-- A member uncounted from D's ledger, and its owner key (which D it is on) gone.
+local function unpin_from(prefix, d, member)
+    local n = unpin(ledger(prefix, d), member)
+    local owner = prefix .. 'pinned-of:' .. member
+    if redis.call('GET', owner) == d then redis.call('DEL', owner) end
+    return n
+end
+local function unpin_member(prefix, member)
+    local d = redis.call('GET', prefix .. 'pinned-of:' .. member)
+    if not d then return 0 end
+    return unpin_from(prefix, d, member)
+end
+-- D's members over its budget taken out, entries and all: their values and D's total after.
+local function trim_entries(prefix, d, keep, budget, total, alone)
+    local over
+    over, total = trim(ledger(prefix, d), keep, budget, total, alone)
+    local values = {}
+    for _, member in ipairs(over) do
+        local owner = prefix .. 'pinned-of:' .. member
+        if redis.call('GET', owner) == d then redis.call('DEL', owner) end
+        local value = redis.call('GETDEL', prefix .. member)
+        if value then table.insert(values, value) end
+    end
+    return values, total
 end
 """
 
@@ -352,7 +483,7 @@ local prefix = ARGV[1]
 for i, key in ipairs(KEYS) do
     local value = redis.call('GETDEL', key)
     if value then
-        unpin(prefix, string.sub(key, #prefix + 1))
+        unpin_member(prefix, string.sub(key, #prefix + 1))
         return {i, value}
     end
 end
@@ -360,43 +491,33 @@ return false
 """
 
 # KEYS[1] the entry; ARGV: packed entry, expiry (ms), now (ms), member, blocks, budget's cap, D
-# id, prefix, budget's cut. Returns the entry it replaced (or false), the entries dropped over
-# D's budget (oldest first, never this one), and D's total after.
+# id, prefix, budget's cut, tenant. Returns the entry it replaced (or false), the entries
+# dropped over D's budget (never this one while its tenant is alone on D), and D's total after.
 _PUT = _UNPIN + """
 local prefix, member, d, expiry = ARGV[8], ARGV[4], ARGV[7], tonumber(ARGV[2])
-local zset, blocks, total_key = prefix .. 'pinned:' .. d, prefix .. 'pinned-blocks:' .. d,
-    prefix .. 'pinned-total:' .. d
+local now, tenant = tonumber(ARGV[3]), ARGV[10]
+local keys = ledger(prefix, d)
 local old = redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2], 'GET')
-unpin(prefix, member)                         -- the entry it replaces, on whichever D
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', zset, '-inf', '(' .. ARGV[3], 'LIMIT', 0, 64)) do
-    unpin_from(prefix, d, gone)               -- expired in Redis: D has freed them too
-end
-redis.call('ZADD', zset, expiry, member)
-redis.call('HSET', blocks, member, ARGV[5])
+unpin_member(prefix, member)                  -- the entry it replaces, on whichever D
+expired(keys, now)
+local total = pin(keys, member, ARGV[5], expiry, tenant)
 redis.call('SET', prefix .. 'pinned-of:' .. member, d, 'PXAT', ARGV[2])
-local total = redis.call('INCRBY', total_key, ARGV[5])
 local over
-over, total = trim(prefix, d, member, budget_at(tonumber(ARGV[6]), tonumber(ARGV[9]), total),
-                   total, tonumber(ARGV[5]))
--- The ledger outlives its last entry by a minute at most.
-local keep_until = expiry + 60000
-for _, key in ipairs({zset, blocks, total_key}) do
-    local left = redis.call('PTTL', key)
-    if left < 0 or tonumber(ARGV[3]) + left < keep_until then
-        redis.call('PEXPIREAT', key, keep_until)
-    end
-end
+over, total = trim_entries(prefix, d, member,
+                           budget_at(tonumber(ARGV[6]), tonumber(ARGV[9]), total),
+                           total, tonumber(ARGV[5]))
+keep_ledger(keys, tenant, now, expiry)
 return {old or false, over, total}
 """
 
-# ARGV: prefix, D id, budget's cap and cut. A D's budget that shrank: its oldest entries beyond
-# it taken out. Returns their values and D's total after.
+# ARGV: prefix, D id, budget's cap and cut. A D's budget that shrank: its entries beyond it
+# taken out. Returns their values and D's total after.
 _TRIM = _UNPIN + """
 local prefix, d = ARGV[1], ARGV[2]
 local total = tonumber(redis.call('GET', prefix .. 'pinned-total:' .. d) or '0')
 local over
-over, total = trim(prefix, d, false, budget_at(tonumber(ARGV[3]), tonumber(ARGV[4]), total),
-                   total, 0)
+over, total = trim_entries(prefix, d, false,
+                           budget_at(tonumber(ARGV[3]), tonumber(ARGV[4]), total), total, 0)
 return {over, total}
 """
 
@@ -579,7 +700,7 @@ class RedisStore(_Takes):
                 continue
             self.on_drop(dropped, why)
 
-    def put(self, key: str, entry: Entry, tag: str = "") -> None:
+    def put(self, key: str, entry: Entry, tag: str = "", tenant: str = "") -> None:
         stamp = self._stamp(entry)
         if stamp is None:
             return
@@ -590,7 +711,7 @@ class RedisStore(_Takes):
             old, over, total = self._put(
                 keys=[self.PREFIX + key],
                 args=[packed_entry, expires_ms, int(now * 1000), key, pinned_blocks(entry),
-                      limit.cap, decode_id, self.PREFIX, limit.cut])
+                      limit.cap, decode_id, self.PREFIX, limit.cut, tenant])
         except self._errors as exc:
             self._failed("put", exc)
             return
@@ -636,39 +757,6 @@ class RedisStore(_Takes):
 # key naming each one's D) carry its root as a hash tag; each D's ledger carries its own. So
 # the take and the put are one script on the conversation's slot and one on its D's: the pieces
 # the single-primary scripts above do in one.
-_C_LEDGER = """
-local function unpin(keys, member)
-    local n = tonumber(redis.call('HGET', keys[2], member) or '0')
-    if n > 0 then redis.call('DECRBY', keys[3], n) end
-    redis.call('HDEL', keys[2], member)
-    redis.call('ZREM', keys[1], member)
-    return n
-end
--- D's oldest members (never `keep`) uncounted while its total is over its budget: the members
--- (the caller takes their entries, in their own slots) and D's total after.
-local function budget_at(cap, cut, total)
-    if cut <= 0 then return cap end
-    return math.max(1, math.min(cap, total - cut))
-end
-local function trim(keys, keep, budget, total, alone)
-    local over = {}
-    for _ = 1, 256 do
-        if budget <= 0 or total <= budget then break end
-        local oldest = nil
-        for _, m in ipairs(redis.call('ZRANGE', keys[1], 0, 1)) do
-            if m ~= keep then oldest = m; break end
-        end
-        if not oldest then
-            total = alone
-            redis.call('SET', keys[3], total, 'KEEPTTL')
-            break
-        end
-        total = total - unpin(keys, oldest)
-        table.insert(over, oldest)
-    end
-    return over, total
-end
-"""
 _C_TAKE = """
 local prefix = ARGV[1]
 for i, key in ipairs(KEYS) do
@@ -682,7 +770,7 @@ for i, key in ipairs(KEYS) do
 end
 return false
 """
-_C_UNPIN = _C_LEDGER + "return unpin(KEYS, ARGV[1])"
+_C_UNPIN = _LEDGER + "return unpin(KEYS, ARGV[1])"
 # KEYS: the entry, its owner key; ARGV: packed entry, expiry (ms), D id.
 _C_PUT_ENTRY = """
 local old = redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2], 'GET')
@@ -690,33 +778,24 @@ local owner = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[2], ARGV[3], 'PXAT', ARGV[2])
 return {old or false, owner or false}
 """
-# KEYS: D's sorted set, blocks and total; ARGV: member, blocks, expiry (ms), now (ms), budget's
-# cap, 1 if the member was on this D already, budget's cut. Returns the members over budget
-# (oldest first, never this one; the caller takes their entries) and D's total after.
-_C_PUT_LEDGER = _C_LEDGER + """
-local member, expiry = ARGV[1], tonumber(ARGV[3])
+# KEYS: D's ledger (RedisClusterStore._ledger); ARGV: member, blocks, expiry (ms), now (ms),
+# budget's cap, 1 if the member was on this D already, budget's cut, tenant. Returns the
+# members over budget (never this one while its tenant is alone on D; the caller takes their
+# entries) and D's total after.
+_C_PUT_LEDGER = _LEDGER + """
+local member, expiry, now, tenant = ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[8]
 if ARGV[6] == '1' then unpin(KEYS, member) end
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4], 'LIMIT', 0, 64)) do
-    unpin(KEYS, gone)
-end
-redis.call('ZADD', KEYS[1], expiry, member)
-redis.call('HSET', KEYS[2], member, ARGV[2])
-local total = redis.call('INCRBY', KEYS[3], ARGV[2])
+expired(KEYS, now)
+local total = pin(KEYS, member, ARGV[2], expiry, tenant)
 local over
 over, total = trim(KEYS, member, budget_at(tonumber(ARGV[5]), tonumber(ARGV[7]), total), total,
                    tonumber(ARGV[2]))
-local keep_until = expiry + 60000
-for _, key in ipairs(KEYS) do
-    local left = redis.call('PTTL', key)
-    if left < 0 or tonumber(ARGV[4]) + left < keep_until then
-        redis.call('PEXPIREAT', key, keep_until)
-    end
-end
+keep_ledger(KEYS, tenant, now, expiry)
 return {over, total}
 """
-# KEYS: D's sorted set, blocks and total; ARGV: its budget's cap and cut. Returns the members
-# over it (the caller takes their entries) and D's total after.
-_C_TRIM = _C_LEDGER + """
+# KEYS: D's ledger; ARGV: its budget's cap and cut. Returns the members over it (the caller
+# takes their entries) and D's total after.
+_C_TRIM = _LEDGER + """
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local over
 over, total = trim(KEYS, false, budget_at(tonumber(ARGV[1]), tonumber(ARGV[2]), total), total, 0)
@@ -762,7 +841,8 @@ class RedisClusterStore(RedisStore):
 
     def _ledger(self, decode_id: str) -> list[str]:
         base = "%s{d:%s}:" % (self.PREFIX, decode_id)
-        return [base + "pinned", base + "pinned-blocks", base + "pinned-total"]
+        return [base + "pinned", base + "pinned-blocks", base + "pinned-total",
+                base + "pinned-held", base + "pinned-tenant"]
 
     def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
         if not tag and len(keys) > 1:       # untagged keys live in slots of their own
@@ -791,7 +871,7 @@ class RedisClusterStore(RedisStore):
         except self._errors as exc:
             self._failed("ledger", exc)
 
-    def put(self, key: str, entry: Entry, tag: str = "") -> None:
+    def put(self, key: str, entry: Entry, tag: str = "", tenant: str = "") -> None:
         stamp = self._stamp(entry)
         if stamp is None:
             return
@@ -817,7 +897,7 @@ class RedisClusterStore(RedisStore):
             over, total = self._put_ledger(
                 keys=self._ledger(decode_id),
                 args=[member, pinned_blocks(entry), expires_ms, int(now * 1000), limit.cap,
-                      1 if owner == decode_id else 0, limit.cut])
+                      1 if owner == decode_id else 0, limit.cut, tenant])
         except self._errors as exc:
             self._failed("ledger", exc)
             return
