@@ -7,7 +7,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 from cachetools import TLRUCache
 
@@ -184,11 +184,13 @@ class Pinned:
             return over
         held = dict(self._held.get(decode, {}))
         alone = len(held) == 1
-        orders = {tenant: iter(order.items())
-                  for tenant, order in self._order.get(decode, {}).items()}
+        orders = self._order.get(decode, {})
+        oldest: dict[str, Iterator[tuple[bytes, int]]] = {}
         while total > budget and held:
             tenant = max(held, key=held.__getitem__)
-            old_key, old_blocks = next(orders[tenant], (None, 0))
+            if tenant not in oldest:
+                oldest[tenant] = iter(orders.get(tenant, {}).items())
+            old_key, old_blocks = next(oldest[tenant], (None, 0))
             if old_key is None or (old_key == keep and alone):
                 break
             over.append(old_key)
