@@ -378,9 +378,9 @@ class Settings:
                                         "before it is refused: a key back after a pause finds "
                                         "every place held by another's long turns, and a short "
                                         "wait and its client's retries may all end before one "
-                                        "frees. At most half the threads --max-turns leaves "
-                                        "free wait so with gthread, --admission-queue with "
-                                        "gevent.")
+                                        "frees. One turn of a key at a time, within "
+                                        "--admission-queue (with gthread at most half the "
+                                        "threads --max-turns leaves free).")
     retry_after: int = option(1, positive(int),
                               "Seconds a refused turn's Retry-After header asks the client to wait.")
     api_keys: list[str] = option([], _key_list, "Client API keys (space or comma separated): a "

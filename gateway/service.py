@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from contextlib import ExitStack
@@ -16,7 +17,7 @@ from gateway.engines.engine_load import BlockSize, EngineLoad
 from gateway.engines.instances import Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.upstream import Upstream
-from gateway.engines.watch import Watch
+from gateway.engines.watch import Watch, still_open
 from gateway.flow.disagg import Disagg, Work
 from gateway.flow.fast_path import FastPath
 from gateway.flow.model_pools import ModelPool, ModelPools
@@ -207,17 +208,18 @@ class Gateway:
         try:
             request = parse(path, raw)        # CPU only: no watcher, no place taken yet
             pool, request = self.pools.route(request)     # an unknown model: 404 here
-            conversation = Conversation(request.body, headers, request.conversation_id)
+            tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
+            conversation = Conversation(request.body, headers, request.conversation_id, tenant)
             owner = (self.owners.forward_to(conversation.root())
                      if self.owners.may_forward(arrival.port) else None)
-            tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
             # Its key's requests and tokens per minute, where the turn runs; then a place for
             # this turn or its relay. Either way 429 with nothing started. Charged once an
             # engine worked for it (`work`), whatever happens after; else given back.
             work = Work()
             ticket = (self._counted(held, tenant, limits, raw, work) if owner is None
                       else NO_TICKET)
-            self._admit(held, self.admission if owner is None else self.relays, tenant, limits)
+            self._admit(held, self.admission if owner is None else self.relays, tenant, limits,
+                        arrival.socket)
             total = self.settings.total_timeout
             held.callback(Watch(arrival.socket, time.monotonic() + total if total else None).stop)
             reply = (None if owner is None else
@@ -228,7 +230,7 @@ class Gateway:
                 if owner is not None:                    # its owner is away: served here
                     ticket = self._counted(held, tenant, limits, raw, work)
                     if self.relays is not self.admission:
-                        self._admit(held, self.admission, tenant, limits)
+                        self._admit(held, self.admission, tenant, limits, arrival.socket)
                 reply = self._serve(pool, request, conversation, headers, request_id, work)
                 if ticket is not NO_TICKET:
                     reply.headers.update(ticket.headers)
@@ -264,8 +266,10 @@ class Gateway:
         return ticket
 
     @staticmethod
-    def _admit(held: ExitStack, admission: Admission, tenant: str, limits: KeyLimits) -> None:
-        held.callback(admission.enter(tenant, limits.weight, limits.turns))
+    def _admit(held: ExitStack, admission: Admission, tenant: str, limits: KeyLimits,
+               client: socket.socket | None) -> None:
+        gone = None if client is None else (lambda: not still_open(client))
+        held.callback(admission.enter(tenant, limits.weight, limits.turns, gone))
 
     def _serve(self, pool: ModelPool, request: ClientRequest, conversation: Conversation,
                headers: Mapping[str, str], request_id: str, work: Work) -> Reply:

@@ -209,7 +209,7 @@ def test_a_key_under_its_share_waits_for_the_next_freed_place_ahead_of_others():
     """Places held by another key's long turns: a key back after a pause (or new) waits up to
     fair_wait for the next freed place, where other turns wait `wait` (here none); a second
     such turn beyond `patient` is refused at once."""
-    admission = Admission(limit=2, queue=0, wait=0, retry_after=1, fair_wait=10.0, patient=1)
+    admission = Admission(limit=2, queue=2, wait=0, retry_after=1, fair_wait=10.0, patient=1)
     noisy = [admission.enter("noisy"), admission.enter("noisy")]
     got = []
     quiet = threading.Thread(target=lambda: got.append(admission.enter("quiet")))
@@ -225,16 +225,92 @@ def test_a_key_under_its_share_waits_for_the_next_freed_place_ahead_of_others():
     assert admission.waiting == admission.waiting_for_share == 0
 
 
-def test_a_key_refused_after_its_wait_keeps_its_claim_for_its_retry():
-    admission = Admission(limit=2, queue=0, wait=0, retry_after=1, fair_wait=0.05, patient=4)
+def test_one_turn_of_a_key_at_a_time_waits_for_its_share():
+    admission = Admission(limit=2, queue=4, wait=0, retry_after=1, fair_wait=10.0, patient=4)
     noisy = [admission.enter("noisy"), admission.enter("noisy")]
+    waiters = [threading.Thread(target=admission.enter, args=(key,)) for key in ("x", "y")]
+    waiters[0].start()
+    wait_until(lambda: admission.waiting_for_share == 1, 5, "x waiting")
     with pytest.raises(Overloaded):
-        admission.enter("quiet")                      # nothing freed within its wait
-    assert admission.active_seconds >= 2 * admission.retry_after
+        admission.enter("x")                          # x waits already: no second long wait
+    waiters[1].start()                                # y, back after a pause, still may
+    wait_until(lambda: admission.waiting_for_share == 2, 5, "y waiting")
+    for give_back in noisy:
+        give_back()
+    for waiter in waiters:
+        waiter.join(5)
+    assert admission.tenants["x"].inflight == admission.tenants["y"].inflight == 1
+
+
+def test_a_waiting_turn_counts_against_its_keys_turns_at_once():
+    admission = Admission(limit=1, queue=4, wait=10.0, retry_after=1)
+    admission.enter("t", turns=2)
+    waiter = threading.Thread(target=admission.enter, args=("t", 1.0, 2))
+    waiter.start()
+    wait_until(lambda: admission.waiting == 1, 5, "t's second turn waiting")
+    with pytest.raises(Overloaded, match="2 turns at once"):
+        admission.enter("t", turns=2)                 # one in flight, one waiting: its two
+    admission._leave(admission.tenants["t"])
+    waiter.join(5)
+    assert admission.tenants["t"].inflight == 1
+
+
+def test_a_key_refused_after_its_wait_keeps_its_claim_for_its_retry(clock):
+    """Refused after a long wait (30 s on the clock here), a key is still entitled to its
+    place when its client retries: the claim runs from the refusal, not from the arrival."""
+    admission = Admission(limit=2, queue=2, wait=0, retry_after=1, fair_wait=30.0, patient=4,
+                          clock=clock)
+    noisy = [admission.enter("noisy"), admission.enter("noisy")]
+    refused = []
+
+    def quiet() -> None:
+        try:
+            admission.enter("quiet")
+        except Overloaded as exc:
+            refused.append(exc)
+
+    waiter = threading.Thread(target=quiet)
+    waiter.start()
+    wait_until(lambda: admission.waiting_for_share == 1, 5, "quiet waiting")
+    clock.advance(31)
+    with admission._ready:
+        admission._ready.notify_all()
+    waiter.join(5)
+    assert refused and admission.waiting == admission.waiting_for_share == 0
+    clock.advance(9)                                  # 40 s after it came, 9 after its refusal
     noisy.pop()()
     with pytest.raises(Overloaded):
         admission.enter("noisy")                      # the freed place is quiet's claim
     admission.enter("quiet")                          # its retry takes it at once
+
+
+def test_a_claim_outlasts_a_long_retry_after(clock):
+    admission = Admission(limit=2, queue=0, wait=0, retry_after=8, clock=clock)
+    admission.enter("quiet")()                        # active: its need is one place
+    clock.advance(12)                                 # past 10 s, within twice Retry-After
+    admission.enter("noisy")
+    with pytest.raises(Overloaded):
+        admission.enter("noisy")
+
+
+def test_a_waiting_turn_whose_client_left_gives_up():
+    admission = Admission(limit=1, queue=2, wait=0, retry_after=1, fair_wait=30.0, patient=4)
+    admission.enter("noisy")
+    left = threading.Event()
+    refused = []
+
+    def quiet() -> None:
+        try:
+            admission.enter("quiet", gone=left.is_set)
+        except Overloaded as exc:
+            refused.append(exc)
+
+    waiter = threading.Thread(target=quiet)
+    waiter.start()
+    wait_until(lambda: admission.waiting_for_share == 1, 5, "quiet waiting")
+    left.set()
+    waiter.join(5)                                    # asked at least once a second
+    assert refused and admission.waiting == 0
 
 
 def test_a_keys_turns_at_once_are_bounded():

@@ -182,7 +182,7 @@ class Disagg:
         log.debug("conversation %s: history does not extend its entry; miss", key[:12])
         if identity.explicit:
             # Someone else's history under this id: leave the entry to its conversation.
-            self.store.put(key, entry, identity.root, identity.tenant_id)
+            self.store.put(key, entry, identity.root, identity.key)
         else:
             self.releaser.drop(entry, "mismatch")
         return None
@@ -440,7 +440,7 @@ class Disagg:
                                   history_digest=digest, history_len=length,
                                   plain=plain_reply(identity, decoded, request.body),
                                   token_digest=held, prefixes=prefixes), identity.root,
-                       identity.tenant_id)
+                       identity.key)
         decoded.kept = True
         metrics.ENTRIES.labels("stored").inc()
 

@@ -42,11 +42,13 @@ class Admission:
     weight first). One tenant (no client keys) is first come, as before.
 
     A turn of a tenant under its share that finds no free place waits for the next freed one
-    up to `fair_wait` seconds (other turns `wait`; at most `patient` such turns at once, as
-    each holds a thread with gthread): with places held by long turns of a tenant over its
-    share, a short wait and a client's retries could all end before any place was freed (a
-    key back after a pause got 429 on every try). Refused even so, its claim to its share is
-    kept for ACTIVE_SECONDS (twice the Retry-After if longer), so the client's retry finds it."""
+    up to `fair_wait` seconds (other turns `wait`; one such turn a tenant, at most `patient`
+    at once and within `queue`, as each holds a thread with gthread; one whose client has
+    left gives up): with places held by long turns of a tenant over its share, a short wait
+    and a client's retries could all end before any place was freed (a key back after a pause
+    got 429 on every try). Refused even so, its claim to its share is kept: a tenant stays
+    active for ACTIVE_SECONDS after its last turn (twice the Retry-After if longer), so its
+    client's retry finds the place it claimed."""
 
     def __init__(self, limit: int, queue: int, wait: float, retry_after: int,
                  fair_wait: float = 0.0, patient: int = 0, clock=time.monotonic) -> None:
@@ -65,13 +67,15 @@ class Admission:
         self.tenants: dict[str, _Tenant] = {}
         self._ready = threading.Condition(threading.Lock())
 
-    def enter(self, tenant: str = "", weight: float = 1.0, turns: int = 0) -> Callable[[], None]:
-        """Take a place for one of `tenant`'s turns (at most `turns` at once, 0: no bound), or
-        raise `Overloaded`; returns what gives it back when the turn ends."""
+    def enter(self, tenant: str = "", weight: float = 1.0, turns: int = 0,
+              gone: Callable[[], bool] | None = None) -> Callable[[], None]:
+        """Take a place for one of `tenant`'s turns (at most `turns` at once, waiting ones
+        counted; 0: no bound), or raise `Overloaded`; returns what gives it back when the turn
+        ends. `gone()`: has the turn's client left? (asked each second of a long wait)"""
         with self._ready:
             now = self.clock()
             own = self._tenant(tenant, weight, now)
-            if turns and own.inflight >= turns:
+            if turns and own.inflight + own.waiting >= turns:
                 metrics.ADMISSIONS.labels("rejected_key_turns").inc()
                 raise Overloaded(f"This key has its limit of {turns} turns at once in flight; "
                                  f"retry after {self.retry_after} s",
@@ -81,9 +85,10 @@ class Admission:
                 self._take(own)
                 metrics.ADMISSIONS.labels("admitted").inc()
                 return lambda: self._leave(own)
+            # One turn of a key at a time waits long: a key cannot take every such wait.
             patient = (self.fair_wait > self.wait and self.waiting_for_share < self.patient
-                       and self._under_share(own, now))
-            if self.waiting >= self.queue and not patient:
+                       and not own.waiting and self._under_share(own, now))
+            if self.waiting >= self.queue:
                 self._refuse("queue_full")
             self.waiting += 1
             own.waiting += 1
@@ -95,7 +100,9 @@ class Admission:
                     if left <= 0:
                         own.seen = self.clock()   # its claim outlives the Retry-After
                         self._refuse("waited")
-                    self._ready.wait(left)
+                    if patient and gone is not None and gone():
+                        self._refuse("client_gone")   # its place to the next in line
+                    self._ready.wait(min(left, 1.0) if patient else left)
             finally:
                 self.waiting -= 1
                 own.waiting -= 1

@@ -125,12 +125,9 @@ class Identity:
     # either (`reasoning_added`): its reuse is always token-verified (gateway.reuse.exactness).
     unreasoned: Mapping[int, bytes] = field(default_factory=dict)
     tenant: bytes = b""                  # a hash of the credential (tenant_of)
-
-    @property
-    def tenant_id(self) -> str:
-        """The tenant's name where the store shares D's budget between tenants (16 hex digits
-        of its hash: nothing of the credential)."""
-        return self.tenant[:8].hex()
+    # The client key the turn runs for (gateway.front.auth.ApiKeys.tenant; "" without client
+    # keys): keys share each D's pinned budget and the store's size (gateway.reuse.store).
+    key: str = ""
 
     def lookups(self) -> list[str]:
         """Store keys to try, longest history first."""
@@ -229,8 +226,9 @@ class Conversation:
     the scope is digested once."""
 
     def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str],
-                 conversation_id: str | None) -> None:
+                 conversation_id: str | None, key: str = "") -> None:
         self.body = body
+        self.key = key
         self.tenant = tenant_of(headers.get("Authorization"))
         self.scope = _h(b"scope", self.tenant, canonical_json(
             {k: v for k, v in body.items() if k not in PROMPT_NEUTRAL and k not in _PROMPT}))
@@ -258,7 +256,7 @@ class Conversation:
         return Identity(root=self._root, explicit=bool(self.explicit_id), scope=scope,
                         messages=messages, prompt=prompt,
                         reusable=all(body.get(name) is None for name in NO_REUSE),
-                        unreasoned=unreasoned, tenant=self.tenant)
+                        unreasoned=unreasoned, tenant=self.tenant, key=self.key)
 
 
 def identify(body: Mapping[str, Any], headers: Mapping[str, str],

@@ -375,8 +375,10 @@ local function unpin(keys, member)
     end
     return n
 end
--- Count an entry on D (after `unpin` of any older count of it); D's total after.
+-- Count an entry on D (an older count of it, one whose entry and owner key expired before
+-- the ledger heard, taken out first); D's total after.
 local function pin(keys, member, blocks, expiry, tenant)
+    if redis.call('HEXISTS', keys[2], member) == 1 then unpin(keys, member) end
     redis.call('ZADD', keys[1], expiry, member)
     redis.call('HSET', keys[2], member, blocks)
     redis.call('HSET', keys[5], member, tenant)
@@ -439,6 +441,7 @@ local function trim(keys, keep, budget, total, alone)
             redis.call('SET', keys[3], total, 'KEEPTTL')
             break
         end
+        if oldest == keep then alone = 0 end  -- gone too: nothing of it is left
         total = total - unpin(keys, oldest)
         table.insert(over, oldest)
     end

@@ -81,7 +81,8 @@ RATE_LIMITED = Counter("pd_gateway_rate_limited", "Requests refused (429) for a 
 ADMISSIONS = Counter("pd_gateway_admissions", "Turns by admission (--max-turns): admitted at "
                      "once, queued (waited for a place, then admitted), rejected_queue_full and "
                      "rejected_waited (429 with Retry-After, no engine called), rejected_bodies "
-                     "(429 before the body was parsed: --max-bodies-bytes)", ["result"])
+                     "(429 before the body was parsed: --max-bodies-bytes), rejected_client_gone (its client "
+                     "left while it waited for its share)", ["result"])
 RESOLUTIONS = Counter("pd_gateway_resolutions", "Lookups of instance DNS names (--resolve-"
                       "interval): ok, or failed (an error or no address: the last set is kept)",
                       ["result"])
@@ -154,7 +155,7 @@ def initialize() -> None:
         for status in ("502", "503", "504"):
             ERRORS.labels(stage, status)
     for result in ("admitted", "queued", "rejected_queue_full", "rejected_waited",
-                   "rejected_key_turns", "rejected_bodies"):
+                   "rejected_key_turns", "rejected_bodies", "rejected_client_gone"):
         ADMISSIONS.labels(result)
     for operation in ("take", "put", "ledger", "limits"):
         STORE_ERRORS.labels(operation)
