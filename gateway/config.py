@@ -340,6 +340,12 @@ class Settings:
                                    "body: 408) or take nothing of its reply (the turn ends, its "
                                    "place and D's stream released). Idle keep-alive "
                                    "connections wait --keepalive.")
+    request_timeout: float = option(60.0, positive(float), "Seconds a request's head and "
+                                    "body may take to arrive in all, from its first byte: a "
+                                    "client that trickles them (each read within "
+                                    "--client-timeout) is cut there (408 for a body, the "
+                                    "connection closed for a head). With gthread, heads are "
+                                    "read by the worker's own loop, never by a pool thread.")
     max_body_bytes: int = option(32 * 1024 * 1024, positive(int),
                                  "Largest request body accepted; larger ones get 413.")
     max_bodies_bytes: int = option(64 * 1024 * 1024, positive(int), "Bytes of request bodies "

@@ -11,6 +11,13 @@ coming) and everything it held is released, quietly: gunicorn logs a socket erro
 traceback unless the socket was reset or its pipe broke, so a timeout reads as the end of the
 stream (then as a reset) and a write that timed out raises a broken pipe.
 
+A client that trickles its request, a byte now and then within `--client-timeout`, would hold it
+for as long as it likes: a request's head and body must arrive within `--request-timeout` of its
+first byte, every read bounded by what is left of it. And with gthread a head is read by the
+worker's own loop, a pool thread taking the request only once its head is whole: 16 connections
+sending a header line every few seconds had held every thread of a worker (`/health` with them)
+for as long as they trickled.
+
 On SIGTERM gunicorn's gevent worker stops accepting, then waits until every connection's
 greenlet has ended, and a connection idle between two requests ends only when its keep-alive
 timer fires: up to `--keepalive` (75 s here). Workers' forwarding sessions keep connections to
@@ -37,7 +44,12 @@ from __future__ import annotations
 
 import errno
 import gc
+import re
+import selectors
 import socket
+import time
+import weakref
+from functools import partial
 
 import gevent
 import gevent.socket
@@ -49,10 +61,27 @@ from gateway.config import Settings
 STOP_KEEPALIVE_LINGER = 2.0   # as gunicorn's gthread worker
 GC_YOUNG = 10_000             # net new containers between two collections of the young (700)
 _THREAD_CLIENT_TIMEOUT: float | None = None    # this gthread worker's --client-timeout
+_REQUEST_TIMEOUT = 60.0                        # this worker's --request-timeout
+_LOOP_BYTES = 64 * 1024 * 1024                 # this worker's --max-bodies-bytes
+# What a gthread worker's loop reads of a request before a pool thread takes it: its head, and a
+# body of a known length up to LOOP_BODY_BYTES; requests' bytes held so at most
+# --max-bodies-bytes in all (beyond, a thread reads the rest of a body; a head is closed).
+LOOP_BODY_BYTES = 1024 * 1024
+_LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*(\d{1,12})[ \t]*\r?\n", re.IGNORECASE)
+# A body of another length, or a client that waits for 100 Continue before its body.
+_NOT_NOW = re.compile(rb"\n(?:transfer-encoding|expect)[ \t]*:", re.IGNORECASE)
+# Each client socket's deadline for the request it is receiving: set by that request's first
+# bytes, forgotten when its connection waits for a next request. Kept beside the sockets, whose
+# class is swapped in place (a class that may add no slot).
+_DEADLINES: "weakref.WeakKeyDictionary[socket.socket, float]" = weakref.WeakKeyDictionary()
 
 
 def _client_timeout() -> float:
-    return Settings.from_env().client_timeout
+    global _REQUEST_TIMEOUT, _LOOP_BYTES
+    settings = Settings.from_env()
+    _REQUEST_TIMEOUT = settings.request_timeout
+    _LOOP_BYTES = settings.max_bodies_bytes
+    return settings.client_timeout
 
 
 def _collect_less() -> None:
@@ -62,6 +91,28 @@ def _collect_less() -> None:
     young, *older = gc.get_threshold()
     if young:        # 0: collection is off; leave it so
         gc.set_threshold(max(young, GC_YOUNG), *older)
+
+
+def _head_end(head: bytearray, seen: int) -> int:
+    """Where the request's body begins (after the blank line that ends its head), or -1: the
+    head is not whole yet (`seen`: bytes already looked through)."""
+    end = head.find(b"\r\n\r\n", max(0, seen - 3))
+    if end >= 0:
+        return end + 4
+    end = head.find(b"\n\n", max(0, seen - 1))
+    return end + 2 if end >= 0 else -1
+
+
+def _body_to_read(head: bytearray, end: int) -> int:
+    """How much of the body a gthread worker's loop reads before a thread takes the request:
+    all of one of a single known length up to LOOP_BODY_BYTES, else none (gunicorn's parser
+    reads or refuses it)."""
+    lines = bytes(head[:end])
+    lengths = _LENGTH.findall(lines)
+    if len(lengths) != 1 or _NOT_NOW.search(lines):
+        return 0
+    length = int(lengths[0])
+    return length if length <= LOOP_BODY_BYTES else 0
 
 
 class GeventWorker(_GeventWorker):
@@ -85,6 +136,12 @@ class GeventWorker(_GeventWorker):
             super().handle(listener, client, addr)
         finally:
             del self._clients[glet]
+
+    def handle_request(self, listener_name, req, sock, addr):  # type: ignore[no-untyped-def]
+        try:
+            return super().handle_request(listener_name, req, sock, addr)
+        finally:
+            _DEADLINES.pop(sock, None)       # served: a drain after it is not its head
 
     def timeout_ctx(self) -> "_IdleWait":
         # gunicorn calls this around reading each next request on a connection, only there:
@@ -124,6 +181,7 @@ class _IdleWait:
     def __enter__(self) -> gevent.Timeout:
         self.idle[gevent.getcurrent()] = self.timeout
         if self.client is not None:
+            _DEADLINES.pop(self.client, None)     # a next request: its first byte sets its own
             self.client.settimeout(None)
         return self.timeout.__enter__()
 
@@ -154,22 +212,43 @@ class _QuietTimeouts:
                 from None
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        try:
+        if flags:
             return super().recv(bufsize, flags)  # type: ignore[misc]
+        try:
+            return self._within_deadline(super().recv, bufsize)  # type: ignore[misc]
         except TimeoutError:
-            if flags:
-                raise
             self.__class__ = self._stalled
             return b""
 
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[no-untyped-def]
-        try:
+        if flags:
             return super().recv_into(buffer, nbytes, flags)  # type: ignore[misc]
+        try:
+            return self._within_deadline(super().recv_into, buffer, nbytes)  # type: ignore[misc]
         except TimeoutError:
-            if flags:
-                raise
             self.__class__ = self._stalled
             return 0
+
+    def _within_deadline(self, read, *args):  # type: ignore[no-untyped-def]
+        """A read of the request, waiting no longer than its deadline leaves (the first read
+        that brings bytes sets it)."""
+        deadline = _DEADLINES.get(self)
+        if deadline is None:
+            got = read(*args)
+            if got:
+                _DEADLINES[self] = time.monotonic() + _REQUEST_TIMEOUT
+            return got
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request took longer than --request-timeout to arrive")
+        timeout = self.gettimeout()  # type: ignore[attr-defined]
+        if timeout is not None and timeout <= left:     # non-blocking (0) among them
+            return read(*args)
+        self.settimeout(left)  # type: ignore[attr-defined]
+        try:
+            return read(*args)
+        finally:
+            self.settimeout(timeout)  # type: ignore[attr-defined]
 
 
 class _Stalled:
@@ -209,11 +288,23 @@ _ClientSocket._stalled = _StalledClientSocket
 class ThreadWorker(_ThreadWorker):
     """gunicorn's gthread worker, whose client sockets time out (`--client-timeout`) wherever
     a thread would block on them (gunicorn makes them blocking in the thread that serves a
-    request), and whose closing connections never make its main loop wait for the client."""
+    request), whose closing connections never make its main loop wait for the client, and
+    whose main loop reads each request's head, handing the request to a pool thread only once
+    its head is whole (or past gunicorn's limits, for its parser to refuse)."""
 
     def init_process(self) -> None:
         global _THREAD_CLIENT_TIMEOUT
         _THREAD_CLIENT_TIMEOUT = _client_timeout()
+        self._heads: dict = {}          # connection -> when it began to wait for its head
+        self._held = 0                  # bytes of requests this loop holds
+        self._stopped_at: float | None = None
+        cfg = self.cfg
+        limits = (cfg.limit_request_line, cfg.limit_request_fields, cfg.limit_request_field_size)
+        self._head_limit = (sum(limits[:1]) + limits[1] * (limits[2] + 2) + 4
+                            if all(limits) else _LOOP_BYTES)
+        # HTTP/2 and TLS connections are gunicorn's own to read (their first bytes are no head).
+        self._reads_heads = (not cfg.is_ssl
+                             and getattr(cfg, "http2_cleartext", "off") in ("off", None))
         super().init_process()
 
     def load_wsgi(self) -> None:
@@ -226,7 +317,118 @@ class ThreadWorker(_ThreadWorker):
         # them in its own class): put a buffering proxy in front of a TLS gthread gateway.
         if type(conn.sock) is socket.socket:
             conn.sock.__class__ = _ThreadClientSocket
-        return super().enqueue_req(conn)
+        if not self._reads_heads or not isinstance(conn.sock, _ThreadClientSocket):
+            return super().enqueue_req(conn)
+        _DEADLINES.pop(conn.sock, None)      # a next request: its first byte sets its own
+        # What a body's drain read ahead (a pipelined request) begins the head (gunicorn 24+
+        # gives it back; an older one's parser keeps it, and its thread reads the rest).
+        unreader = getattr(conn.parser, "unreader", None)
+        ahead = unreader is not None and unreader.buf.getvalue()
+        if ahead and not hasattr(unreader, "take_buffered"):
+            return super().enqueue_req(conn)
+        conn.pd_head = bytearray(unreader.take_buffered() if ahead else b"")
+        conn.pd_heard = conn.pd_need = None
+        self._held += len(conn.pd_head)
+        if self._read_head(conn, 0):
+            return None
+        conn.sock.setblocking(False)
+        self._heads[conn] = time.monotonic()
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._more_head, conn))
+        return None
+
+    def _more_head(self, conn, _fileobj) -> None:  # type: ignore[no-untyped-def]
+        """The poller: more of a head's bytes have come."""
+        self._read_head(conn, len(conn.pd_head), waiting=True)
+
+    def _read_head(self, conn, seen: int, waiting: bool = False) -> bool:  # type: ignore[no-untyped-def]
+        """Read what has come of the request, without waiting (`seen`: bytes of it already
+        looked through): its head, and a body of a known length up to LOOP_BODY_BYTES. True
+        once the connection is no longer this loop's: a thread has it (the head whole, or past
+        gunicorn's limits for its parser to refuse), or it is closed (gone, stalled past its
+        deadline, or a head that would take the loop past _LOOP_BYTES)."""
+        head = conn.pd_head
+        while True:
+            if conn.pd_need is None:
+                end = _head_end(head, seen)
+                if end >= 0:
+                    conn.pd_need = end + _body_to_read(head, end)
+                elif len(head) > self._head_limit:
+                    break
+            if conn.pd_need is not None and len(head) >= conn.pd_need:
+                break
+            seen = len(head)
+            try:
+                got = conn.sock.recv(65536)
+            except BlockingIOError:
+                return False
+            except OSError:
+                got = b""
+            if got and conn.pd_need is not None and self._held + len(got) > _LOOP_BYTES:
+                head += got                      # the loop holds enough: a thread reads the rest
+                self._held += len(got)
+                break
+            if not got and conn.pd_need is not None and conn.sock.pd_stalled:
+                break                            # a body past its deadline: 408 from a thread
+            if not got or self._held + len(got) > _LOOP_BYTES:
+                self._let_go_of(conn, waiting)
+                self.nr_conns -= 1
+                conn.close()
+                return True
+            head += got
+            self._held += len(got)
+            conn.pd_heard = time.monotonic()
+        self._let_go_of(conn, waiting)
+        super().enqueue_req(conn)
+        return True
+
+    def _let_go_of(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
+        """The loop holds the connection's head no more (nor waits on its socket)."""
+        self._held -= len(conn.pd_head)
+        if waiting:
+            self._heads.pop(conn, None)
+            try:
+                self.poller.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def handle(self, conn):  # type: ignore[no-untyped-def]
+        """In a pool thread: the head this loop read goes back in front of the parser."""
+        head = conn.__dict__.pop("pd_head", None)
+        if head:
+            conn.data_ready = True               # gunicorn 24+: no wait for its first bytes
+            conn.sock.setblocking(True)
+            conn.init()
+            conn.parser.unreader.unread(bytes(head))
+        return super().handle(conn)
+
+    def murder_keepalived(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        """gunicorn's sweep of idle connections, once a loop (a second at most); heads past
+        their deadline too: --request-timeout from their first byte, and --client-timeout
+        from their last (--keepalive before the first; 2 s once the worker is stopping)."""
+        result = super().murder_keepalived(*args, **kwargs)
+        now = time.monotonic()
+        if not self.alive and self._stopped_at is None:
+            self._stopped_at = now
+        for conn, since in list(self._heads.items()):
+            if conn.pd_heard is None:
+                deadline = since + self.cfg.keepalive
+            else:
+                deadline = min(_DEADLINES.get(conn.sock, now),
+                               conn.pd_heard + _THREAD_CLIENT_TIMEOUT)
+            if self._stopped_at is not None and not conn.pd_head:
+                deadline = min(deadline, self._stopped_at + STOP_KEEPALIVE_LINGER)
+            if now < deadline:
+                continue
+            self._let_go_of(conn, waiting=True)
+            if conn.pd_need is not None:
+                # A body that stopped coming: its thread finds it ended at once (408).
+                _DEADLINES[conn.sock] = now
+                super().enqueue_req(conn)
+            else:
+                conn.pd_head = None
+                self.nr_conns -= 1
+                conn.close()
+        return result
 
 
 class _ThreadClientSocket(_QuietTimeouts, socket.socket):

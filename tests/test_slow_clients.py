@@ -56,6 +56,69 @@ def test_clients_that_stall_their_request_cost_their_connections_not_the_worker(
                 sock.close()
 
 
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_gthread_requests_that_come_slowly_hold_no_thread(fresh_engines, part):
+    """16 connections on a worker of 4 threads, each with part of its request in (its head, or
+    its head and part of its body) and no hurry to send the rest (--client-timeout 60 s): the
+    worker's loop holds them, and /health and a turn are answered at once. Before, each held a
+    thread while it trickled, and nothing else was answered."""
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], worker_class="gthread", threads=4) as gateway:
+        partial = (HEAD + b"X-Wait: a" if part == "head"
+                   else HEAD + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        slow = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(16)]
+        try:
+            for sock in slow:
+                sock.sendall(partial)
+            assert requests.get(gateway.url + "/health", timeout=10).status_code == 200
+            reply = requests.post(gateway.url + "/v1/chat/completions", timeout=10, json={
+                "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+            assert reply.status_code == 200
+        finally:
+            for sock in slow:
+                sock.close()
+
+
+def _trickle(sock: socket.socket, piece: bytes, pieces: int, every: float) -> bytes:
+    """Send `piece` every `every` seconds, `pieces` times at most, until the gateway answers
+    or closes; what it sent back (b"" for a close), or None if it never did."""
+    sock.settimeout(every)
+    for _ in range(pieces):
+        try:
+            sock.sendall(piece)
+            return sock.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            return b""
+    return None
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_request_that_trickles_is_cut_at_its_deadline(fresh_engines, worker_class, part):
+    """A byte every 0.2 s, every read within --client-timeout (60 s): the request's head and
+    body must still arrive within --request-timeout (2 s here) of its first byte: a body
+    gets 408, a head its connection closed. Before, the client kept its connection (and with
+    gthread a thread) for as long as it trickled: here, 100 bytes in 20 s, all taken."""
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], worker_class=worker_class,
+                         request_timeout=2) as gateway:
+        sock = socket.create_connection(("127.0.0.1", gateway.port))
+        try:
+            if part == "body":
+                sock.sendall(HEAD + b"Content-Length: 1000\r\n\r\n")
+            answer = _trickle(sock, b"x" if part == "head" else b" ", 100, 0.2)
+        finally:
+            sock.close()
+        assert answer is not None, answer
+        assert (answer.startswith(b"HTTP/1.1 408") if part == "body" else answer == b""), answer
+        assert p.stats()["requests"] == 0
+
+
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
 def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(fresh_engines,
                                                                          worker_class):
@@ -100,18 +163,22 @@ def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(fresh
     """A worker holds at most --max-bodies-bytes of bodies, counted as they arrive: with
     150 KB of one body in (its client slow to send the last byte), a 100 KB one gets 429 before it
     is parsed; once the first is gone the same request is served. Before, every body was read
-    and parsed whatever the others."""
+    and parsed whatever the others. (gthread: bodies of up to 1 MiB are read whole by the
+    worker's loop before a thread takes them, so the bodies here are ten times as large.)"""
     p, d = fresh_engines
+    scale = 10 if worker_class == "gthread" else 1
     with gateway_process([p.url], [d.url], worker_class=worker_class,
-                         max_body_bytes=160_000, max_bodies_bytes=200_000) as gateway:
+                         max_body_bytes=160_000 * scale,
+                         max_bodies_bytes=200_000 * scale) as gateway:
         slow = socket.create_connection(("127.0.0.1", gateway.port))
-        slow.sendall(_headers_of(150_001) + b"x" * 150_000)        # and then nothing
+        sent = 150_000 * scale
+        slow.sendall(_headers_of(sent + 1) + b"x" * sent)            # and then nothing
         try:
-            # Counted as read, 64 KiB at a time: two reads in, the third waits for the rest.
-            wait_until(lambda: gateway.status()["body_bytes_held"] == 2 * 65536, 10,
-                       "the slow body counted")
+            # Counted as read, 64 KiB at a time: the last read waits for the rest.
+            wait_until(lambda: gateway.status()["body_bytes_held"] == sent // 65536 * 65536,
+                       10, "the slow body counted")
             second = socket.create_connection(("127.0.0.1", gateway.port))
-            second.sendall(_headers_of(100_000) + b"y" * 100_000)
+            second.sendall(_headers_of(100_000 * scale) + b"y" * 100_000 * scale)
             second.settimeout(30)
             reply = second.recv(4096)
             assert reply.startswith(b"HTTP/1.1 429") and b"retry-after" in reply.lower()
