@@ -344,8 +344,10 @@ class Settings:
                                     "body may take to arrive in all, from its first byte: a "
                                     "client that trickles them (each read within "
                                     "--client-timeout) is cut there (408 for a body, the "
-                                    "connection closed for a head). With gthread, heads are "
-                                    "read by the worker's own loop, never by a pool thread.")
+                                    "connection closed for a head). With gthread, a "
+                                    "request's head (and a body of up to 1 MiB) is read by the "
+                                    "worker's own loop before a pool thread takes it (not TLS "
+                                    "or HTTP/2 connections).")
     max_body_bytes: int = option(32 * 1024 * 1024, positive(int),
                                  "Largest request body accepted; larger ones get 413.")
     max_bodies_bytes: int = option(64 * 1024 * 1024, positive(int), "Bytes of request bodies "

@@ -13,10 +13,13 @@ stream (then as a reset) and a write that timed out raises a broken pipe.
 
 A client that trickles its request, a byte now and then within `--client-timeout`, would hold it
 for as long as it likes: a request's head and body must arrive within `--request-timeout` of its
-first byte, every read bounded by what is left of it. And with gthread a head is read by the
-worker's own loop, a pool thread taking the request only once its head is whole: 16 connections
+first byte, every read bounded by what is left of it. And with gthread the worker's own loop
+reads a request's head, and a body of up to 1 MiB (of a known length or chunked; 100 Continue
+sent from the loop), a pool thread taking the request only once that is in: 16 connections
 sending a header line every few seconds had held every thread of a worker (`/health` with them)
-for as long as they trickled.
+for as long as they trickled. A stream whose client takes nothing (its side of the connection
+acknowledges nothing) for `--client-timeout` is cut, without waiting for our own send buffer,
+which the kernel grows to megabytes, to fill.
 
 On SIGTERM gunicorn's gevent worker stops accepting, then waits until every connection's
 greenlet has ended, and a connection idle between two requests ends only when its keep-alive
@@ -43,10 +46,14 @@ after (cycles are still collected, at most some 10,000 containers later).
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import re
 import selectors
 import socket
+import struct
+import termios
+import threading
 import time
 import weakref
 from functools import partial
@@ -63,13 +70,23 @@ GC_YOUNG = 10_000             # net new containers between two collections of th
 _THREAD_CLIENT_TIMEOUT: float | None = None    # this gthread worker's --client-timeout
 _REQUEST_TIMEOUT = 60.0                        # this worker's --request-timeout
 _LOOP_BYTES = 64 * 1024 * 1024                 # this worker's --max-bodies-bytes
+_CLIENT_TIMEOUT = 60.0                         # this worker's --client-timeout
+# What each client socket was sent and when it last took some of it (`_taking`).
+_TAKEN: "weakref.WeakKeyDictionary[socket.socket, list]" = weakref.WeakKeyDictionary()
+TAKING_CHECK_SECONDS = 1.0
+_OUTQ = getattr(termios, "TIOCOUTQ", None)     # a socket's bytes not yet acknowledged (Linux)
 # What a gthread worker's loop reads of a request before a pool thread takes it: its head, and a
 # body of a known length up to LOOP_BODY_BYTES; requests' bytes held so at most
 # --max-bodies-bytes in all (beyond, a thread reads the rest of a body; a head is closed).
 LOOP_BODY_BYTES = 1024 * 1024
+_LOOP_BODY = LOOP_BODY_BYTES                   # this worker's: at most --max-body-bytes
+CHUNKED = -1                                   # a body read up to its last chunk
 _LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*(\d{1,12})[ \t]*\r?\n", re.IGNORECASE)
-# A body of another length, or a client that waits for 100 Continue before its body.
+_CHUNKED = re.compile(rb"\ntransfer-encoding[ \t]*:[ \t]*chunked[ \t]*\r?\n", re.IGNORECASE)
+# Another transfer coding (its parser refuses it), or a client that waits for 100 Continue
+# before its body (gunicorn's thread sends it).
 _NOT_NOW = re.compile(rb"\n(?:transfer-encoding|expect)[ \t]*:", re.IGNORECASE)
+_EXPECT = re.compile(rb"\nexpect[ \t]*:[ \t]*100-continue[ \t]*\r?(?=\n)", re.IGNORECASE)
 # Each client socket's deadline for the request it is receiving: set by that request's first
 # bytes, forgotten when its connection waits for a next request. Kept beside the sockets, whose
 # class is swapped in place (a class that may add no slot).
@@ -77,11 +94,40 @@ _DEADLINES: "weakref.WeakKeyDictionary[socket.socket, float]" = weakref.WeakKeyD
 
 
 def _client_timeout() -> float:
-    global _REQUEST_TIMEOUT, _LOOP_BYTES
+    global _REQUEST_TIMEOUT, _LOOP_BYTES, _CLIENT_TIMEOUT, _LOOP_BODY
     settings = Settings.from_env()
     _REQUEST_TIMEOUT = settings.request_timeout
     _LOOP_BYTES = settings.max_bodies_bytes
+    _LOOP_BODY = min(LOOP_BODY_BYTES, settings.max_body_bytes)
+    _CLIENT_TIMEOUT = settings.client_timeout
     return settings.client_timeout
+
+
+def _taking(sock: socket.socket, size: int) -> None:
+    """Before `size` more bytes go to a client: has it taken any of what it was sent (its side
+    of the connection acknowledged them) in the last --client-timeout? Asked once a second
+    at most (one ioctl); BrokenPipeError if it has taken nothing that long while bytes wait
+    for it. A write alone would wait only once the kernel's buffers on both sides are full,
+    and our own grows to megabytes: a stream nobody read held its place and D's for minutes."""
+    state = _TAKEN.get(sock)
+    now = time.monotonic()
+    if state is None:
+        _TAKEN[sock] = [size, 0, now, now]     # written, taken, when taken last grew, checked
+        return
+    written = state[0]
+    state[0] = written + size
+    if now - state[3] < TAKING_CHECK_SECONDS or _OUTQ is None:
+        return
+    state[3] = now
+    try:
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return
+    taken = written - queued
+    if taken > state[1] or not queued:
+        state[1], state[2] = taken, now
+    elif now - state[2] >= _CLIENT_TIMEOUT:
+        raise BrokenPipeError(errno.EPIPE, "the client took nothing for --client-timeout")
 
 
 def _collect_less() -> None:
@@ -103,16 +149,36 @@ def _head_end(head: bytearray, seen: int) -> int:
     return end + 2 if end >= 0 else -1
 
 
+def _continue(sock: socket.socket, head: bytearray, end: int) -> int:
+    """A client that waits for 100 Continue before a body the loop would read gets it now, and
+    its Expect line is taken out of the head (gunicorn's thread would send another); where its
+    head ends then."""
+    expect = _EXPECT.search(head, 0, end)
+    if expect is None or not head.startswith(b"HTTP/1.1", head.find(b"\n") - 9):
+        return end
+    lines = head[:expect.start()] + head[expect.end():end]
+    if _body_to_read(lines, len(lines)) <= 0:
+        return end                               # a thread's to read: gunicorn answers it
+    try:
+        sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+    except OSError:
+        return end
+    del head[expect.start():expect.end()]
+    return end - (expect.end() - expect.start())
+
+
 def _body_to_read(head: bytearray, end: int) -> int:
     """How much of the body a gthread worker's loop reads before a thread takes the request:
-    all of one of a single known length up to LOOP_BODY_BYTES, else none (gunicorn's parser
-    reads or refuses it)."""
+    all of one of a single known length up to --max-body-bytes and LOOP_BODY_BYTES, CHUNKED
+    for a chunked one, else none (gunicorn's parser reads or refuses it)."""
     lines = bytes(head[:end])
     lengths = _LENGTH.findall(lines)
+    if not lengths and _CHUNKED.search(lines) and len(_NOT_NOW.findall(lines)) == 1:
+        return CHUNKED
     if len(lengths) != 1 or _NOT_NOW.search(lines):
         return 0
     length = int(lengths[0])
-    return length if length <= LOOP_BODY_BYTES else 0
+    return length if length <= _LOOP_BODY else 0
 
 
 class GeventWorker(_GeventWorker):
@@ -205,6 +271,10 @@ class _QuietTimeouts:
     _stalled: type          # each socket class's own, set with it
 
     def sendall(self, data, flags: int = 0) -> None:  # type: ignore[no-untyped-def]
+        _taking(self, len(data))
+        self._sendall(data, flags)
+
+    def _sendall(self, data, flags: int) -> None:  # type: ignore[no-untyped-def]
         try:
             super().sendall(data, flags)  # type: ignore[misc]
         except TimeoutError:
@@ -270,12 +340,13 @@ class _ClientSocket(_QuietTimeouts, gevent.socket.socket):
     __slots__ = ()
 
     def sendall(self, data, flags=0):  # type: ignore[no-untyped-def]
+        _taking(self, len(data))
         try:
             sent = self._sock.send(data, flags)
         except BlockingIOError:
             sent = 0
         if sent < len(data):
-            super().sendall(memoryview(data)[sent:], flags)
+            self._sendall(memoryview(data)[sent:], flags)
 
 
 class _StalledClientSocket(_Stalled, _ClientSocket):
@@ -289,22 +360,25 @@ class ThreadWorker(_ThreadWorker):
     """gunicorn's gthread worker, whose client sockets time out (`--client-timeout`) wherever
     a thread would block on them (gunicorn makes them blocking in the thread that serves a
     request), whose closing connections never make its main loop wait for the client, and
-    whose main loop reads each request's head, handing the request to a pool thread only once
-    its head is whole (or past gunicorn's limits, for its parser to refuse)."""
+    whose main loop reads each request's head (and a body of a known length, or a chunked one,
+    up to 1 MiB) before a pool thread takes the request, never waiting on a client."""
 
     def init_process(self) -> None:
         global _THREAD_CLIENT_TIMEOUT
         _THREAD_CLIENT_TIMEOUT = _client_timeout()
-        self._heads: dict = {}          # connection -> when it began to wait for its head
-        self._held = 0                  # bytes of requests this loop holds
+        self._heads: dict = {}          # connection -> when the loop began to wait for it
+        self._held = 0                  # bytes the loop read that no thread has taken yet
+        self._held_lock = threading.Lock()
+        self._swept = 0.0
         self._stopped_at: float | None = None
         cfg = self.cfg
         limits = (cfg.limit_request_line, cfg.limit_request_fields, cfg.limit_request_field_size)
-        self._head_limit = (sum(limits[:1]) + limits[1] * (limits[2] + 2) + 4
-                            if all(limits) else _LOOP_BYTES)
-        # HTTP/2 and TLS connections are gunicorn's own to read (their first bytes are no head).
+        self._head_limit = (limits[0] + limits[1] * (limits[2] + 2) + 4
+                            if all(limits) else LOOP_BODY_BYTES)
+        # TLS, HTTP/2 and uwsgi connections are gunicorn's own to read (no HTTP/1 head).
         self._reads_heads = (not cfg.is_ssl
-                             and getattr(cfg, "http2_cleartext", "off") in ("off", None))
+                             and getattr(cfg, "http2_cleartext", "off") in ("off", None)
+                             and getattr(cfg, "protocol", "http") == "http")
         super().init_process()
 
     def load_wsgi(self) -> None:
@@ -326,36 +400,35 @@ class ThreadWorker(_ThreadWorker):
         ahead = unreader is not None and unreader.buf.getvalue()
         if ahead and not hasattr(unreader, "take_buffered"):
             return super().enqueue_req(conn)
+        conn.sock.setblocking(False)         # this loop never waits on a client
+        now = time.monotonic()
         conn.pd_head = bytearray(unreader.take_buffered() if ahead else b"")
-        conn.pd_heard = conn.pd_need = None
-        self._held += len(conn.pd_head)
+        conn.pd_need = conn.pd_body_at = None
+        conn.pd_heard = None
+        if conn.pd_head:
+            conn.pd_heard = now
+            _DEADLINES[conn.sock] = now + _REQUEST_TIMEOUT
+        self._hold(len(conn.pd_head))
         if self._read_head(conn, 0):
             return None
-        conn.sock.setblocking(False)
-        self._heads[conn] = time.monotonic()
+        self._heads[conn] = now
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._more_head, conn))
         return None
 
     def _more_head(self, conn, _fileobj) -> None:  # type: ignore[no-untyped-def]
-        """The poller: more of a head's bytes have come."""
+        """The poller: more of a request's bytes have come."""
         self._read_head(conn, len(conn.pd_head), waiting=True)
 
     def _read_head(self, conn, seen: int, waiting: bool = False) -> bool:  # type: ignore[no-untyped-def]
         """Read what has come of the request, without waiting (`seen`: bytes of it already
-        looked through): its head, and a body of a known length up to LOOP_BODY_BYTES. True
-        once the connection is no longer this loop's: a thread has it (the head whole, or past
-        gunicorn's limits for its parser to refuse), or it is closed (gone, stalled past its
-        deadline, or a head that would take the loop past _LOOP_BYTES)."""
+        looked through). True once the connection is no longer this loop's: a thread has it
+        (its head whole, and its body if the loop reads it; or a head past gunicorn's limits,
+        for its parser to refuse; or the loop holding --max-bodies-bytes already), or it is
+        closed (gone, or a head stalled past its deadline)."""
         head = conn.pd_head
-        while True:
-            if conn.pd_need is None:
-                end = _head_end(head, seen)
-                if end >= 0:
-                    conn.pd_need = end + _body_to_read(head, end)
-                elif len(head) > self._head_limit:
-                    break
-            if conn.pd_need is not None and len(head) >= conn.pd_need:
-                break
+        while not self._whole(conn, head, seen):
+            if self._held >= _LOOP_BYTES:
+                break                            # the loop holds enough: a thread reads the rest
             seen = len(head)
             try:
                 got = conn.sock.recv(65536)
@@ -363,27 +436,42 @@ class ThreadWorker(_ThreadWorker):
                 return False
             except OSError:
                 got = b""
-            if got and conn.pd_need is not None and self._held + len(got) > _LOOP_BYTES:
-                head += got                      # the loop holds enough: a thread reads the rest
-                self._held += len(got)
-                break
-            if not got and conn.pd_need is not None and conn.sock.pd_stalled:
-                break                            # a body past its deadline: 408 from a thread
-            if not got or self._held + len(got) > _LOOP_BYTES:
+            if not got:
+                if conn.pd_need is not None and conn.sock.pd_stalled:
+                    break                        # a body past its deadline: 408 from a thread
                 self._let_go_of(conn, waiting)
+                self._hold(-len(head))
                 self.nr_conns -= 1
                 conn.close()
                 return True
             head += got
-            self._held += len(got)
+            self._hold(len(got))
             conn.pd_heard = time.monotonic()
         self._let_go_of(conn, waiting)
         super().enqueue_req(conn)
         return True
 
+    def _whole(self, conn, head: bytearray, seen: int) -> bool:  # type: ignore[no-untyped-def]
+        """Has the loop read what it reads of this request: its head, and its body where it
+        reads that too (known length, or chunked: its last chunk in; at most LOOP_BODY_BYTES)?"""
+        if conn.pd_need is None:
+            end = _head_end(head, seen)
+            if end < 0:
+                return len(head) > self._head_limit
+            end = _continue(conn.sock, head, end)
+            body = _body_to_read(head, end)
+            conn.pd_body_at, conn.pd_need = end, (CHUNKED if body == CHUNKED else end + body)
+        if conn.pd_need != CHUNKED:
+            return len(head) >= conn.pd_need
+        body = len(head) - conn.pd_body_at
+        return body > _LOOP_BODY or (body >= 5 and head.endswith(b"\r\n\r\n"))
+
+    def _hold(self, size: int) -> None:
+        with self._held_lock:
+            self._held += size
+
     def _let_go_of(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
-        """The loop holds the connection's head no more (nor waits on its socket)."""
-        self._held -= len(conn.pd_head)
+        """The loop waits on the connection's socket no more."""
         if waiting:
             self._heads.pop(conn, None)
             try:
@@ -392,40 +480,46 @@ class ThreadWorker(_ThreadWorker):
                 pass
 
     def handle(self, conn):  # type: ignore[no-untyped-def]
-        """In a pool thread: the head this loop read goes back in front of the parser."""
+        """In a pool thread: what the loop read goes back in front of the parser."""
         head = conn.__dict__.pop("pd_head", None)
-        if head:
-            conn.data_ready = True               # gunicorn 24+: no wait for its first bytes
-            conn.sock.setblocking(True)
-            conn.init()
-            conn.parser.unreader.unread(bytes(head))
+        if head is not None:
+            self._hold(-len(head))
+            if head:
+                conn.data_ready = True           # gunicorn 24+: no wait for its first bytes
+                conn.sock.setblocking(True)
+                conn.init()
+                conn.parser.unreader.unread(bytes(head))
         return super().handle(conn)
 
     def murder_keepalived(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        """gunicorn's sweep of idle connections, once a loop (a second at most); heads past
-        their deadline too: --request-timeout from their first byte, and --client-timeout
-        from their last (--keepalive before the first; 2 s once the worker is stopping)."""
+        """gunicorn's sweep of idle connections, once a loop pass; four times a second, the
+        requests the loop reads past their deadline too: --request-timeout from their first
+        byte and --client-timeout from their last (a head closed; a body to a thread, for its
+        408), --keepalive (5 s at least) before their first; 2 s once the worker stops."""
         result = super().murder_keepalived(*args, **kwargs)
         now = time.monotonic()
+        if now - self._swept < 0.25 and self.alive:
+            return result
+        self._swept = now
         if not self.alive and self._stopped_at is None:
             self._stopped_at = now
         for conn, since in list(self._heads.items()):
             if conn.pd_heard is None:
-                deadline = since + self.cfg.keepalive
+                deadline = since + max(self.cfg.keepalive, 5.0)
             else:
                 deadline = min(_DEADLINES.get(conn.sock, now),
                                conn.pd_heard + _THREAD_CLIENT_TIMEOUT)
-            if self._stopped_at is not None and not conn.pd_head:
+            if self._stopped_at is not None:
                 deadline = min(deadline, self._stopped_at + STOP_KEEPALIVE_LINGER)
             if now < deadline:
                 continue
             self._let_go_of(conn, waiting=True)
-            if conn.pd_need is not None:
+            if conn.pd_need is not None and self.alive:
                 # A body that stopped coming: its thread finds it ended at once (408).
                 _DEADLINES[conn.sock] = now
                 super().enqueue_req(conn)
             else:
-                conn.pd_head = None
+                self._hold(-len(conn.__dict__.pop("pd_head")))
                 self.nr_conns -= 1
                 conn.close()
         return result

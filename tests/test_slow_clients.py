@@ -59,16 +59,26 @@ def test_clients_that_stall_their_request_cost_their_connections_not_the_worker(
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
-@pytest.mark.parametrize("part", ["head", "body"])
+PARTS = {
+    "head": HEAD + b"X-Wait: a",
+    "body": HEAD + b"Content-Length: 1000\r\n\r\n{\"model\": ",
+    "chunked": HEAD + b"Transfer-Encoding: chunked\r\n\r\n9\r\n{\"model\":\r\n",
+    "expect": HEAD + b"Expect: 100-continue\r\nContent-Length: 1000\r\n\r\n",
+    # A whole request, and the start of the next behind it on the same connection.
+    "pipelined": b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n",
+}
+
+
+@pytest.mark.parametrize("part", list(PARTS))
 def test_gthread_requests_that_come_slowly_hold_no_thread(fresh_engines, part):
-    """16 connections on a worker of 4 threads, each with part of its request in (its head, or
-    its head and part of its body) and no hurry to send the rest (--client-timeout 60 s): the
-    worker's loop holds them, and /health and a turn are answered at once. Before, each held a
-    thread while it trickled, and nothing else was answered."""
+    """16 connections on a worker of 4 threads, each with part of its request in (its head, its
+    head and part of its body, of a known length or chunked, a head that waits for 100 Continue,
+    or a next request's head behind a whole one) and no hurry to send the rest
+    (--client-timeout 60 s): the worker's loop holds them, and /health and a turn are answered
+    at once. Before, each held a thread while it trickled, and nothing else was answered."""
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], worker_class="gthread", threads=4) as gateway:
-        partial = (HEAD + b"X-Wait: a" if part == "head"
-                   else HEAD + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        partial = PARTS[part]
         slow = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(16)]
         try:
             for sock in slow:
@@ -145,6 +155,36 @@ def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(fresh
                        gateway.process, gateway.log_path)
             wait_until(lambda: gateway.status()["turns_in_flight"] == 0, 10, "the place free")
             assert d.stats()["completed"] == 0
+            assert "Traceback" not in gateway.log()
+        finally:
+            sock.close()
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_stream_its_client_takes_nothing_of_is_cut_before_the_buffers_fill(fresh_engines,
+                                                                           worker_class):
+    """A stream of some 40 KB a second (5 ms a token) to a client that reads nothing and whose
+    receive buffer is small: once its side has taken nothing for --client-timeout (2 s), the
+    turn ends, however much the gateway's own send buffer could still take. Before, the
+    writes went on until that buffer (which the kernel grows to megabytes) was full: about a
+    minute here, D decoding all the while."""
+    p, _ = fresh_engines
+    with EmulatorProcess("decode", host="127.0.0.12", itl_ms=5, max_model_len=200_000,
+                         kv_capacity_blocks=20_000) as d, \
+            gateway_process([p.url], [d.url], worker_class=worker_class,
+                            client_timeout=2) as gateway:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", gateway.port))
+        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 100_000,
+                           "messages": [{"role": "user", "content": "say a lot"}]})
+        try:
+            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                          f"\r\n\r\n{body}").encode())
+            wait_until(lambda: d.stats()["aborted_streams"] == 1, 30, "D's stream closed",
+                       gateway.process, gateway.log_path)
+            wait_until(lambda: gateway.status()["turns_in_flight"] == 0, 10, "the place free")
             assert "Traceback" not in gateway.log()
         finally:
             sock.close()
