@@ -45,6 +45,7 @@ after (cycles are still collected, at most some 10,000 containers later).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
@@ -412,8 +413,16 @@ class ThreadWorker(_ThreadWorker):
         if self._read_head(conn, 0):
             return None
         self._heads[conn] = now
-        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._more_head, conn))
+        with self._poller_lock:
+            self.poller.register(conn.sock, selectors.EVENT_READ,
+                                 partial(self._more_head, conn))
         return None
+
+    @property
+    def _poller_lock(self):  # type: ignore[no-untyped-def]
+        """gunicorn before 24 registers connections from pool threads too, under its lock (made
+        as its loop starts)."""
+        return getattr(self, "_lock", None) or contextlib.nullcontext()
 
     def _more_head(self, conn, _fileobj) -> None:  # type: ignore[no-untyped-def]
         """The poller: more of a request's bytes have come."""
@@ -475,7 +484,8 @@ class ThreadWorker(_ThreadWorker):
         if waiting:
             self._heads.pop(conn, None)
             try:
-                self.poller.unregister(conn.sock)
+                with self._poller_lock:
+                    self.poller.unregister(conn.sock)
             except (KeyError, ValueError, OSError):
                 pass
 
