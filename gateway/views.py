@@ -57,8 +57,8 @@ def _read_body(limit: int, hold: BodyHold) -> bytes:
 
 
 def _body_stalled() -> GatewayError:
-    return GatewayError("The request body stopped arriving for longer than the client timeout",
-                        status=408)
+    return GatewayError("The request body did not arrive in time: it stopped for the client "
+                        "timeout, or all of it took longer than the request timeout", status=408)
 
 
 def _stalled(exc: BaseException | None) -> bool:

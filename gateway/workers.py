@@ -150,22 +150,49 @@ def _head_end(head: bytearray, seen: int) -> int:
     return end + 2 if end >= 0 else -1
 
 
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
 def _continue(sock: socket.socket, head: bytearray, end: int) -> int:
     """A client that waits for 100 Continue before a body the loop would read gets it now, and
-    its Expect line is taken out of the head (gunicorn's thread would send another); where its
-    head ends then."""
+    its Expect line is taken out of the head (gunicorn's thread would send another); the bytes
+    taken out. ConnectionError if the answer went out only in part."""
     expect = _EXPECT.search(head, 0, end)
     if expect is None or not head.startswith(b"HTTP/1.1", head.find(b"\n") - 9):
-        return end
+        return 0
     lines = head[:expect.start()] + head[expect.end():end]
-    if _body_to_read(lines, len(lines)) <= 0:
-        return end                               # a thread's to read: gunicorn answers it
+    if _body_to_read(lines, len(lines)) == 0:
+        return 0                                 # a thread's to read: gunicorn answers it
     try:
-        sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
-    except OSError:
-        return end
+        sent = sock.send(CONTINUE)
+    except BlockingIOError:
+        return 0
+    if sent != len(CONTINUE):
+        raise ConnectionError("100 Continue sent in part")
     del head[expect.start():expect.end()]
-    return end - (expect.end() - expect.start())
+    return expect.end() - expect.start()
+
+
+def _chunks_end(head: bytearray, at: int) -> int:
+    """Walk a chunked body from `at`, the start of a chunk's size line: where to go on from
+    when more has come, or -1 once its last chunk and trailers are in (or it is not chunked as
+    it says: gunicorn's parser refuses it). Each chunk is stepped over, never searched."""
+    while True:
+        line = head.find(b"\r\n", at)
+        if line < 0:
+            return at                            # its size line is not whole yet
+        size = bytes(head[at:line]).split(b";", 1)[0].strip()
+        if not 0 < len(size) <= 16 or not all(c in b"0123456789abcdefABCDEF" for c in size):
+            return -1
+        length = int(size, 16)
+        if length == 0:                          # the last chunk: trailer lines to an empty one
+            if head[line + 2:line + 4] == b"\r\n" or head.find(b"\r\n\r\n", line) >= 0:
+                return -1
+            return at
+        following = line + 2 + length + 2
+        if following > len(head):
+            return at                            # this chunk is not whole yet
+        at = following
 
 
 def _body_to_read(head: bytearray, end: int) -> int:
@@ -310,9 +337,18 @@ class _QuietTimeouts:
                 _DEADLINES[self] = time.monotonic() + _REQUEST_TIMEOUT
             return got
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request took longer than --request-timeout to arrive")
         timeout = self.gettimeout()  # type: ignore[attr-defined]
+        if left <= 0:
+            # Past it: what has come already is still taken (a request a thread starts on late
+            # was sent in time), nothing more is waited for.
+            self.settimeout(0.0)  # type: ignore[attr-defined]
+            try:
+                return read(*args)
+            except BlockingIOError:
+                raise TimeoutError("the request took longer than --request-timeout to "
+                                   "arrive") from None
+            finally:
+                self.settimeout(timeout)  # type: ignore[attr-defined]
         if timeout is not None and timeout <= left:     # non-blocking (0) among them
             return read(*args)
         self.settimeout(left)  # type: ignore[attr-defined]
@@ -435,7 +471,16 @@ class ThreadWorker(_ThreadWorker):
         for its parser to refuse; or the loop holding --max-bodies-bytes already), or it is
         closed (gone, or a head stalled past its deadline)."""
         head = conn.pd_head
-        while not self._whole(conn, head, seen):
+        while True:
+            try:
+                if self._whole(conn, head, seen):
+                    break
+            except ConnectionError:
+                self._let_go_of(conn, waiting)
+                self._hold(-len(head))
+                self.nr_conns -= 1
+                conn.close()
+                return True
             if self._held >= _LOOP_BYTES:
                 break                            # the loop holds enough: a thread reads the rest
             seen = len(head)
@@ -446,8 +491,10 @@ class ThreadWorker(_ThreadWorker):
             except OSError:
                 got = b""
             if not got:
-                if conn.pd_need is not None and conn.sock.pd_stalled:
-                    break                        # a body past its deadline: 408 from a thread
+                if conn.pd_need is not None:
+                    # A body cut short (the client done sending) or past its deadline: its
+                    # answer (400, 408) from a thread.
+                    break
                 self._let_go_of(conn, waiting)
                 self._hold(-len(head))
                 self.nr_conns -= 1
@@ -467,13 +514,17 @@ class ThreadWorker(_ThreadWorker):
             end = _head_end(head, seen)
             if end < 0:
                 return len(head) > self._head_limit
-            end = _continue(conn.sock, head, end)
+            taken = _continue(conn.sock, head, end)
+            self._hold(-taken)
+            end -= taken
             body = _body_to_read(head, end)
             conn.pd_body_at, conn.pd_need = end, (CHUNKED if body == CHUNKED else end + body)
         if conn.pd_need != CHUNKED:
             return len(head) >= conn.pd_need
-        body = len(head) - conn.pd_body_at
-        return body > _LOOP_BODY or (body >= 5 and head.endswith(b"\r\n\r\n"))
+        if len(head) - conn.pd_body_at > _LOOP_BODY:
+            return True
+        conn.pd_body_at = _chunks_end(head, conn.pd_body_at)
+        return conn.pd_body_at < 0
 
     def _hold(self, size: int) -> None:
         with self._held_lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -64,6 +65,9 @@ PARTS = {
     "body": HEAD + b"Content-Length: 1000\r\n\r\n{\"model\": ",
     "chunked": HEAD + b"Transfer-Encoding: chunked\r\n\r\n9\r\n{\"model\":\r\n",
     "expect": HEAD + b"Expect: 100-continue\r\nContent-Length: 1000\r\n\r\n",
+    "expect-chunked": HEAD + b"Expect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n",
+    # A chunk whose data ends as a chunked body does (CRLF CRLF): the body is not whole.
+    "crlf-chunk": HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\n\r\n\r\n",
     # A whole request, and the start of the next behind it on the same connection.
     "pipelined": b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n",
 }
@@ -90,6 +94,35 @@ def test_gthread_requests_that_come_slowly_hold_no_thread(fresh_engines, part):
         finally:
             for sock in slow:
                 sock.close()
+
+
+def test_a_body_sent_in_time_is_served_whenever_a_thread_takes_it(fresh_engines):
+    """A 1.5 MB body (a thread's to read, over the loop's 1 MiB) sent whole at once, while the
+    worker's one thread serves a turn longer than --request-timeout: read late, it is still
+    served (what has come is taken past the deadline; only waiting for more is refused)."""
+    p, d = fresh_engines
+    with gateway_process([p.url], [d.url], worker_class="gthread", threads=1,
+                         request_timeout=1) as gateway:
+        with ThreadPoolExecutor(1) as pool:
+            running = d.stats()["requests"]
+            long_turn = pool.submit(requests.post, gateway.url + "/v1/chat/completions",
+                                    timeout=60, json={"model": MODEL, "max_tokens": 3000,
+                                                      "messages": [{"role": "user",
+                                                                    "content": "go on"}]})
+            wait_until(lambda: d.stats()["requests"] > running, 10, "the long turn on D")
+            body = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+                {"role": "user", "content": "x" * 1_500_000}]}).encode()
+            sock = socket.create_connection(("127.0.0.1", gateway.port))
+            try:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                             % len(body) + body)
+                sock.settimeout(60)
+                answer = sock.recv(4096)
+            finally:
+                sock.close()
+            assert long_turn.result().status_code == 200
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
 
 def _trickle(sock: socket.socket, piece: bytes, pieces: int, every: float) -> bytes:
