@@ -68,7 +68,6 @@ from gateway.config import Settings
 
 STOP_KEEPALIVE_LINGER = 2.0   # as gunicorn's gthread worker
 GC_YOUNG = 10_000             # net new containers between two collections of the young (700)
-_THREAD_CLIENT_TIMEOUT: float | None = None    # this gthread worker's --client-timeout
 _REQUEST_TIMEOUT = 60.0                        # this worker's --request-timeout
 _LOOP_BYTES = 64 * 1024 * 1024                 # this worker's --max-bodies-bytes
 _CLIENT_TIMEOUT = 60.0                         # this worker's --client-timeout
@@ -95,6 +94,7 @@ _DEADLINES: "weakref.WeakKeyDictionary[socket.socket, float]" = weakref.WeakKeyD
 
 
 def _client_timeout() -> float:
+    """This worker's --client-timeout, its other bounds on clients read with it."""
     global _REQUEST_TIMEOUT, _LOOP_BYTES, _CLIENT_TIMEOUT, _LOOP_BODY
     settings = Settings.from_env()
     _REQUEST_TIMEOUT = settings.request_timeout
@@ -401,8 +401,7 @@ class ThreadWorker(_ThreadWorker):
     up to 1 MiB) before a pool thread takes the request, never waiting on a client."""
 
     def init_process(self) -> None:
-        global _THREAD_CLIENT_TIMEOUT
-        _THREAD_CLIENT_TIMEOUT = _client_timeout()
+        _client_timeout()
         self._heads: dict = {}          # connection -> when the loop began to wait for it
         self._held = 0                  # bytes the loop read that no thread has taken yet
         self._held_lock = threading.Lock()
@@ -476,10 +475,7 @@ class ThreadWorker(_ThreadWorker):
                 if self._whole(conn, head, seen):
                     break
             except ConnectionError:
-                self._let_go_of(conn, waiting)
-                self._hold(-len(head))
-                self.nr_conns -= 1
-                conn.close()
+                self._close(conn, waiting)
                 return True
             if self._held >= _LOOP_BYTES:
                 break                            # the loop holds enough: a thread reads the rest
@@ -495,16 +491,12 @@ class ThreadWorker(_ThreadWorker):
                     # A body cut short (the client done sending) or past its deadline: its
                     # answer (400, 408) from a thread.
                     break
-                self._let_go_of(conn, waiting)
-                self._hold(-len(head))
-                self.nr_conns -= 1
-                conn.close()
+                self._close(conn, waiting)
                 return True
             head += got
             self._hold(len(got))
             conn.pd_heard = time.monotonic()
-        self._let_go_of(conn, waiting)
-        super().enqueue_req(conn)
+        self._to_thread(conn, waiting)
         return True
 
     def _whole(self, conn, head: bytearray, seen: int) -> bool:  # type: ignore[no-untyped-def]
@@ -529,6 +521,17 @@ class ThreadWorker(_ThreadWorker):
     def _hold(self, size: int) -> None:
         with self._held_lock:
             self._held += size
+
+    def _to_thread(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
+        """A pool thread takes the request (and the bytes the loop read of it)."""
+        self._let_go_of(conn, waiting)
+        super().enqueue_req(conn)
+
+    def _close(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
+        self._let_go_of(conn, waiting)
+        self._hold(-len(conn.__dict__.pop("pd_head")))
+        self.nr_conns -= 1
+        conn.close()
 
     def _let_go_of(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
         """The loop waits on the connection's socket no more."""
@@ -569,20 +572,17 @@ class ThreadWorker(_ThreadWorker):
                 deadline = since + max(self.cfg.keepalive, 5.0)
             else:
                 deadline = min(_DEADLINES.get(conn.sock, now),
-                               conn.pd_heard + _THREAD_CLIENT_TIMEOUT)
+                               conn.pd_heard + _CLIENT_TIMEOUT)
             if self._stopped_at is not None:
                 deadline = min(deadline, self._stopped_at + STOP_KEEPALIVE_LINGER)
             if now < deadline:
                 continue
-            self._let_go_of(conn, waiting=True)
             if conn.pd_need is not None and self.alive:
                 # A body that stopped coming: its thread finds it ended at once (408).
                 _DEADLINES[conn.sock] = now
-                super().enqueue_req(conn)
+                self._to_thread(conn, waiting=True)
             else:
-                self._hold(-len(conn.__dict__.pop("pd_head")))
-                self.nr_conns -= 1
-                conn.close()
+                self._close(conn, waiting=True)
         return result
 
 
@@ -597,7 +597,7 @@ class _ThreadClientSocket(_QuietTimeouts, socket.socket):
 
     def setblocking(self, flag: bool) -> None:
         if flag:
-            super().settimeout(_THREAD_CLIENT_TIMEOUT)
+            super().settimeout(_CLIENT_TIMEOUT)
         else:
             super().setblocking(False)
 

@@ -254,14 +254,6 @@ class EngineReplyTooLarge(requests.RequestException):
     """An engine's reply beyond what the gateway reads of one."""
 
 
-def _raise_unless_ok(response: requests.Response) -> None:
-    """requests' HTTPError for an error or a redirect (not followed: see `Upstream.get_bytes`)."""
-    response.raise_for_status()
-    if response.is_redirect:
-        raise requests.HTTPError(f"{response.status_code} redirect, not followed",
-                                 response=response)
-
-
 class Upstream:
     """One `requests.Session` per process (created after fork) for all calls to the engines."""
 
@@ -452,8 +444,8 @@ class Upstream:
         with self.session.get(instance.url + path, timeout=(min(self.timeout[0], timeout),
                                                             timeout),
                               allow_redirects=False, stream=True) as response:
-            _raise_unless_ok(response)
-            if response.status_code != 200:
+            response.raise_for_status()
+            if response.status_code != 200:     # a redirect among them: never followed
                 raise requests.HTTPError(f"{response.status_code}, not 200", response=response)
             chunks, size = [], 0
             while True:
