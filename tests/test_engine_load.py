@@ -19,7 +19,7 @@ from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.engine_load import (FIELDS, RECLAIM, EngineLoad, Facts, LoadTable, Page,
                                          parse)
 from gateway.engines.instances import Pool
-from tests.helpers.servers import MODEL, gateway_process, starts_processes
+from tests.helpers.servers import MODEL, QuietHandler, gateway_process, starts_processes
 
 VLLM_PAGE = b"""\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -272,7 +272,7 @@ def test_new_conversations_go_to_the_d_that_is_not_full(full_d, interval):
 
 # --- an engine's page, bounded ----------------------------------------------------------------
 
-class _BadPages(http.server.BaseHTTPRequestHandler):
+class _BadPages(QuietHandler):
     """An engine whose /metrics trickles (a byte every 0.2 s, for as long as anyone reads) or
     is larger than any page should be; /health and /v1/models as vLLM's."""
 
@@ -281,12 +281,8 @@ class _BadPages(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         if self.path != "/metrics":
-            body = b"" if self.path == "/health" else json.dumps(
-                {"object": "list", "data": [{"id": MODEL}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(200, b"" if self.path == "/health" else json.dumps(
+                {"object": "list", "data": [{"id": MODEL}]}).encode())
             return
         # A page vLLM could send, but for its 9 MiB of comment lines.
         page = VLLM_PAGE + b"# padding\n" * (9 * 1024 * 1024 // 10)
@@ -303,9 +299,6 @@ class _BadPages(http.server.BaseHTTPRequestHandler):
                 time.sleep(0.2)
         except OSError:                     # the reader gave up: what it should do
             pass
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.mark.processes

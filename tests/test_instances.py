@@ -18,6 +18,7 @@ from gateway.engines.discovery import resolvable, with_address
 from gateway.engines.instances import Policy, Pool
 from gateway.engines.membership import ChangeLog, Membership
 from tests.helpers.payloads import D_URL, MISS, P_URL, chat_events, d_params, p_params, p_reply
+from tests.helpers.servers import QuietHandler
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -374,41 +375,27 @@ def test_engine_credentials_never_reach_reports_or_logs(caplog):
 
 # --- on real sockets: added URLs parsed once, and no redirect followed ------------------------
 
-class _Engine(http.server.BaseHTTPRequestHandler):
+class _Engine(QuietHandler):
     """An engine that answers /health and sends everything else elsewhere (a 302)."""
 
     elsewhere = ""
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         if self.path == "/health":
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
+            self.answer(200)
         else:
-            self.send_response(302)
-            self.send_header("Location", self.elsewhere + self.path)
-            self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
+            self.answer(302, headers={"Location": self.elsewhere + self.path})
 
 
-class _Trap(http.server.BaseHTTPRequestHandler):
+class _Trap(QuietHandler):
     """Where a redirect would lead: it counts who comes."""
 
     visits: list = []
 
     def do_GET(self):  # noqa: N802
         type(self).visits.append(self.path)
-        body = json.dumps({"object": "list", "data": [{"id": "secret-model"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, json.dumps({"object": "list", "data": [{"id": "secret-model"}]}).encode(),
+                    {"Content-Type": "application/json"})
 
 
 @pytest.mark.processes

@@ -16,7 +16,7 @@ import pytest
 import requests
 from hypothesis import example, given, settings, strategies as st
 
-from tests.helpers.servers import MODEL
+from tests.helpers.servers import MODEL, QuietHandler
 
 
 def test_the_connection_pools_cover_every_engine_and_worker():
@@ -543,7 +543,7 @@ def test_a_reply_head_is_read_as_http_client_reads_it(lines, version):
         (theirs.chunked, theirs.length, theirs.will_close)
 
 
-class _Sizes(http.server.BaseHTTPRequestHandler):
+class _Sizes(QuietHandler):
     """Answers a POST with a JSON body of `size` bytes and `status`."""
 
     protocol_version = "HTTP/1.1"
@@ -554,17 +554,10 @@ class _Sizes(http.server.BaseHTTPRequestHandler):
         message = "x" * (self.size - 30)
         body = json.dumps({"error": {"message": message}} if self.status >= 400
                           else {"text": message}).encode()
-        self.send_response(self.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
         try:
-            self.wfile.write(body)
+            self.answer(self.status, body, {"Content-Type": "application/json"})
         except OSError:       # the gateway stopped reading: as it should
             pass
-
-    def log_message(self, *args):
-        pass
 
 
 def test_an_engine_reply_is_read_up_to_its_limit_and_no_further(monkeypatch):
@@ -596,7 +589,7 @@ def test_an_engine_reply_is_read_up_to_its_limit_and_no_further(monkeypatch):
                 assert refused.value.status == 400 and len(refused.value.message) < 2000
 
 
-class _Gzipped(http.server.BaseHTTPRequestHandler):
+class _Gzipped(QuietHandler):
     """An engine (or a proxy before it) that compresses its pages whatever it is asked."""
 
     protocol_version = "HTTP/1.1"
@@ -605,15 +598,7 @@ class _Gzipped(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         type(self).asked.append(self.headers.get("Accept-Encoding"))
-        body = gzip.compress(self.page)
-        self.send_response(200)
-        self.send_header("Content-Encoding", "gzip")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, gzip.compress(self.page), {"Content-Encoding": "gzip"})
 
 
 def test_a_compressed_page_is_read_as_its_text_and_none_is_asked_for():

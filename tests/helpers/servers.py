@@ -3,6 +3,7 @@ the tests ask of them (a metric, a worker's children, a raw request abandoned, f
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import socket
 import uuid
@@ -99,3 +100,18 @@ def chat_turns(client, stream: bool, explicit: bool) -> list[str]:
         messages += [{"role": "assistant", "content": text},
                      {"role": "user", "content": f"follow up number {turn}"}]
     return caches
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """A hand-made engine for one test: `answer` sends one reply; no access log."""
+
+    def answer(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
