@@ -57,6 +57,7 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)
     caches: list = field(default_factory=list)     # X-Gateway-Cache of each turn
     paths: list = field(default_factory=list)      # X-Gateway-Path of each turn
+    kvs: list = field(default_factory=list)        # X-Gateway-KV of each turn
     errors: list = field(default_factory=list)
     _rng: random.Random = field(init=False, repr=False)
     _covered: int = field(default=0, init=False)   # prompt tokens the previous turn left in KV
@@ -121,6 +122,7 @@ class Conversation:
             return False
         self.add_reply(text, response.headers.get("X-Gateway-Cache"))
         self.paths.append(response.headers.get("X-Gateway-Path"))
+        self.kvs.append(response.headers.get("X-Gateway-KV"))
         return True
 
 

@@ -287,8 +287,10 @@ class Settings:
                                    "goes to that D alone, no P call (docs/fast-path.md); 0 turns "
                                    "it off.")
     access_log: bool = option(False, boolean, "Log one line per turn (logger gateway.access): "
-                              "request id, cache hit/miss, path (two-stage or decode-only) and "
-                              "why, P and D instance names, TTFT, reply chunks, finish, outcome.")
+                              "request id, model, cache (hit, partial, miss: were D's blocks "
+                              "sent), kv (what P did with them, as X-Gateway-KV), path "
+                              "(two-stage or decode-only) and why, P and D instance names, "
+                              "TTFT, reply chunks, finish, outcome.")
     routing: str = option("affinity", str, "How P and D are chosen: per conversation "
                           "(rendezvous hash, D that holds the entry first, load fallback) or "
                           "round robin.", choices=("affinity", "round_robin"))

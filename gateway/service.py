@@ -38,7 +38,7 @@ from gateway.support.errors import BadGateway, GatewayError
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Arrival:
     """How a request reached this worker, as much of it as a turn needs (the view reads it off
     the WSGI environ)."""
@@ -46,6 +46,7 @@ class Arrival:
     route: str              # the path it came on, an app's prefix included: a forward goes there
     port: str               # the port it came on: a worker's private port means it was forwarded
     socket: Any = None      # the client's socket, watched for the client going (gunicorn's)
+    model: str = "unknown"  # its model as the metrics label it, once the request was read
 
 
 class Gateway:
@@ -79,7 +80,7 @@ class Gateway:
                              for role in ("prefill", "decode")} for spec in specs}
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
         self._every_pool, self._published = every_pool, set()
-        metrics.initialize()
+        metrics.initialize([spec.name for spec in specs if spec.name])
         # Each worker's view of its engines, published as it applies changes (every half
         # second under gunicorn) and whenever /metrics is asked.
         self.membership = Membership(settings, roles, on_tick=self.publish)
@@ -208,6 +209,7 @@ class Gateway:
         try:
             request = parse(path, raw)        # CPU only: no watcher, no place taken yet
             pool, request = self.pools.route(request)     # an unknown model: 404 here
+            arrival.model = pool.label(request)
             tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
             conversation = Conversation(request.body, headers, request.conversation_id, tenant)
             owner = (self.owners.forward_to(conversation.root())
@@ -231,7 +233,8 @@ class Gateway:
                     ticket = self._counted(held, tenant, limits, raw, work)
                     if self.relays is not self.admission:
                         self._admit(held, self.admission, tenant, limits, arrival.socket)
-                reply = self._serve(pool, request, conversation, headers, request_id, work)
+                reply = self._serve(pool, request, conversation, headers, request_id, work,
+                                    arrival.model)
                 if ticket is not NO_TICKET:
                     reply.headers.update(ticket.headers)
                     held.callback(_charge(ticket, reply))
@@ -272,7 +275,7 @@ class Gateway:
         held.callback(admission.enter(tenant, limits.weight, limits.turns, gone))
 
     def _serve(self, pool: ModelPool, request: ClientRequest, conversation: Conversation,
-               headers: Mapping[str, str], request_id: str, work: Work) -> Reply:
+               headers: Mapping[str, str], request_id: str, work: Work, model: str) -> Reply:
         identity = conversation.identity()
         own_salt = request.body.get("cache_salt")
         if self.salted and (own_salt is None or isinstance(own_salt, str)):
@@ -284,7 +287,7 @@ class Gateway:
         engine_headers = self.upstream.headers(request_id, client_credential,
                                                logs.traceparent(headers.get("traceparent")),
                                                headers.get("tracestate"))
-        return pool.disagg.run(request, identity, engine_headers, request_id, work)
+        return pool.disagg.run(request, identity, engine_headers, request_id, work, model)
 
     def models(self) -> dict:
         """/v1/models: with one pool, the list of the first D that answers, healthy ones first;

@@ -120,7 +120,7 @@ def _forget_request_id() -> None:
     logs.REQUEST_ID.set("-")     # this thread's (or greenlet's) next lines belong to no request
 
 
-def _failed(exc: GatewayError, request_id: str) -> Response:
+def _failed(exc: GatewayError, request_id: str, model: str) -> Response:
     if isinstance(exc, ClientGone):
         metrics.DISCONNECTS.inc()      # nobody reads the reply
     else:
@@ -128,7 +128,7 @@ def _failed(exc: GatewayError, request_id: str) -> Response:
         # hundreds a second the log lines would cost more than the refusals themselves.
         log.log(logging.DEBUG if isinstance(exc, Overloaded) else logging.INFO,
                 "request %s failed with %d: %s", request_id, exc.status, exc.message)
-        metrics.ERRORS.labels("request", str(exc.status)).inc()
+        metrics.ERRORS.labels("request", str(exc.status), model).inc()
     return exc.response(request_id)
 
 
@@ -150,6 +150,23 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         logs.REQUEST_ID.set(request_id)      # this request's log lines, the relay's included
+        environ = request.environ
+        arrival = Arrival(route=environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""),
+                          port=environ.get("SERVER_PORT", ""),
+                          socket=environ.get("gunicorn.socket"))
+        status = 500            # unless it answers: an error the blueprint's handler answers
+        try:
+            response = answer(gateway, path, arrival, request_id)
+            status = response.status_code
+        except HTTPException as exc:
+            status = exc.code or 500
+            raise
+        finally:
+            if not gateway.owners.forwarded(arrival.port):     # counted where its client is
+                metrics.RESPONSES.labels(path, arrival.model, str(status)).inc()
+        return response
+
+    def answer(gateway: Gateway, path: str, arrival: Arrival, request_id: str) -> Response:
         streaming = False
         try:
             gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
@@ -160,10 +177,6 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
             except BaseException:
                 hold.release()
                 raise
-            environ = request.environ
-            arrival = Arrival(route=environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""),
-                              port=environ.get("SERVER_PORT", ""),
-                              socket=environ.get("gunicorn.socket"))
             reply = gateway.complete(path, raw, request.headers, arrival, request_id,
                                      hold.release)
             if reply.stream is None:
@@ -181,7 +194,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:
-            return _failed(exc, request_id)
+            return _failed(exc, request_id, arrival.model)
         finally:
             if not streaming:
                 _forget_request_id()

@@ -52,17 +52,19 @@ def test_short_follow_ups_skip_prefill_and_long_ones_do_not(fresh_engines, gatew
         else:
             text = raw.parse().choices[0].message.content
         seen.append((path_of(raw.headers), raw.headers["X-Gateway-Cache"],
-                     prefills() - p_before))
+                     raw.headers["X-Gateway-KV"], prefills() - p_before))
         if turn < len(follow_ups):
             messages += [{"role": "assistant", "content": text},
                          {"role": "user", "content": follow_ups[turn]}]
-    assert seen == [("two-stage; reason=no_entry", "miss", 1),
-                    ("decode-only; reason=short", "hit", 0),
+    # X-Gateway-KV: a decode-only turn's history came from D's own cache; P read the long
+    # turn's (its reply of 6 tokens is under vLLM's threshold, but its history holds more).
+    assert seen == [("two-stage; reason=no_entry", "miss", "none", 1),
+                    ("decode-only; reason=short", "hit", "own-cache", 0),
                     # A decode-only turn keeps nothing on D: the next is a two-stage miss, both
                     # engines' prefix caches serving most of its prompt.
-                    ("two-stage; reason=no_entry", "miss", 1),
-                    ("two-stage; reason=long", "hit", 1),
-                    ("decode-only; reason=short", "hit", 0)]
+                    ("two-stage; reason=no_entry", "miss", "none", 1),
+                    ("two-stage; reason=long", "hit", "read", 1),
+                    ("decode-only; reason=short", "hit", "own-cache", 0)]
     p_stats, d_stats = p.stats(), d.stats()
     assert p_stats["wrong_reuse"] == 0 and d_stats["wrong_reuse"] == 0
     assert p_stats["hits"] == 1
@@ -76,7 +78,8 @@ def test_short_follow_ups_skip_prefill_and_long_ones_do_not(fresh_engines, gatew
                for r in local), local
     assert local[-1]["prompt_tokens"] > 300 and local[-1]["computed_prompt_tokens"] < 16
     metrics = requests.get(gateway.url + "/metrics", timeout=10).text
-    assert 'pd_gateway_turn_paths_total{path="decode-only",reason="short"}' in metrics
+    assert (f'pd_gateway_turn_paths_total{{model="{MODEL}",path="decode-only",reason="short"}}'
+            in metrics)
     # The access log says the same, one line per turn, with the instances and the outcome
     # (written when the turn's stream closes, which may come just after the client's [DONE]).
     def lines() -> list[str]:
@@ -97,7 +100,7 @@ def test_off_by_default(fresh_engines, gateway_factory):
     first = requests.post(gateway.url + CHAT, json=body, timeout=30).json()
     body["messages"] += [first["choices"][0]["message"], {"role": "user", "content": "more?"}]
     reply = requests.post(gateway.url + CHAT, json=body, timeout=30)
-    assert reply.headers["X-Gateway-Path"] == "two-stage; reason=off"
+    assert reply.headers["X-Gateway-Path"] == "two-stage; reason=fast_path_off"
     assert reply.headers["X-Gateway-Cache"] == "hit" and p.stats()["requests"] == 2
 
 

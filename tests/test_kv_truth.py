@@ -30,6 +30,8 @@ def test_the_gateway_counts_whether_p_read_ds_blocks(setup, reply_tokens, result
               for r in ("read", "recomputed", "own_cache", "unreported")}
     tokens = {k: gateway.metric("pd_gateway_prefill_tokens_total", kind=k)
               for k in ("prompt", "cached")}
+    cached_by_kv = {k: gateway.metric("pd_gateway_prefill_cached_tokens_total", kv=k)
+                    for k in ("read", "recomputed", "own_cache", "none")}
     for engine in (p, d):
         engine.reset_stats()
     convs = [workload.Conversation(gateway.url, first_words=60, turn_words=(10, 10),
@@ -40,6 +42,12 @@ def test_the_gateway_counts_whether_p_read_ds_blocks(setup, reply_tokens, result
     after = {r: gateway.metric("pd_gateway_kv_reads_total", result=r) for r in before}
     assert {r: after[r] - before[r] for r in before} == {
         r: 9.0 if r == result else 0.0 for r in before}  # ... which P read, or not
+    # Each turn's client is told the same: none on a first turn (nothing sent), then the word.
+    assert [c.kvs for c in convs] == [["none"] + [result] * 3] * 3
+    # The tokens P did not compute, by the turn's outcome: what it read from D on the turns
+    # that read; on the others, only what P's own prefix cache held.
+    cached = {k: gateway.metric("pd_gateway_prefill_cached_tokens_total", kv=k) - cached_by_kv[k]
+              for k in cached_by_kv}
     stats = p.stats()
     assert stats["hits"] == (9 if result == "read" else 0)
     assert stats["declined_pulls"] == (0 if result == "read" else 9)
@@ -48,5 +56,7 @@ def test_the_gateway_counts_whether_p_read_ds_blocks(setup, reply_tokens, result
         == stats["local_prefix_tokens"] + stats["reused_prompt_tokens"] \
         + stats["computed_prompt_tokens"]
     assert gateway.metric("pd_gateway_prefill_tokens_total", kind="cached") - tokens["cached"] \
-        == stats["local_prefix_tokens"] + stats["reused_prompt_tokens"]
+        == stats["local_prefix_tokens"] + stats["reused_prompt_tokens"] == sum(cached.values())
+    assert cached["own_cache"] == 0 and (cached["read"] >= stats["reused_prompt_tokens"] > 0
+                                         if result == "read" else cached["read"] == 0)
     assert stats["wrong_reuse"] == d.stats()["wrong_reuse"] == 0

@@ -132,7 +132,7 @@ def test_a_client_that_leaves_after_done_had_a_completed_turn(last, outcome):
     pool.acquire(decode)
     logged = []
     stream = _CutAfter([b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', last])
-    relay = StreamRelay(stream, Decoded(), decode, pool, 0.0, lambda: None,
+    relay = StreamRelay(stream, Decoded(), decode, pool, 0.0, "unknown", lambda: None,
                         lambda ttft, outcome: logged.append(outcome))
     before = disconnects()
     sent = b"".join(relay.chunks())

@@ -27,23 +27,28 @@ access = logging.getLogger("gateway.access")
 T = TypeVar("T")
 
 
-def count_prefill(reply: dict, sent: dict | None, partial: bool = False) -> int | None:
+def count_prefill(reply: dict, sent: dict | None, model: str,
+                  partial: bool = False) -> tuple[int | None, str]:
     """Counts what P reports of its prompt (`prefill_counts`) and, for a turn that sent it D's
-    params (`sent`), whether it read what D held. Returns P's prompt tokens, if it said."""
+    params (`sent`), whether it read what D held. Returns P's prompt tokens, if it said, and
+    the turn's KV outcome: read, recomputed, own_cache, unreported, or none (no params sent)."""
     prompt, cached, result = prefill_counts(reply, None if sent is None else
                                             sent.get("remote_num_tokens"))
     if prompt is not None:
         metrics.PREFILL_TOKENS.labels("prompt").inc(prompt)
     if cached is not None:
         metrics.PREFILL_TOKENS.labels("cached").inc(cached)
+    kv = "none" if sent is None else result
+    if cached is not None and kv != "unreported":
+        metrics.CACHED_TOKENS.labels(kv, model).inc(cached)
     if sent is None:
-        return prompt
+        return prompt, kv
     if partial and result != "unreported":
         reach = min(sent["remote_num_tokens"], prompt)
         metrics.PARTIAL_TOKENS.labels("offered").inc(reach)
         metrics.PARTIAL_TOKENS.labels("cached").inc(min(cached, reach))
-    metrics.KV_READS.labels(result).inc()
-    return prompt
+    metrics.KV_READS.labels(result, model).inc()
+    return prompt, kv
 
 
 def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, str]:
@@ -129,6 +134,23 @@ class Work:
     prompt_tokens: int | None = None     # as P reported them
 
 
+@dataclass(frozen=True, slots=True)
+class TurnPath:
+    """The way a turn went, as its response headers, metrics and access-log line say it."""
+
+    name: str          # decode-only, or two-stage
+    reason: str        # why (pd_gateway_turn_paths_total's reasons)
+    prefill: str       # P's name, or "-"
+    cache: str         # hit, partial, miss: whether P was sent D's params (X-Gateway-Cache)
+    kv: str            # what came of D's blocks: metrics.KV's words
+
+    @property
+    def kv_word(self) -> str:
+        """The KV outcome as the X-Gateway-KV header says it: read, recomputed, own-cache,
+        none, unreported."""
+        return self.kv.replace("_", "-")
+
+
 @dataclass(slots=True)
 class Turn:
     """One turn through the flow: what the client asked, whose conversation it is, what the
@@ -140,6 +162,7 @@ class Turn:
     request_id: str        # for the access log
     started: float         # perf_counter() at its start: TTFT and P's time count from it
     work: Work             # what the engines did for it (the caller's, for the key's limits)
+    model: str = "unknown"     # its model, as the metrics label it
     decoded: Decoded | None = None
     params_to_d: bool = False   # D was sent P's params (it loads the prompt from P)
 
@@ -230,10 +253,11 @@ class Disagg:
             return instance, result
 
     def run(self, request: ClientRequest, identity: Identity, headers: dict,
-            request_id: str, work: Work | None = None) -> Reply:
+            request_id: str, work: Work | None = None, model: str = "unknown") -> Reply:
         """One turn: the entry, P (unless the fast path skips it), D, the relay. `work` hears
-        what the engines did for it as they do it."""
-        turn = Turn(request, identity, headers, request_id, time.perf_counter(), work or Work())
+        what the engines did for it as they do it; `model` labels its metrics."""
+        turn = Turn(request, identity, headers, request_id, time.perf_counter(), work or Work(),
+                    model)
         for pool in (self.decode, self.prefill):
             # No D (or P) answers its probes: fail now, before P computes a prompt no D can
             # decode, and before the conversation's entry is taken (it stays for a retry).
@@ -249,7 +273,7 @@ class Disagg:
             self.releaser.drop(entry, "decode_gone")
             entry, reason = None, "decode_gone"
         elif entry is None or not self.fast_path.max_tokens:
-            reason = "no_entry" if entry is None else "off"
+            reason = "no_entry" if entry is None else "fast_path_off"
         else:
             target, reason, admitted = self.fast_path.target(
                 entry, request, identity, self.decode, self.exactness,
@@ -260,8 +284,9 @@ class Disagg:
                 # engines' own caches serving most of it). The entry's blocks, now unread, go.
                 d_body = self._decode_body(turn)
                 try:
-                    return self._decode(turn, lambda failure: d_body, None, "hit",
-                                        ("decode-only", reason, "-"), only=target,
+                    return self._decode(turn, lambda failure: d_body, None,
+                                        TurnPath("decode-only", reason, "-", "hit", "own_cache"),
+                                        only=target,
                                         ended=lambda: self.releaser.drop(entry, "decode_only"))
                 except GatewayError as exc:
                     if not exc.instance_fault:
@@ -303,10 +328,10 @@ class Disagg:
         except GatewayError as exc:
             sent.failed(exc)
             raise
-        metrics.PREFILL_SECONDS.observe(time.perf_counter() - turn.started)
+        metrics.PREFILL_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
-        prompt_tokens = count_prefill(prefill_reply, reuse.entry.params if reuse else None,
-                                      cache == "partial")
+        prompt_tokens, kv = count_prefill(prefill_reply, reuse.entry.params if reuse else None,
+                                          turn.model, cache == "partial")
         turn.work.done, turn.work.prompt_tokens = True, prompt_tokens     # P computed it
         d_body = self._decode_body(turn)
         turn.decoded.prompt_tokens = prompt_tokens
@@ -316,8 +341,8 @@ class Disagg:
             turn.params_to_d = replayable(failure)
             return with_blocks if turn.params_to_d else d_body
 
-        return self._decode(turn, decode_body_for, entry.decode_url if entry else None, cache,
-                            ("two-stage", reason, prefill.name))
+        return self._decode(turn, decode_body_for, entry.decode_url if entry else None,
+                            TurnPath("two-stage", reason, prefill.name, cache, kv))
 
     def _decode_body(self, turn: Turn) -> dict:
         """The client's body as D gets it (before params); the turn's `decoded` made ready.
@@ -332,14 +357,13 @@ class Disagg:
         return {**request.wire, "return_token_ids": True} if ask_ids else request.wire
 
     def _decode(self, turn: Turn, body_for: Callable[[GatewayError | None], dict],
-                prefer: str | None, cache: str, path: tuple[str, str, str],
-                only: Instance | None = None,
+                prefer: str | None, path: TurnPath, only: Instance | None = None,
                 ended: Callable[[], None] | None = None) -> Reply:
         """Decode on D (retried before the first byte unless `only`), relay, remember;
         `ended` runs when the turn is over (its stream closed), never before."""
-        reply_headers = {"X-Gateway-Cache": cache, "X-Gateway-Path": "%s; reason=%s" % path[:2]}
+        reply_headers = {"X-Gateway-Cache": path.cache, "X-Gateway-KV": path.kv_word,
+                         "X-Gateway-Path": f"{path.name}; reason={path.reason}"}
         request, decoded, headers = turn.request, turn.decoded, turn.headers
-        trace = (turn.request_id, cache, *path)
         if not request.stream:
             decode, reply = self._attempt(
                 self.decode, turn.identity.root, prefer,
@@ -347,11 +371,12 @@ class Disagg:
                                                            headers),
                 only=only, work=turn.work)
             turn.work.done = True
-            self._count(request, cache, path)
+            self._count(turn, path)
             reply = decoded.absorb_body(reply)
             self._remember(turn, decode)
             self._let_go(decoded, decode, ended)
-            self._log_turn(trace, decode, decoded, None, "completed")
+            metrics.E2E_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
+            self._log_turn(turn, path, decode, None, "completed")
             return Reply(headers=reply_headers, body=reply, decoded=decoded)
         decode, stream = self._attempt(
             self.decode, turn.identity.root, prefer,
@@ -359,12 +384,12 @@ class Disagg:
                                                          headers),
             hold=True, only=only, work=turn.work)
         turn.work.done = True
-        relay = StreamRelay(stream, decoded, decode, self.decode, turn.started,
+        relay = StreamRelay(stream, decoded, decode, self.decode, turn.started, turn.model,
                             lambda: self._remember(turn, decode),
-                            lambda ttft, outcome: self._log_turn(trace, decode, decoded, ttft,
+                            lambda ttft, outcome: self._log_turn(turn, path, decode, ttft,
                                                                  outcome))
         try:
-            self._count(request, cache, path)
+            self._count(turn, path)
         except BaseException:
             relay.finish()        # D's count and its stream are held from here on
             raise
@@ -397,19 +422,20 @@ class Disagg:
             log.exception("letting go of the turn's blocks failed")
 
     @staticmethod
-    def _count(request: ClientRequest, cache: str, path: tuple[str, str, str]) -> None:
-        metrics.REQUESTS.labels(request.path, cache).inc()
-        metrics.TURN_PATHS.labels(*path[:2]).inc()
+    def _count(turn: Turn, path: TurnPath) -> None:
+        metrics.REQUESTS.labels(turn.request.path, turn.model, path.cache).inc()
+        metrics.TURN_PATHS.labels(path.name, path.reason, turn.model).inc()
 
-    def _log_turn(self, trace: tuple, decode: Instance, decoded: Decoded, ttft: float | None,
+    def _log_turn(self, turn: Turn, path: TurnPath, decode: Instance, ttft: float | None,
                   outcome: str) -> None:
         if self.access_log:
-            request_id, cache, path, reason, prefill = trace
+            decoded = turn.decoded
             chunks = len(decoded.text) + len(decoded.reasoning)
-            access.info("turn %s cache=%s path=%s reason=%s prefill=%s decode=%s ttft_ms=%s "
-                        "chunks=%d finish=%s outcome=%s", request_id, cache, path, reason,
-                        prefill, decode.name, "-" if ttft is None else f"{ttft * 1000:.1f}",
-                        chunks, ",".join(decoded.finish_reasons) or "-", outcome)
+            access.info("turn %s model=%s cache=%s kv=%s path=%s reason=%s prefill=%s decode=%s "
+                        "ttft_ms=%s chunks=%d finish=%s outcome=%s", turn.request_id, turn.model,
+                        path.cache, path.kv_word, path.name, path.reason, path.prefill,
+                        decode.name, "-" if ttft is None else f"{ttft * 1000:.1f}", chunks,
+                        ",".join(decoded.finish_reasons) or "-", outcome)
 
     def _remember(self, turn: Turn, decode: Instance) -> None:
         request, identity, decoded = turn.request, turn.identity, turn.decoded

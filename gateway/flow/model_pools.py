@@ -43,6 +43,21 @@ class ModelPool:
     def name(self) -> str:
         return self.spec.name
 
+    def label(self, request: ClientRequest) -> str:
+        """The model as metrics label it: this pool's name; without --models (one pool, named
+        ""), the name the request gives if an engine lists it (vLLM serves the first name it
+        lists when none is given), else "unknown": never a client's free text."""
+        if self.spec.name:
+            return self.spec.name
+        given = request.body.get("model")
+        for instance in self.decode.instances:
+            served = instance.served or ()
+            if given is None and served:
+                return served[0]
+            if given in served:
+                return given
+        return "unknown"
+
     def healthy(self) -> bool:
         """Some P and some D ready: not marked down and, where probed, answering."""
         return self.prefill.any_ready() and self.decode.any_ready()

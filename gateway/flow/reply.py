@@ -41,20 +41,26 @@ class StreamRelay:
     [DONE], and `finish`, which runs once however the stream ends: completed, failed, the
     client gone, or the reply closed before its first byte."""
 
-    def __init__(self, stream: Stream, decoded: Decoded, decode: Instance, pool: Pool, started: float,
-                 remember: Callable[[], None],
+    def __init__(self, stream: Stream, decoded: Decoded, decode: Instance, pool: Pool,
+                 started: float, model: str, remember: Callable[[], None],
                  log_turn: Callable[[float | None, str], None]) -> None:
         self.stream, self.decoded, self.decode, self.pool = stream, decoded, decode, pool
         self.started = started
+        self.model = model                  # the metrics' label
         self.remember = remember            # puts the next turn's entry
         self.log_turn = log_turn            # the access-log line, with TTFT and outcome
         self.ttft: float | None = None
         self.outcome = "client_gone"          # until the relay ends otherwise
         self._finished = False
+        # The gaps between chunks sent, counted here and observed once at the end.
+        self._gaps = metrics.bucket_counts(metrics.ITL_BUCKETS)
+        self._gaps_total = 0.0
 
     def chunks(self) -> Iterator[bytes]:
         decoded, decode = self.decoded, self.decode
         relay = EventFilter(decoded)
+        gaps, bounds = self._gaps, metrics.ITL_BUCKETS
+        sent = 0.0            # when the last chunk went out
         try:
             for chunk in self.stream.chunks():
                 out = relay.feed(chunk)
@@ -63,13 +69,19 @@ class StreamRelay:
                     decoded.stored = True
                     self.remember()
                 if out:
+                    now = time.perf_counter()
                     if self.ttft is None:
-                        self.ttft = time.perf_counter() - self.started
-                        metrics.FIRST_BYTE_SECONDS.observe(self.ttft)
+                        self.ttft = now - self.started
+                        metrics.FIRST_BYTE_SECONDS.labels(self.model).observe(self.ttft)
+                    else:
+                        metrics.count_into(gaps, bounds, now - sent)
+                        self._gaps_total += now - sent
+                    sent = now
                     yield out
             if not decoded.done:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
             self.outcome = "completed"
+            metrics.E2E_SECONDS.labels(self.model).observe(time.perf_counter() - self.started)
         except ClientGone:
             if decoded.done:
                 # [DONE] went out: the client had the whole reply and left before D's stream
@@ -83,7 +95,7 @@ class StreamRelay:
             # Bytes are out, so the status can't change: finish with an error event instead.
             if exc.instance_fault:
                 self.pool.failed(decode, unreachable=False)
-            metrics.ERRORS.labels("stream", str(exc.status)).inc()
+            metrics.ERRORS.labels("stream", str(exc.status), self.model).inc()
             yield error_event(exc)
         except GeneratorExit:
             metrics.DISCONNECTS.inc()
@@ -103,6 +115,9 @@ class StreamRelay:
             log.exception("closing %s's stream failed", self.decode.name)
         self.pool.release(self.decode)
         try:
+            if any(self._gaps):
+                metrics.INTER_TOKEN_SECONDS.labels(self.model).observe_many(self._gaps,
+                                                                            self._gaps_total)
             self.log_turn(self.ttft, self.outcome)
         except Exception:
             log.exception("logging the turn failed")

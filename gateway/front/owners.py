@@ -69,6 +69,10 @@ class Owners:
         this worker's private port (only forwards arrive there)."""
         return self.enabled and port != self.own_port
 
+    def forwarded(self, port: str) -> bool:
+        """Did a request that came on `port` come from another worker (its client is there)?"""
+        return self.enabled and port == self.own_port
+
     def live_slots(self) -> list[int]:
         """The slots that own conversations now (the master's table)."""
         table = bytes(LIVE_SLOTS)

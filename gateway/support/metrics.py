@@ -2,29 +2,65 @@
 
 gunicorn_conf sets PROMETHEUS_MULTIPROC_DIR before anything imports prometheus_client, and
 marks dead workers' files; outside gunicorn the metrics live in the default registry.
+
+Every metric declares the values each of its labels can take (`values`): a tuple where the code
+emits a fixed set, a sentence where the set is open (an engine's name). README's metric table is
+made from the declarations (`metrics_markdown`, pinned by tests/test_readme.py), the alert
+rules' tests are checked against them, and a value the code emits that its metric does not
+declare is logged (raised under $PD_GATEWAY_STRICT_METRICS, as the suite runs).
 """
 from __future__ import annotations
 
+import bisect
+import logging
 import os
 
 import prometheus_client
 from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest,
                                multiprocess)
 
+log = logging.getLogger(__name__)
+STRICT_ENV = "PD_GATEWAY_STRICT_METRICS"
+_STRICT = os.environ.get(STRICT_ENV) == "1"
+DECLARED: list = []        # every metric below, in the order README lists them
+
 
 class _Children:
     """`labels(...)` found once per label values, then from a plain dict: prometheus_client's
     own checks the values and takes a lock on every call (measured: about 6 us a call, some
-    ten calls a turn). No child is ever removed here, so none goes stale."""
+    ten calls a turn). No child is ever removed here, so none goes stale. A new child's values
+    are checked against the metric's declared ones (once per child: off the hot path)."""
+
+    values: dict[str, tuple[str, ...] | str] = {}
+
+    def __init__(self, name: str, documentation: str, labelnames=(), *,  # type: ignore[no-untyped-def]
+                 values: dict[str, tuple[str, ...] | str] | None = None, **kwargs) -> None:
+        super().__init__(name, documentation, labelnames, **kwargs)  # type: ignore[call-arg]
+        if not kwargs.get("_labelvalues"):        # the metric itself, not one of its children
+            self.values = values or {}
+            missing = set(labelnames) ^ set(self.values)
+            assert not missing, f"{name}: declare the values of {sorted(missing)}"
+            if kwargs.get("registry", REGISTRY) is REGISTRY:
+                DECLARED.append(self)
 
     def labels(self, *values: str, **by_name: str):  # type: ignore[no-untyped-def]
         if by_name:
-            return super().labels(*values, **by_name)  # type: ignore[misc]
+            values = tuple(by_name[name] for name in self._labelnames)  # type: ignore[attr-defined]
         children = self.__dict__.setdefault("_pd_children", {})
         child = children.get(values)
         if child is None:
+            self._undeclared(values)
             child = children[values] = super().labels(*values)  # type: ignore[misc]
         return child
+
+    def _undeclared(self, values: tuple[str, ...]) -> None:
+        for name, value in zip(self._labelnames, values):  # type: ignore[attr-defined]
+            allowed = self.values.get(name)
+            if isinstance(allowed, tuple) and value not in allowed:
+                message = f"{self._name}: {name}={value!r} is not declared"  # type: ignore[attr-defined]
+                if _STRICT:
+                    raise ValueError(message)
+                log.warning("%s (README's metric table does not list it)", message)
 
 
 class Counter(_Children, prometheus_client.Counter):
@@ -36,137 +72,253 @@ class Gauge(_Children, prometheus_client.Gauge):
 
 
 class Histogram(_Children, prometheus_client.Histogram):
-    pass
+    def observe_many(self, counts: list[int], total: float) -> None:
+        """Add `counts` (observations per bucket, as `bucket_counts` makes them) and their
+        `total` at once. A stream's inter-token gaps, one observe each, would cost some 2 us a
+        token in multiprocess mode (a locked write to the mmap per value, twice); one write per
+        bucket a turn costs a few. prometheus_client has no batch observe: this writes its
+        histogram's own values as `observe` does (pinned by tests/test_metrics.py)."""
+        for bucket, count in zip(self._buckets, counts):  # type: ignore[attr-defined]
+            if count:
+                bucket.inc(count)
+        self._sum.inc(total)  # type: ignore[attr-defined]
+
+
+def bucket_counts(bounds: tuple[float, ...]) -> list[int]:
+    return [0] * (len(bounds) + 1)          # the last: +Inf
+
+
+def count_into(counts: list[int], bounds: tuple[float, ...], value: float) -> None:
+    counts[bisect.bisect_left(bounds, value)] += 1    # le: a value on a bound is in its bucket
 
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# vLLM 0.33's own buckets for these histograms (vllm/v1/metrics/buckets.py L30-51, L84-104),
+# so the gateway's and the engines' histograms read side by side.
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
 
-REQUESTS = Counter("pd_gateway_requests", "Completion requests served by this gateway",
-                   ["endpoint", "cache"])
-ERRORS = Counter("pd_gateway_errors", "Requests that ended in an error, by where it happened",
-                 ["stage", "status"])
-ENTRIES = Counter("pd_gateway_entries", "Conversation store events: stored; found (an entry "
-                  "whose history the request extends; reuse_checks says if it was read); "
-                  "mismatch (an entry whose history the request does not extend); absent (no "
-                  "entry for the id or any history prefix); rejected (malformed D params); gone (an entry "
-                  "whose D has left the pool: a miss)",
-                  ["event"])
-REUSE_CHECKS = Counter("pd_gateway_reuse_checks", "Found entries, by the proof of reuse: digest "
-                       "(plain turn, template keeps the prefix) and verified (tokens match) are "
-                       "read whole; partial (the prompt shares a block-aligned prefix of D's "
-                       "tokens: P reads that prefix); mismatch (tokens differ), unverifiable (no token ids from D, or a "
-                       "request /tokenize cannot render), unproven (reasoning, tool calls; "
-                       "verify_reuse off) and error (/tokenize failed) are misses", ["result"])
-TEMPLATE_PROBES = Counter("pd_gateway_template_probes", "Chat template checks (3 /tokenize calls "
-                          "each): safe (keeps the prefix property), unsafe, error", ["result"])
-TURN_PATHS = Counter("pd_gateway_turn_paths", "Turns by path and why: decode-only (short, D holds "
-                     "the history: no P call) or two-stage (no_entry, off, long, unproven, "
-                     "decode_down, decode_overloaded, decode_gone, decode_failed, tokenize_failed)",
-                     ["path", "reason"])
-ENGINE_METRICS_READS = Counter("pd_gateway_engine_metrics_reads", "Reads of engines' /metrics "
-                               "(--engine-metrics-interval), once per host: read, or failed "
-                               "(down, slow, no vLLM gauges)", ["role", "result"])
-RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"])
-FORWARDED = Counter("pd_gateway_forwarded", "Requests forwarded to the owner worker",
-                    ["result"])
-STORE_ERRORS = Counter("pd_gateway_store_errors", "Calls to a Redis store that failed (a take "
-                       "becomes a miss, a put leaves no entry; ledger: a Redis Cluster's count "
-                       "of a D's pinned blocks, on another node, missed one change; limits: a "
-                       "key's request was admitted uncounted)",
-                       ["operation"])
-RATE_LIMITED = Counter("pd_gateway_rate_limited", "Requests refused (429) for a client key's "
-                       "requests or tokens per minute (--key-rpm, --key-tpm, the keys file)",
-                       ["limit"])
-ADMISSIONS = Counter("pd_gateway_admissions", "Turns by admission (--max-turns): admitted at "
-                     "once, queued (waited for a place, then admitted), rejected_queue_full and "
-                     "rejected_waited (429 with Retry-After, no engine called), rejected_bodies "
-                     "(429 before the body was parsed: --max-bodies-bytes), rejected_client_gone (its client "
-                     "left while it waited for its share)", ["result"])
-RESOLUTIONS = Counter("pd_gateway_resolutions", "Lookups of instance DNS names (--resolve-"
-                      "interval): ok, or failed (an error or no address: the last set is kept)",
-                      ["result"])
-INSTANCE_CHANGES = Counter("pd_gateway_instance_changes", "Instances added to or removed from a "
-                           "pool at run time, by source (dns, admin); each worker counts its own",
-                           ["role", "change", "source"])
-RELEASES = Counter("pd_gateway_releases", "Entries dropped unread whose D blocks the gateway "
-                   "asked a P to free, by why they were dropped (unproven, mismatch, decode_only, "
-                   "decode_failed, decode_gone, prefill_failed, unstored, replaced, evicted, "
-                   "expired, budget) and result (released; failed: D frees them at its TTL; "
-                   "skipped: too many waiting)", ["reason", "result"])
-PINNED_BLOCKS = Gauge("pd_gateway_pinned_blocks", "Blocks each D keeps for the conversations this "
-                      "gateway's local stores hold (their entries' remote_block_ids), summed over "
-                      "live workers", ["decode"], multiprocess_mode="livesum")
-SHARED_PINNED_BLOCKS = Gauge("pd_gateway_shared_pinned_blocks", "Blocks each D keeps for the "
-                             "conversations of a shared (Redis) store, every host's, as the "
-                             "last put on that D counted them", ["decode"],
-                             multiprocess_mode="mostrecent")
-PINNED_BUDGET = Gauge("pd_gateway_pinned_blocks_budget", "Blocks each D may keep pinned for "
-                      "conversations between turns (--pinned-blocks, or derived from D's "
-                      "reported capacity and usage; 0: no budget), summed over live workers",
-                      ["decode"], multiprocess_mode="livesum")
-ENGINE_UP = Gauge("pd_gateway_engine_up", "1 while an engine may be chosen, 0 while it is marked "
-                  "down or its breaker is open (the lowest of the live workers' views)",
-                  ["role", "engine"], multiprocess_mode="livemin")
-DECODE_KEPT_NOTHING = Counter("pd_gateway_decode_kept_nothing", "Turns a D loaded from P and "
-                              "finished without kv_transfer_params: it keeps no blocks for the "
-                              "next turn (bidirectional KV transfer off; streamed: or a vLLM "
-                              "whose streams carry no params), so nothing was stored",
-                              ["engine"])
-ENGINE_KV_BLOCKS = Gauge("pd_gateway_engine_kv_blocks", "Each engine's KV cache in blocks, as it "
-                         "reports it (vllm:cache_config_info num_gpu_blocks; absent until it "
-                         "said)", ["role", "engine"], multiprocess_mode="livemax")
-ENGINE_BLOCK_SIZE = Gauge("pd_gateway_engine_block_size", "Each engine's KV block size in tokens, "
-                          "as it reports it (vllm:cache_config_info block_size)",
-                          ["role", "engine"], multiprocess_mode="livemax")
-ENGINE_INFLIGHT = Gauge("pd_gateway_engine_inflight", "Requests in flight on each engine, summed "
-                        "over live workers", ["role", "engine"], multiprocess_mode="livesum")
-KV_READS = Counter("pd_gateway_kv_reads", "Turns whose P was sent D's params, by what P reports "
-                   "(kv_transfer_params.remote_prefill_cached_tokens, or usage.prompt_tokens_"
-                   "details.cached_tokens) against min(remote_num_tokens, prompt): read (equal: "
-                   "P had every token D held for it, read from D or, when that count is a whole "
-                   "number of blocks, possibly its own cache), recomputed (fewer: under "
-                   "kv_recompute_threshold), own_cache (more: its own cache held them all), "
-                   "unreported (P said nothing)", ["result"])
-PARTIAL_TOKENS = Counter("pd_gateway_partial_reuse_tokens", "Partial reuse (reuse_checks "
-                         "result partial): offered, the tokens of D's sequence P was sent to "
-                         "read (the shared prefix, whole blocks); cached, of those, what P "
-                         "reported not computing (read from D, or its own cache)", ["kind"])
-PREFILL_TOKENS = Counter("pd_gateway_prefill_tokens", "P's prompt tokens as P reports them: "
-                         "prompt (usage.prompt_tokens) and cached (what P did not compute: its "
-                         "own prefix cache plus what it read from D; only where P reports it)",
-                         ["kind"])
+# Label values shared by several metrics.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+MODEL = "the model (below the table)"
+CACHE = ("hit", "partial", "miss")
+# The turn's KV outcome (X-Gateway-KV, with - for _): what P did with what D held.
+KV = ("read", "recomputed", "own_cache", "none", "unreported")
+ROLE = ("prefill", "decode")
+ENGINE = "an engine's name: `prefill[0]`, `decode[1]` (with --models, `<model>/decode[1]`)"
+DECODE_URL = "a D's URL (without any user:password)"
+STATUS = ("the HTTP status: `200`; the gateway's own `400`, `401`, `404`, `408`, `413`, `429`, "
+          "`499` (the client left), `500`, `502`, `503`, `504`; or a 4xx an engine answered")
+ERROR_STATUS = ("the status: a 4xx (the request's fault, or an engine's refusal relayed) or "
+                "`500`, `502`, `503`, `504`")
+TURN_REASONS = ("short", "no_entry", "fast_path_off", "long", "partial", "unproven",
+                "tokenize_failed", "decode_down", "decode_overloaded", "decode_busy",
+                "decode_gone", "decode_failed")
+DROP_REASONS = ("unproven", "mismatch", "decode_only", "decode_failed", "decode_gone",
+                "prefill_failed", "unstored", "replaced", "evicted", "expired", "budget")
+ADMISSION_RESULTS = ("admitted", "queued", "rejected_queue_full", "rejected_waited",
+                     "rejected_key_turns", "rejected_bodies", "rejected_client_gone")
+
+
+# What the client got.
+RESPONSES = Counter(
+    "pd_gateway_responses", "Completion requests answered, by the status sent (forwarded to "
+    "their owner worker: counted once, where the client's connection is). A stream that fails "
+    "after its first byte is a 200 here and an error event in pd_gateway_errors_total{stage="
+    "\"stream\"}: the error ratio counts both", ["endpoint", "model", "status"],
+    values=dict(endpoint=ENDPOINTS, model=MODEL, status=STATUS))
+REQUESTS = Counter(
+    "pd_gateway_requests", "Completion requests served (a turn that reached D), by whether P "
+    "was sent D's params for them: hit (the whole of what D kept), partial (a block-aligned "
+    "prefix of it), miss (none). A hit says what the gateway sent, not what P did with it: "
+    "pd_gateway_kv_reads_total and X-Gateway-KV say that", ["endpoint", "model", "cache"],
+    values=dict(endpoint=ENDPOINTS, model=MODEL, cache=CACHE))
+ERRORS = Counter(
+    "pd_gateway_errors", "Requests that ended in an error: stage request (an error reply, its "
+    "status) or stream (an error event after the first byte, the status it stands for)",
+    ["stage", "status", "model"],
+    values=dict(stage=("request", "stream"), status=ERROR_STATUS, model=MODEL))
+TURN_PATHS = Counter(
+    "pd_gateway_turn_paths", "Turns by path and why (X-Gateway-Path): decode-only with short "
+    "(D holds the history and the new part is short: no P call); two-stage with no_entry (no "
+    "entry found), fast_path_off (an entry, --fast-path-tokens 0), long (too many new tokens "
+    "for the fast path), partial (P reads a shared prefix), unproven (the entry's reuse not "
+    "proven), tokenize_failed (D's /tokenize failed), decode_down, decode_overloaded, "
+    "decode_busy (the entry's D down, over its share, or reporting a queue or a full KV "
+    "cache), decode_gone (the entry's D left the pool), decode_failed (the decode-only turn's "
+    "D failed before a byte)", ["path", "reason", "model"],
+    values=dict(path=("decode-only", "two-stage"), reason=TURN_REASONS, model=MODEL))
+FIRST_BYTE_SECONDS = Histogram(
+    "pd_gateway_time_to_first_byte_seconds", "From a turn's start to the first byte of its "
+    "stream", ["model"], values=dict(model=MODEL), buckets=_LATENCY)
+E2E_SECONDS = Histogram(
+    "pd_gateway_e2e_request_latency_seconds", "From a turn's start to its reply's end, for "
+    "turns that completed (vLLM's vllm:e2e_request_latency_seconds, its buckets, through the "
+    "gateway)", ["model"], values=dict(model=MODEL), buckets=E2E_BUCKETS)
+INTER_TOKEN_SECONDS = Histogram(
+    "pd_gateway_inter_token_latency_seconds", "Between consecutive chunks of a stream sent to "
+    "the client (one chunk: the events of one read from D, mostly one token; vLLM's "
+    "vllm:inter_token_latency_seconds, its buckets, as the client sees it)", ["model"],
+    values=dict(model=MODEL), buckets=ITL_BUCKETS)
+PREFILL_SECONDS = Histogram(
+    "pd_gateway_prefill_seconds", "From a turn's start to P's answer (the entry's proof "
+    "included)", ["model"], values=dict(model=MODEL), buckets=_LATENCY)
 DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
-PREFILL_SECONDS = Histogram("pd_gateway_prefill_seconds", "Time of the prefill call to P",
-                            buckets=_LATENCY)
-FIRST_BYTE_SECONDS = Histogram("pd_gateway_time_to_first_byte_seconds",
-                         "From request arrival to the first response byte of a stream",
-                         buckets=_LATENCY)
+
+# What P did with what D kept.
+KV_READS = Counter(
+    "pd_gateway_kv_reads", "Turns whose P was sent D's params, by what P reports (kv_transfer_"
+    "params.remote_prefill_cached_tokens, or usage.prompt_tokens_details.cached_tokens) "
+    "against min(remote_num_tokens, prompt): read (equal: P had every token D held for it, "
+    "read from D or, when that count is a whole number of blocks, possibly its own cache), "
+    "recomputed (fewer: vLLM's kv_recompute_threshold, 64 tokens, makes P recompute a short "
+    "part), own_cache (more: its own cache held them all), unreported (P said nothing). The "
+    "turn's X-Gateway-KV says the same word", ["result", "model"],
+    values=dict(result=("read", "recomputed", "own_cache", "unreported"), model=MODEL))
+PREFILL_TOKENS = Counter(
+    "pd_gateway_prefill_tokens", "P's prompt tokens as P reports them: prompt (usage.prompt_"
+    "tokens) and cached (what P did not compute: its own prefix cache plus what it read from D;"
+    " only where P reports it)", ["kind"], values=dict(kind=("prompt", "cached")))
+CACHED_TOKENS = Counter(
+    "pd_gateway_prefill_cached_tokens", "Prompt tokens P did not compute, by the turn's KV "
+    "outcome (X-Gateway-KV): read (read from D, with what its own cache held), own_cache (its "
+    "own prefix cache held more than D's), recomputed (P recomputed D's part: its own cache's "
+    "share only), none (no D params sent: its own prefix cache)", ["kv", "model"],
+    values=dict(kv=("read", "own_cache", "recomputed", "none"), model=MODEL))
+PARTIAL_TOKENS = Counter(
+    "pd_gateway_partial_reuse_tokens", "Partial reuse (reuse_checks result partial): offered, "
+    "the tokens of D's sequence P was sent to read (the shared prefix, whole blocks); cached, "
+    "of those, what P reported not computing (read from D, or its own cache)", ["kind"],
+    values=dict(kind=("offered", "cached")))
+
+# The conversation store and the proof of reuse.
+ENTRIES = Counter(
+    "pd_gateway_entries", "Conversation store events: stored; found (an entry whose history the "
+    "request extends; reuse_checks says if it was sent); mismatch (an entry whose history the "
+    "request does not extend); absent (no entry for the id or any history prefix); rejected "
+    "(malformed D params); gone (an entry whose D has left the pool: a miss)", ["event"],
+    values=dict(event=("stored", "found", "mismatch", "absent", "rejected", "gone")))
+REUSE_CHECKS = Counter(
+    "pd_gateway_reuse_checks", "Found entries, by the proof of reuse: digest (plain turn, the "
+    "template keeps the prefix) and verified (tokens match) are sent whole; partial (the "
+    "prompt shares a block-aligned prefix of D's tokens: P is sent that prefix); mismatch "
+    "(tokens differ), unverifiable (no token ids from D, or a request /tokenize cannot "
+    "render), unproven (reasoning, tool calls; verify_reuse off) and error (/tokenize failed) "
+    "are misses (docs/exactness.md)", ["result"],
+    values=dict(result=("digest", "verified", "partial", "mismatch", "unverifiable", "unproven",
+                        "error")))
+TEMPLATE_PROBES = Counter(
+    "pd_gateway_template_probes", "Chat template checks (3 /tokenize calls each, once per "
+    "template and worker): safe (keeps the prefix property), unsafe, error", ["result"],
+    values=dict(result=("safe", "unsafe", "error")))
+RELEASES = Counter(
+    "pd_gateway_releases", "Entries dropped unread whose D blocks the gateway asked a P to free, "
+    "by why they were dropped and the result (released; failed: D frees them at its TTL; "
+    "skipped: too many waiting) (docs/d-memory.md)", ["reason", "result"],
+    values=dict(reason=DROP_REASONS, result=("released", "failed", "skipped")))
+STORE_ERRORS = Counter(
+    "pd_gateway_store_errors", "Calls to a Redis store that failed (take: a miss; put: no "
+    "entry; ledger: a Redis Cluster's count of a D's pinned blocks, on another node, missed "
+    "one change; limits: a key's request was admitted uncounted)", ["operation"],
+    values=dict(operation=("take", "put", "ledger", "limits")))
+PINNED_BLOCKS = Gauge(
+    "pd_gateway_pinned_blocks", "Blocks each D keeps for the conversations this gateway's local "
+    "stores hold (their entries' remote_block_ids), summed over live workers", ["decode"],
+    values=dict(decode=DECODE_URL), multiprocess_mode="livesum")
+SHARED_PINNED_BLOCKS = Gauge(
+    "pd_gateway_shared_pinned_blocks", "Blocks each D keeps for the conversations of a shared "
+    "(Redis) store, every host's, as the last put on that D counted them", ["decode"],
+    values=dict(decode=DECODE_URL), multiprocess_mode="mostrecent")
+PINNED_BUDGET = Gauge(
+    "pd_gateway_pinned_blocks_budget", "Blocks each D may keep pinned for conversations between "
+    "turns (--pinned-blocks, or derived from D's reported capacity and usage; 0: no budget), "
+    "summed over live workers", ["decode"], values=dict(decode=DECODE_URL),
+    multiprocess_mode="livesum")
+
+# Admission and the keys' limits.
+ADMISSIONS = Counter(
+    "pd_gateway_admissions", "Turns by admission (--max-turns): admitted at once, queued "
+    "(waited for a place, then admitted), rejected_queue_full and rejected_waited (429 with "
+    "Retry-After, no engine called), rejected_key_turns (a key at its turns at once), "
+    "rejected_bodies (429 before the body was read: --max-bodies-bytes), rejected_client_gone "
+    "(its client left while it waited for its share)", ["result"],
+    values=dict(result=ADMISSION_RESULTS))
+RATE_LIMITED = Counter(
+    "pd_gateway_rate_limited", "Requests refused (429) for a client key's requests or tokens "
+    "per minute (--key-rpm, --key-tpm, the keys file)", ["limit"],
+    values=dict(limit=("requests", "tokens")))
+FORWARDED = Counter(
+    "pd_gateway_forwarded", "Requests forwarded to the worker that owns their conversation: "
+    "sent; away (served here, the owner restarting); failed (the forward failed otherwise, "
+    "e.g. the client gone or the deadline passed: not run again here)", ["result"],
+    values=dict(result=("sent", "away", "failed")))
+RETRIES = Counter("pd_gateway_retries", "Requests retried on another instance", ["role"],
+                  values=dict(role=ROLE))
+
+# The engines.
+ENGINE_UP = Gauge(
+    "pd_gateway_engine_up", "1 while an engine may be chosen, 0 until it has answered a probe, "
+    "while it is marked down or its breaker is open (the lowest of the live workers' views)",
+    ["role", "engine"], values=dict(role=ROLE, engine=ENGINE), multiprocess_mode="livemin")
+ENGINE_INFLIGHT = Gauge(
+    "pd_gateway_engine_inflight", "Requests in flight on each engine, summed over live workers",
+    ["role", "engine"], values=dict(role=ROLE, engine=ENGINE), multiprocess_mode="livesum")
+ENGINE_KV_BLOCKS = Gauge(
+    "pd_gateway_engine_kv_blocks", "Each engine's KV cache in blocks, as it reports it "
+    "(vllm:cache_config_info num_gpu_blocks; absent until it said)", ["role", "engine"],
+    values=dict(role=ROLE, engine=ENGINE), multiprocess_mode="livemax")
+ENGINE_BLOCK_SIZE = Gauge(
+    "pd_gateway_engine_block_size", "Each engine's KV block size in tokens, as it reports it "
+    "(vllm:cache_config_info block_size)", ["role", "engine"],
+    values=dict(role=ROLE, engine=ENGINE), multiprocess_mode="livemax")
+DECODE_KEPT_NOTHING = Counter(
+    "pd_gateway_decode_kept_nothing", "Turns a D loaded from P and finished without "
+    "kv_transfer_params: it keeps no blocks for the next turn (bidirectional KV transfer off; "
+    "streamed: or a vLLM whose streams carry no params), so nothing was stored", ["engine"],
+    values=dict(engine=ENGINE))
+ENGINE_METRICS_READS = Counter(
+    "pd_gateway_engine_metrics_reads", "Reads of engines' /metrics (--engine-metrics-interval), "
+    "once per host for all its workers: read, or failed (down, slow, no vLLM gauges)",
+    ["role", "result"], values=dict(role=ROLE, result=("read", "failed")))
+RESOLUTIONS = Counter(
+    "pd_gateway_resolutions", "Lookups of instance DNS names (--resolve-interval): ok, or "
+    "failed (an error or no address: the last set is kept)", ["result"],
+    values=dict(result=("ok", "failed")))
+INSTANCE_CHANGES = Counter(
+    "pd_gateway_instance_changes", "Instances added to or removed from a pool at run time, by "
+    "source (dns, admin); each worker counts its own", ["role", "change", "source"],
+    values=dict(role=ROLE, change=("added", "removed"), source=("dns", "admin")))
 
 
-def initialize() -> None:
+def initialize(models: list[str]) -> None:
     """Series the alert rules and the dashboard select, at zero until something happens
     (Prometheus' advice: a series that appears only at its first event makes a rate over it
-    empty, not 0; https://prometheus.io/docs/practices/instrumentation/#avoid-missing-metrics)."""
-    for endpoint in ("/v1/chat/completions", "/v1/completions"):
-        for cache in ("hit", "partial", "miss"):
-            REQUESTS.labels(endpoint, cache)
-    for stage in ("request", "stream"):
-        for status in ("502", "503", "504"):
-            ERRORS.labels(stage, status)
-    for result in ("admitted", "queued", "rejected_queue_full", "rejected_waited",
-                   "rejected_key_turns", "rejected_bodies", "rejected_client_gone"):
+    empty, not 0; https://prometheus.io/docs/practices/instrumentation/#avoid-missing-metrics).
+    `models`: the model labels known at the start (none without --models)."""
+    for model in models:
+        for endpoint in ENDPOINTS:
+            for cache in CACHE:
+                REQUESTS.labels(endpoint, model, cache)
+            RESPONSES.labels(endpoint, model, "200")
+        for stage in ("request", "stream"):
+            for status in ("502", "503", "504"):
+                ERRORS.labels(stage, status, model)
+        for result in KV_READS.values["result"]:
+            KV_READS.labels(result, model)
+    for result in ADMISSION_RESULTS:
         ADMISSIONS.labels(result)
-    for operation in ("take", "put", "ledger", "limits"):
+    for operation in STORE_ERRORS.values["operation"]:
         STORE_ERRORS.labels(operation)
     for limit in ("requests", "tokens"):
         RATE_LIMITED.labels(limit)
-    for role in ("prefill", "decode"):
+    for role in ROLE:
         RETRIES.labels(role)
     for result in ("sent", "away", "failed"):
         FORWARDED.labels(result)
-    for reason in ("unproven", "mismatch", "decode_only", "decode_failed", "decode_gone",
-                   "prefill_failed", "unstored", "replaced", "evicted", "expired", "budget"):
+    for reason in DROP_REASONS:
         for result in ("released", "failed", "skipped"):
             RELEASES.labels(reason, result)
 
@@ -178,3 +330,22 @@ def exposition() -> tuple[bytes, str]:
         multiprocess.MultiProcessCollector(registry)
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def metrics_markdown() -> str:
+    """README's metric table: every metric, its labels and the values each can take."""
+    rows = ["| metric | type | labels: values | what |", "|---|---|---|---|"]
+    for metric in DECLARED:
+        kind = metric._type  # type: ignore[attr-defined]
+        name = metric._name + ("_total" if kind == "counter" else "")  # type: ignore[attr-defined]
+        labels = "<br>".join(
+            f"`{label}`: " + (", ".join(f"`{v}`" for v in values) if isinstance(values, tuple)
+                              else values)
+            for label, values in metric.values.items())
+        what = metric._documentation.replace("|", "\\|")  # type: ignore[attr-defined]
+        rows.append(f"| `{name}` | {kind} | {labels} | {what} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(metrics_markdown())
