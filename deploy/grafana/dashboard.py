@@ -1,7 +1,8 @@
 """The pd-gateway Grafana dashboard, written as code: `python deploy/grafana/dashboard.py` writes
 pd-gateway.json beside it. tests/test_deploy.py checks the JSON is what this writes, and that
-every metric its queries name is one the gateway exports (or a recording rule of
-deploy/prometheus), so a renamed metric fails the suite.
+every metric its queries name is one the gateway exports, so a renamed metric fails the suite.
+Its panels query the gateway's metrics themselves, not deploy/prometheus' recording rules: the
+dashboard works on a Prometheus that does not load them.
 
 Hand-written rather than grafana-foundation-sdk: the dashboard is a few dicts, and the SDK's
 builders would be a dependency of the suite for them.
@@ -24,28 +25,66 @@ def panel(title: str, targets: list[tuple[str, str]], unit: str = "short",
                          "datasource": DATASOURCE} for i, (expr, legend) in enumerate(targets)]}
 
 
+RESPONSES, ERRORS = "pd_gateway_responses_total", "pd_gateway_errors_total"
+KV_READS, REQUESTS = "pd_gateway_kv_reads_total", "pd_gateway_requests_total"
+FAILED, IN_STREAM, THROTTLED = 'status=~"5.."', 'stage="stream"', 'status="429"'
+READ, SENT = 'result="read"', 'cache=~"hit|partial"'
+
+
+def rate(metric: str, selector: str = "") -> str:
+    """A metric's per-second rate over 5 minutes, on the jobs the dashboard shows."""
+    return f"rate({metric}{{{JOB}{',' + selector if selector else ''}}}[5m])"
+
+
+def quantile(q: float, histogram: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) ({rate(histogram + '_bucket')}))"
+
+
 ROWS = [
     ("Traffic", [
         panel("Requests per second", [
-            (f"sum by (endpoint, cache) (pd_gateway:requests:rate5m{{{JOB}}})",
-             "{{endpoint}} {{cache}}")], "reqps",
-            description="Completion requests by endpoint and by what the turn read of D's KV."),
+            (f"sum by (model, status) ({rate(RESPONSES)})",
+             "{{model}} {{status}}")], "reqps",
+            description="Completion requests answered, by model and status."),
         panel("Errors per second", [
-            (f"sum by (stage, status) (pd_gateway:errors:rate5m{{{JOB}}})",
-             "{{stage}} {{status}}")], "reqps"),
-        panel("Share of requests ending in a 5xx", [
-            (f"pd_gateway:error_ratio:rate5m{{{JOB}}}", "{{job}}")], "percentunit"),
+            (f"sum by (stage, status) ({rate(ERRORS)})",
+             "{{stage}} {{status}}")], "reqps",
+            description="stage request: an error reply; stream: an error event after the first "
+                        "byte."),
+        panel("Share of answers that are errors, and 429s", [
+            (f"sum(({rate(RESPONSES, FAILED)}) or ({rate(ERRORS, IN_STREAM)})) / "
+             f"sum({rate(RESPONSES)})", "5xx and error events"),
+            (f"sum({rate(RESPONSES, THROTTLED)}) / sum({rate(RESPONSES)})", "429")],
+            "percentunit",
+            description="As the PDGatewayErrors alert counts: 5xx replies and streams cut by an "
+                        "error event, over every answer."),
     ]),
     ("Latency", [
         panel("Time to first byte", [
-            (f"pd_gateway:ttfb_seconds:p50_5m{{{JOB}}}", "p50"),
-            (f"pd_gateway:ttfb_seconds:p99_5m{{{JOB}}}", "p99")], "s"),
+            (quantile(0.5, "pd_gateway_time_to_first_byte_seconds"), "p50"),
+            (quantile(0.99, "pd_gateway_time_to_first_byte_seconds"), "p99")], "s"),
+        panel("Inter-token latency (chunks sent to the client)", [
+            (quantile(0.5, "pd_gateway_inter_token_latency_seconds"), "p50"),
+            (quantile(0.99, "pd_gateway_inter_token_latency_seconds"), "p99")], "s"),
+        panel("End to end (completed turns)", [
+            (quantile(0.5, "pd_gateway_e2e_request_latency_seconds"), "p50"),
+            (quantile(0.99, "pd_gateway_e2e_request_latency_seconds"), "p99")], "s"),
         panel("Prefill call to P", [
-            (f"pd_gateway:prefill_seconds:p99_5m{{{JOB}}}", "p99")], "s"),
+            (quantile(0.99, "pd_gateway_prefill_seconds"), "p99")], "s"),
     ]),
-    ("KV reuse: hits and why they missed", [
-        panel("Hit ratio (whole or partial reads)", [
-            (f"pd_gateway:hit_ratio:rate5m{{{JOB}}}", "{{job}}")], "percentunit"),
+    ("KV reuse: what P read of D's blocks, and why not", [
+        panel("Turns whose P read D's blocks, and turns sent them", [
+            (f"sum({rate(KV_READS, READ)}) / sum({rate(KV_READS)})",
+             "read, of the turns sent D's params"),
+            (f"sum({rate(REQUESTS, SENT)}) / sum({rate(REQUESTS)})",
+             "sent D's params, of all turns")],
+            "percentunit",
+            description="Read: what P reported (pd_gateway_kv_reads_total). A turn sent D's "
+                        "params is recomputed when the part to read is under vLLM's "
+                        "kv_recompute_threshold (64 tokens)."),
+        panel("Prompt tokens P did not compute, by the turn's outcome", [
+            (f"sum by (kv) ({rate('pd_gateway_prefill_cached_tokens_total')})", "{{kv}}")],
+            "short"),
         panel("Turn paths and why", [
             (f"sum by (path, reason) (rate(pd_gateway_turn_paths_total{{{JOB}}}[5m]))",
              "{{path}} {{reason}}")], "ops"),
