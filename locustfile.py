@@ -2,7 +2,7 @@
 # Self-contained (locust and the standard library only), so it runs from anywhere against any
 # gateway, a production one included:
 #   locust -f locustfile.py --headless -u 300 -r 50 -t 60s --host https://gateway.example \
-#       --api-key KEY --model MODEL
+#       --api-key KEY --model MODEL [--workload long]
 # `make load` (bench/load.py) runs it against emulated engines.
 #
 # Each user holds one conversation at a time: a task is one turn (a streamed chat completion
@@ -11,6 +11,13 @@
 # error, a broken stream, or a later turn the gateway did not recognise (X-Gateway-Cache not
 # "hit"). Rows in locust's stats: "chat turn", the whole turn (request sent to [DONE]); TTFT,
 # to the first token; TPOT, per output token after the first (as vLLM's benchmarks time them).
+#
+# --workload: "short" replies (16 tokens) are under vLLM's kv_recompute_threshold (64), so P
+# recomputes them from its own prefix cache and never reads D's blocks; "long" replies (128
+# tokens, min_tokens too so a model's early end does not shorten them) leave D holding more than
+# that beyond P's cache, so every later turn's P reads D's blocks
+# (pd_gateway_kv_reads_total{result="read"}; unless --fast-path-tokens, off by default, sends
+# the turn to D alone).
 from __future__ import annotations
 
 import json
@@ -27,6 +34,7 @@ CHAT = "/v1/chat/completions"
 TURN = "chat turn"                         # the turns' row in locust's stats: POST, TURN
 TTFT = ("TTFT", "time to first token")     # custom metrics' rows
 TPOT = ("TPOT", "time per output token")
+REPLY_TOKENS = {"short": 16, "long": 128}  # max_tokens of each --workload
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
          "zulu").split()
@@ -38,7 +46,11 @@ def _options(parser) -> None:
                         help="client key sent as Authorization: Bearer (the gateway's "
                              "--api-keys); default $LOCUST_API_KEY, else $OPENAI_API_KEY")
     parser.add_argument("--model", default="emulated-model", help="model name sent")
-    parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every turn")
+    parser.add_argument("--workload", choices=sorted(REPLY_TOKENS), default="short",
+                        help="short: 16-token replies, which P recomputes; long: 128-token "
+                             "replies, which P reads from D on the next turn")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="max_tokens of every turn (default: the workload's)")
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
     parser.add_argument("--think", type=float, nargs=2, default=(0.5, 1.5), metavar=("MIN", "MAX"),
                         help="seconds a user waits between turns (reading the reply)")
@@ -51,9 +63,9 @@ class StreamError(Exception):
 class Conversation:
     """One conversation's history: a unique 40-word first message, then 10-word follow-ups."""
 
-    def __init__(self, model: str, max_tokens: int, session_header: bool) -> None:
+    def __init__(self, model: str, max_tokens: int, long: bool, session_header: bool) -> None:
         self.cid = uuid.uuid4().hex
-        self.model, self.max_tokens = model, max_tokens
+        self.model, self.max_tokens, self.long = model, max_tokens, long
         self.session_header = session_header
         self.messages: list[dict] = []
         self.turns = 0
@@ -68,8 +80,11 @@ class Conversation:
                               "content": f"conversation {self.cid} turn {self.turns + 1}: {words}"})
 
     def body(self) -> dict:
-        return {"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens,
+        body = {"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
+        if self.long:
+            body["min_tokens"] = self.max_tokens     # vLLM's; the gateway passes it to D
+        return body
 
     def headers(self) -> dict:
         return {"X-Session-ID": self.cid} if self.session_header else {}
@@ -93,8 +108,9 @@ class ChatUser(FastHttpUser):
 
     def new_conversation(self) -> None:
         options = self.environment.parsed_options
-        self.conversation = Conversation(options.model, options.max_tokens,
-                                         session_header=random.random() < 0.5)
+        self.conversation = Conversation(
+            options.model, options.max_tokens or REPLY_TOKENS[options.workload],
+            options.workload == "long", session_header=random.random() < 0.5)
 
     @task
     def next_turn(self) -> None:

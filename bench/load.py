@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn-rate", type=float, default=50, help="users started per second")
     parser.add_argument("--duration", default="60s", help="locust -t, e.g. 60s or 2m")
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--workload", default="short", choices=("short", "long"),
+                        help="the locustfile's: short replies P recomputes, long ones it reads")
+    parser.add_argument("--max-tokens", type=int, help="default: the workload's")
     parser.add_argument("--think", type=float, nargs=2, default=(0.5, 1.5), metavar=("MIN", "MAX"))
     parser.add_argument("--itl-ms", type=float, default=10, help="emulated inter-token latency")
     parser.add_argument("--workers", type=int, default=1, help="gateway gunicorn workers")
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.users} users for {args.duration}", flush=True)
         result = run_locust(gateway.url, args.users, args.spawn_rate, args.duration,
                             args.out / "locust",
-                            ["--turns", str(args.turns), "--max-tokens", str(args.max_tokens),
+                            ["--turns", str(args.turns), "--workload", args.workload,
+                             *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else []),
                              "--think", *map(str, args.think)])
         prefill = p.stats()
     print(f"turns {result.turns}  failures {result.failures}  "

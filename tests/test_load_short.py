@@ -1,6 +1,7 @@
 """A short bounded locust run: 30 multi-turn streaming users for 15 s, and not one failure; the
 locustfile as an operator runs it against a production gateway (alone, with a client key, each
-turn timed to its [DONE]); and the benchmark's OpenAI SDK load generator."""
+turn timed to its [DONE], long replies that make P read D's blocks); and the benchmark's OpenAI
+SDK load generator."""
 from __future__ import annotations
 
 import importlib.util
@@ -98,6 +99,18 @@ def test_the_locustfile_runs_alone_with_the_key_from_the_environment(keyed, alon
     assert reads["recomputed"] > 0 and reads["read"] == reads["own_cache"] == 0
     assert float(result.stats[CHAT_ROW]["Min Response Time"]) >= 15 * ITL_MS
     assert result.ttft_p50 is not None and TPOT in result.stats
+
+
+@needs_locust
+def test_the_long_workload_makes_every_later_turns_p_read_ds_blocks(keyed, alone):
+    """128-token replies: D holds more than the threshold beyond P's cache, so P reads it."""
+    p, d, gateway = keyed
+    p.reset_stats()
+    result, reads = run_alone(alone, gateway, "--api-key", KEY, "--workload", "long")
+    assert result.ok, result.problems
+    assert reads["read"] > 0 and reads["recomputed"] == reads["own_cache"] == 0
+    assert p.stats()["hits"] == reads["read"] and p.stats()["wrong_reuse"] == 0
+    assert float(result.stats[CHAT_ROW]["Min Response Time"]) >= 127 * ITL_MS
 
 
 @needs_locust
