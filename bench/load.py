@@ -52,8 +52,8 @@ def run_locust(host: str, users: int, spawn_rate: float, duration: str, csv_pref
                "--stop-timeout", "10", "--only-summary", "--csv", str(csv_prefix),
                "--loglevel", "WARNING", *extra]
     # Not check=True: a failed run (locust exits 1 on any failure) is read like a good one.
-    done = subprocess.run(command, cwd=locustfile.parent, timeout=timeout, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, check=False)
+    done = subprocess.run(command, cwd=locustfile.parent, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     result = LoadResult(done.returncode)
     rows = result.stats = {(r["Type"], r["Name"]): r for r in _rows(csv_prefix, "stats")}
     chat = rows.get(CHAT_ROW)

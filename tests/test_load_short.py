@@ -116,7 +116,7 @@ def test_the_long_workload_makes_every_later_turns_p_read_ds_blocks(keyed, alone
 @needs_locust
 def test_without_the_key_every_turn_fails(keyed, alone):
     p, d, gateway = keyed
-    result, reads = run_alone(alone, gateway, duration="2s")
+    result, _ = run_alone(alone, gateway, duration="2s")
     assert result.returncode != 0 and result.turns > 0 and result.failures == result.turns
     assert all("HTTP 401" in problem for problem in result.problems), result.problems
 
