@@ -65,9 +65,11 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python -m bench.run --quick
 
 # Bounded headless load run (locust) against the gateway and emulated engines:
-# make load USERS=300 DURATION=60s; CSV files land in bench/out/load/.
+# make load USERS=300 DURATION=60s [WORKLOAD=long]; CSV files land in bench/out/load/.
+# WORKLOAD=long: 128-token replies, which the next turn's P reads from D (short ones it recomputes).
 USERS ?= 300
 DURATION ?= 60s
+WORKLOAD ?= short
 LOAD_STAMP := $(VENV)/.installed-load
 
 .PHONY: load
@@ -77,7 +79,7 @@ $(LOAD_STAMP): $(STAMP)
 	touch $@
 
 load: $(LOAD_STAMP)
-	$(BIN)/python -m bench.load --users $(USERS) --duration $(DURATION)
+	$(BIN)/python -m bench.load --users $(USERS) --duration $(DURATION) --workload $(WORKLOAD)
 
 # Soak under chaos (tests/test_soak.py, marked slow): mixed traffic while engines fail one at a
 # time, then a check that nothing leaked; gevent and gthread, SOAK_SECONDS of chaos each.

@@ -11,7 +11,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = ROOT / "locustfile.py"
-TTFT = ("TTFT", "time to first token")   # locustfile.TTFT (not imported: importing locust patches)
+# The locustfile's rows (not imported: importing locust patches this process with gevent)
+CHAT_ROW = ("POST", "chat turn")
+TTFT = ("TTFT", "time to first token")
+TPOT = ("TPOT", "time per output token")
 
 
 @dataclass
@@ -22,8 +25,11 @@ class LoadResult:
     turns: int = 0                 # streamed chat turns sent
     failures: int = 0              # failed turns plus errors raised inside users
     turns_per_s: float = 0.0
-    ttft_p50: float | None = None  # ms
+    turn_p50: float | None = None  # ms, a whole turn (to its [DONE])
+    ttft_p50: float | None = None
     ttft_p99: float | None = None
+    tpot_p50: float | None = None
+    stats: dict = field(default_factory=dict)     # locust's stats rows by (Type, Name)
     problems: list = field(default_factory=list)  # failure and exception lines
 
     @property
@@ -32,30 +38,35 @@ class LoadResult:
 
 
 def run_locust(host: str, users: int, spawn_rate: float, duration: str, csv_prefix: Path,
-               extra: list[str] = (), timeout: float = 600) -> LoadResult:
-    """Run locustfile.py headless and bounded against `host` and read its CSV output.
+               extra: list[str] = (), timeout: float = 600,
+               locustfile: Path = LOCUSTFILE) -> LoadResult:
+    """Run `locustfile` headless and bounded against `host`, from its own directory, and read
+    its CSV output.
 
     locust runs in its own process: it monkey-patches the whole interpreter with gevent.
     `--stop-timeout` lets turns in flight at the deadline finish instead of being cut.
     """
     csv_prefix.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+    command = [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless",
                "--host", host, "-u", str(users), "-r", str(spawn_rate), "-t", duration,
                "--stop-timeout", "10", "--only-summary", "--csv", str(csv_prefix),
                "--loglevel", "WARNING", *extra]
     # Not check=True: a failed run (locust exits 1 on any failure) is read like a good one.
-    done = subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, check=False)
+    done = subprocess.run(command, cwd=locustfile.parent, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     result = LoadResult(done.returncode)
-    rows = {(r["Type"], r["Name"]): r for r in _rows(csv_prefix, "stats")}
-    chat = rows.get(("POST", "chat turn"))
+    rows = result.stats = {(r["Type"], r["Name"]): r for r in _rows(csv_prefix, "stats")}
+    chat = rows.get(CHAT_ROW)
     if chat:
         result.turns = int(chat["Request Count"])
         result.failures = int(chat["Failure Count"])
         result.turns_per_s = float(chat["Requests/s"])
+        result.turn_p50 = _ms(chat["50%"])
     ttft = rows.get(TTFT)
     if ttft:
         result.ttft_p50, result.ttft_p99 = _ms(ttft["50%"]), _ms(ttft["99%"])
+    if TPOT in rows:
+        result.tpot_p50 = _ms(rows[TPOT]["50%"])
     result.problems = [f"{r['Occurrences']} x {r['Name']}: {r['Error']}"
                        for r in _rows(csv_prefix, "failures")]
     exceptions = _rows(csv_prefix, "exceptions")
@@ -84,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn-rate", type=float, default=50, help="users started per second")
     parser.add_argument("--duration", default="60s", help="locust -t, e.g. 60s or 2m")
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--workload", default="short", choices=("short", "long"),
+                        help="the locustfile's: short replies P recomputes, long ones it reads")
+    parser.add_argument("--max-tokens", type=int, help="default: the workload's")
     parser.add_argument("--think", type=float, nargs=2, default=(0.5, 1.5), metavar=("MIN", "MAX"))
     parser.add_argument("--itl-ms", type=float, default=10, help="emulated inter-token latency")
     parser.add_argument("--workers", type=int, default=1, help="gateway gunicorn workers")
@@ -108,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.users} users for {args.duration}", flush=True)
         result = run_locust(gateway.url, args.users, args.spawn_rate, args.duration,
                             args.out / "locust",
-                            ["--turns", str(args.turns), "--max-tokens", str(args.max_tokens),
+                            ["--turns", str(args.turns), "--workload", args.workload,
+                             *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else []),
                              "--think", *map(str, args.think)])
         prefill = p.stats()
     print(f"turns {result.turns}  failures {result.failures}  "
           f"turns/s {result.turns_per_s:.1f}")
-    print(f"time to first token: p50 {result.ttft_p50} ms  p99 {result.ttft_p99} ms")
+    print(f"turn (to [DONE]): p50 {result.turn_p50} ms  "
+          f"time to first token: p50 {result.ttft_p50} ms  p99 {result.ttft_p99} ms  "
+          f"time per output token: p50 {result.tpot_p50} ms")
     print(f"P: {prefill['hits']} KV hits of {prefill['requests']} prefills, "
           f"wrong reuse {prefill['wrong_reuse']}")
     print(f"CSV files: {args.out}")

@@ -1,8 +1,9 @@
-"""The multi-turn chat workload: one Conversation model for tests, benchmarks and the load test.
+"""The multi-turn chat workload: one Conversation model for the tests and the benchmarks.
 
 A conversation asks, sends its body, and adds the reply; `turn()` does one turn over a new
 connection (the tests' client, driven by `drive` and `run`); the benchmark's client
-(bench.loadgen) and the locustfile send `body()` and `headers()` with their own clients.
+(bench.loadgen) sends `body()` and `headers()` with its own. locustfile.py has a small model of
+its own: it imports nothing outside locust and the standard library.
 """
 from __future__ import annotations
 
