@@ -27,9 +27,14 @@ def test_four_workers_keep_conversations_on_their_owner(fresh_engines, gateway_f
                                                         worker_class):
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url], workers=4, worker_class=worker_class)
+    answered = metric(gateway, "pd_gateway_responses_total")
     convs = workload.run(gateway.url, conversations=200, turns=5)
     hits, later = workload.later_hits(convs)
     assert workload.errors(convs) == []
+    # Forwarded or not, each answer counted once (where its client is), and the turn's KV
+    # outcome relayed back with it.
+    assert metric(gateway, "pd_gateway_responses_total") - answered == 1000
+    assert {kv for c in convs for kv in c.kvs[1:]} == {"read"}
     assert later == 800 and hits / later >= 0.99, (hits, later)
     assert p.stats()["hits"] >= 0.99 * 800
     assert p.stats()["wrong_reuse"] == 0

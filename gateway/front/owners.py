@@ -28,8 +28,8 @@ from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable,
 log = logging.getLogger(__name__)
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
 _RECOMPUTED = frozenset({"host", "content-length"})
-_RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "X-Gateway-Path",
-                 "Cache-Control", "X-Accel-Buffering", "Retry-After", "WWW-Authenticate",
+_RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "X-Gateway-KV",
+                 "X-Gateway-Path", "Cache-Control", "X-Accel-Buffering", "Retry-After", "WWW-Authenticate",
                  "retry-after-ms", *(f"x-ratelimit-{what}-{kind}"
                                      for what in ("limit", "remaining", "reset")
                                      for kind in ("requests", "tokens")))
