@@ -304,9 +304,11 @@ class Settings:
                                             "passes over engines busy by their own report. 0: "
                                             "in-flight counts alone (docs/operating.md).")
     engine_queue_limit: int = option(0, bounded(int, 0), "An engine with more requests waiting "
-                                     "than this (vllm:num_requests_waiting) is busy: new "
-                                     "conversations go elsewhere, and a conversation leaves the "
-                                     "D that holds it (a miss) rather than queue there.")
+                                     "than this (vllm:num_requests_waiting_by_reason capacity, "
+                                     "or vllm:num_requests_waiting) is busy: new conversations "
+                                     "go elsewhere, and a conversation's decode leaves the D "
+                                     "that holds it (P still reads that D's blocks) rather than "
+                                     "queue there.")
     engine_kv_full: float = option(0.95, bounded(float, 0.0, 1.0), "KV cache usage "
                                    "(vllm:kv_cache_usage_perc) from which an engine is busy too.")
     attempts: int = option(2, positive(int), "Instances tried per stage for one request "
@@ -360,7 +362,8 @@ class Settings:
     # Read once, at import. Help and README show where it comes from, never the key itself.
     upstream_api_key: str = option(os.environ.get("OPENAI_API_KEY") or "", str,
                                    "Bearer key sent to the engines (default $OPENAI_API_KEY); "
-                                   "empty forwards the client's Authorization header.",
+                                   "empty forwards the client's Authorization header (none "
+                                   "when client API keys are on).",
                                    show="$OPENAI_API_KEY or empty")
     graceful_timeout: float = option(120.0, positive(float),
                                      "Seconds in-flight streams may run after SIGTERM.")

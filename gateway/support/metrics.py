@@ -131,9 +131,10 @@ RESPONSES = Counter(
     "\"stream\"}: the error ratio counts both", ["endpoint", "model", "status"],
     values=dict(endpoint=ENDPOINTS, model=MODEL, status=STATUS))
 REQUESTS = Counter(
-    "pd_gateway_requests", "Completion requests served (a turn that reached D), by whether P "
-    "was sent D's params for them: hit (the whole of what D kept), partial (a block-aligned "
-    "prefix of it), miss (none). A hit says what the gateway sent, not what P did with it: "
+    "pd_gateway_requests", "Completion requests served (a turn that reached D), by whether "
+    "the blocks D kept were used for them: hit (P was sent the whole of what D kept, or a "
+    "decode-only turn went to that D), partial (P was sent a block-aligned prefix of it), miss "
+    "(none). A hit says what the gateway sent, not what P did with it: "
     "pd_gateway_kv_reads_total and X-Gateway-KV say that", ["endpoint", "model", "cache"],
     values=dict(endpoint=ENDPOINTS, model=MODEL, cache=CACHE))
 ERRORS = Counter(
@@ -212,7 +213,7 @@ REUSE_CHECKS = Counter(
                         "error")))
 TEMPLATE_PROBES = Counter(
     "pd_gateway_template_probes", "Chat template checks (3 /tokenize calls each, once per "
-    "template and worker): safe (keeps the prefix property), unsafe, error", ["result"],
+    "template, tenant and worker, again after an hour): safe (keeps the prefix property), unsafe, error", ["result"],
     values=dict(result=("safe", "unsafe", "error")))
 RELEASES = Counter(
     "pd_gateway_releases", "Entries dropped unread whose D blocks the gateway asked a P to free, "
@@ -221,8 +222,8 @@ RELEASES = Counter(
     values=dict(reason=DROP_REASONS, result=("released", "failed", "skipped")))
 STORE_ERRORS = Counter(
     "pd_gateway_store_errors", "Calls to a Redis store that failed (take: a miss; put: no "
-    "entry; ledger: a Redis Cluster's count of a D's pinned blocks, on another node, missed "
-    "one change; limits: a key's request was admitted uncounted)", ["operation"],
+    "entry; ledger: a count of a D's pinned blocks missed a change: a Redis Cluster's, on "
+    "another node, or a failed trim to the budget; limits: a key's request was admitted uncounted)", ["operation"],
     values=dict(operation=("take", "put", "ledger", "limits")))
 PINNED_BLOCKS = Gauge(
     "pd_gateway_pinned_blocks", "Blocks each D keeps for the conversations this gateway's local "
