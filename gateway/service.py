@@ -210,6 +210,7 @@ class Gateway:
             request = parse(path, raw)        # CPU only: no watcher, no place taken yet
             pool, request = self.pools.route(request)     # an unknown model: 404 here
             arrival.model = pool.label(request)
+            metrics.model_seen(arrival.model)
             tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
             conversation = Conversation(request.body, headers, request.conversation_id, tenant)
             owner = (self.owners.forward_to(conversation.root())

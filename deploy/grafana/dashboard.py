@@ -52,9 +52,10 @@ ROWS = [
             description="stage request: an error reply; stream: an error event after the first "
                         "byte."),
         panel("Share of answers that are errors, and 429s", [
-            (f"sum(({rate(RESPONSES, FAILED)}) or ({rate(ERRORS, IN_STREAM)})) / "
-             f"sum({rate(RESPONSES)})", "5xx and error events"),
-            (f"sum({rate(RESPONSES, THROTTLED)}) / sum({rate(RESPONSES)})", "429")],
+            (f"sum({rate(RESPONSES, FAILED)} or {rate(ERRORS, IN_STREAM)} or "
+             f"{rate(RESPONSES)} * 0) / sum({rate(RESPONSES)})", "5xx and error events"),
+            (f"sum({rate(RESPONSES, THROTTLED)} or {rate(RESPONSES)} * 0) / "
+             f"sum({rate(RESPONSES)})", "429")],
             "percentunit",
             description="As the PDGatewayErrors alert counts: 5xx replies and streams cut by an "
                         "error event, over every answer."),
@@ -74,9 +75,9 @@ ROWS = [
     ]),
     ("KV reuse: what P read of D's blocks, and why not", [
         panel("Turns whose P read D's blocks, and turns sent them", [
-            (f"sum({rate(KV_READS, READ)}) / sum({rate(KV_READS)})",
+            (f"sum({rate(KV_READS, READ)} or {rate(KV_READS)} * 0) / sum({rate(KV_READS)})",
              "read, of the turns sent D's params"),
-            (f"sum({rate(REQUESTS, SENT)}) / sum({rate(REQUESTS)})",
+            (f"sum({rate(REQUESTS, SENT)} or {rate(REQUESTS)} * 0) / sum({rate(REQUESTS)})",
              "sent D's params, of all turns")],
             "percentunit",
             description="Read: what P reported (pd_gateway_kv_reads_total). A turn sent D's "

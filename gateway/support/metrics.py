@@ -294,21 +294,17 @@ INSTANCE_CHANGES = Counter(
     values=dict(role=ROLE, change=("added", "removed"), source=("dns", "admin")))
 
 
+_MODELS: set[str] = set()      # the models whose series are made
+
+
 def initialize(models: list[str]) -> None:
     """Series the alert rules and the dashboard select, at zero until something happens
     (Prometheus' advice: a series that appears only at its first event makes a rate over it
     empty, not 0; https://prometheus.io/docs/practices/instrumentation/#avoid-missing-metrics).
-    `models`: the model labels known at the start (none without --models)."""
+    `models`: the model labels known at the start (none without --models: `model_seen` makes
+    a model's as its first request comes)."""
     for model in models:
-        for endpoint in ENDPOINTS:
-            for cache in CACHE:
-                REQUESTS.labels(endpoint, model, cache)
-            RESPONSES.labels(endpoint, model, "200")
-        for stage in ("request", "stream"):
-            for status in ("502", "503", "504"):
-                ERRORS.labels(stage, status, model)
-        for result in KV_READS.values["result"]:
-            KV_READS.labels(result, model)
+        model_seen(model)
     for result in ADMISSION_RESULTS:
         ADMISSIONS.labels(result)
     for operation in STORE_ERRORS.values["operation"]:
@@ -322,6 +318,22 @@ def initialize(models: list[str]) -> None:
     for reason in DROP_REASONS:
         for result in ("released", "failed", "skipped"):
             RELEASES.labels(reason, result)
+
+
+def model_seen(model: str) -> None:
+    """A model's series at zero, the first time it is seen (a set lookup after that)."""
+    if model in _MODELS:
+        return
+    _MODELS.add(model)
+    for endpoint in ENDPOINTS:
+        for cache in CACHE:
+            REQUESTS.labels(endpoint, model, cache)
+        RESPONSES.labels(endpoint, model, "200")
+    for stage in ("request", "stream"):
+        for status in ("502", "503", "504"):
+            ERRORS.labels(stage, status, model)
+    for result in KV_READS.values["result"]:
+        KV_READS.labels(result, model)
 
 
 def exposition() -> tuple[bytes, str]:
