@@ -17,13 +17,13 @@ from .protocol import (Call, CompletionRequest, ValidationError, check_model, du
                        render_body, request_from_body)
 from .tokens import Template
 
-# vLLM's default VLLM_MAX_STOP_STRINGS (vllm/envs.py:1157), protocol.py:373-375.
+# vLLM's default VLLM_MAX_STOP_STRINGS (vllm/envs.py:1157), protocol.py:249-251.
 MAX_STOP_STRINGS = 4
 BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
-               "redacted_thinking", "tool_addition", "tool_removal")       # protocol.py:192-202
+               "redacted_thinking", "tool_addition", "tool_removal")       # protocol.py:68-78
 BILLING_HEADER = "x-anthropic-billing-header"                               # serving.py:398-401
 
-# Anthropic's error.type by HTTP status (protocol.py:158-177).
+# Anthropic's error.type by HTTP status (protocol.py:34-53).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error"}
@@ -36,7 +36,8 @@ def error_type(status: int) -> str:
 class MessagesError(EngineError):
     """An error the Messages handler returns, in Anthropic's envelope (api_router.py:40-49,
     73-80). A request that fails the route's own validation is not one of these: FastAPI's
-    handler answers it with vLLM's OpenAI envelope, as on every route."""
+    handler answers it with vLLM's OpenAI envelope, as on every route
+    (serve/exception_handling/handlers/validation.py:149-195)."""
 
     def __init__(self, exc: EngineError) -> None:
         super().__init__(exc.message, exc.param)
@@ -56,7 +57,7 @@ def _blocks(value: object, where: str) -> list[dict]:
         if not isinstance(block, dict) or block.get("type") not in BLOCK_TYPES:
             raise ValidationError(f"{where}.{i}.type", f"Input should be one of {BLOCK_TYPES}")
         if block["type"] in ("tool_addition", "tool_removal"):
-            # Allowed only in role "system" messages (protocol.py:234-241); vLLM then rewrites
+            # Allowed only in role "system" messages (protocol.py:110-117); vLLM then rewrites
             # the tool list (serving.py:745-788), which the emulator does not.
             raise ValidationError(f"{where}.{i}", f"{block['type']} blocks are not emulated")
     return value
@@ -67,10 +68,10 @@ def _content(value: object, where: str) -> str | list[dict]:
 
 
 def _check(body: dict, count_tokens: bool) -> None:
-    """AnthropicMessagesRequest's / AnthropicCountTokensRequest's validation (protocol.py:364-486,
+    """AnthropicMessagesRequest's / AnthropicCountTokensRequest's validation (protocol.py:240-362,
     562-593); unknown fields are ignored (a plain pydantic BaseModel)."""
     if not optional(body, "model", str):
-        raise ValidationError("model", "Model is required")          # protocol.py:450-455
+        raise ValidationError("model", "Model is required")          # protocol.py:326-331
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ValidationError("messages", "Field required" if messages is None else "Input should be a valid list")
@@ -106,7 +107,7 @@ def _check(body: dict, count_tokens: bool) -> None:
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
         raise ValidationError("max_tokens", "Input should be a valid integer")
     if max_tokens <= 0:
-        raise ValidationError("max_tokens", "Value error, max_tokens must be positive")  # protocol.py:457-462
+        raise ValidationError("max_tokens", "Value error, max_tokens must be positive")  # protocol.py:333-338
     stops = optional(body, "stop_sequences", list)
     if stops is not None and (len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops)):
         raise ValidationError("stop_sequences", f"List should have at most {MAX_STOP_STRINGS} strings")
@@ -115,7 +116,7 @@ def _check(body: dict, count_tokens: bool) -> None:
     salt = optional(body, "cache_salt", str)
     if salt is not None and not 1 <= len(salt) <= 1024:
         raise ValidationError("cache_salt", "String should have 1 to 1024 characters")
-    # protocol.py:475-486: "P/D prefill legs are sent with max_tokens=1 and never decode; the
+    # protocol.py:351-362: "P/D prefill legs are sent with max_tokens=1 and never decode; the
     # decode leg carries the client's max_tokens and is still checked."
     if params and params.get("do_remote_decode"):  # type: ignore[union-attr]
         return

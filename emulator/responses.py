@@ -274,7 +274,7 @@ class ResponsesFramer:
     null."""
 
     chat = True                 # the role chunk's place: response.created, response.in_progress
-    reports_cached = True       # usage.input_tokens_details.cached_tokens always (context.py:212-218)
+    reports_cached = True       # usage.input_tokens_details.cached_tokens always (context.py:204, 220)
     # A failure mid-stream is a GenerationError whose `{"error": ...}` JSON vLLM then validates as
     # a stream event (serving.py:1418-1423); that raises, and the stream breaks off unterminated.
     cuts_after_error = True
