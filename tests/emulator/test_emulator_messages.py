@@ -8,8 +8,6 @@ import json
 
 import pytest
 
-from tests.helpers.emulator import STUB
-
 TOOLS = [{"name": "lookup", "description": "find a thing",
           "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}]
 USER = [{"role": "user", "content": "tell me about kv caches please"}]
@@ -164,8 +162,8 @@ def test_validation_errors_use_vllms_envelope_handler_errors_anthropics(make_api
 
 
 def test_a_prefill_leg_takes_params_and_returns_them_in_the_body(make_api, stub):
-    """protocol.py:425-428 accepts kv_transfer_params; the budget check skips a prefill leg
-    (protocol.py:475-486); the body carries the chat response's params (serving.py:870)."""
+    """protocol.py:301-304 accepts kv_transfer_params; the budget check skips a prefill leg
+    (protocol.py:351-362); the body carries the chat response's params (serving.py:870)."""
     api = make_api(role="prefill")
     body = messages(api, max_tokens=1, kv_transfer_params=stub,
                     thinking={"type": "enabled", "budget_tokens": 2048}).get_json()
