@@ -20,11 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
 from .engine import Engine, Turn
+from .anthropic import MessagesError, count_tokens, messages_call
 from .errors import (BadRequest, ClientGone, EngineError, InternalError, KVLoadError, MethodNotAllowed,
-                     NotFound, Unavailable)
+                     NotFound, NotImplementedByEmulator, Unavailable)
 from .faults import Fault
 from .metrics import exposition
-from .protocol import DONE, CompletionRequest, Framer, dumps, parse_request, parse_tokenize
+from .protocol import Call, CompletionRequest, Framer, ValidationError, chat_call, dumps, parse_tokenize
+from .responses import ResponseStore, responses_call
 from .tokens import EOS, token_id, token_ids
 
 log = logging.getLogger(__name__)
@@ -105,9 +107,12 @@ def _shown(req: CompletionRequest, delta: dict | None) -> dict | None:
     return delta
 
 
-def _cached(engine: Engine, turn: Turn) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens, only with --enable-prompt-tokens-details."""
-    return engine.reported_cached_tokens(turn) if engine.config.enable_prompt_tokens_details else None
+def _cached(engine: Engine, turn: Turn, framer) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens, only with --enable-prompt-tokens-details (the
+    Responses API reports its cached_tokens always)."""
+    if engine.config.enable_prompt_tokens_details or framer.reports_cached:
+        return engine.reported_cached_tokens(turn)
+    return None
 
 
 def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
@@ -141,11 +146,13 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
                 return  # no finish chunk, no [DONE], no chunked terminator
             if turn.fault.mode == "error_after" and i >= turn.fault.tokens:
                 # vLLM's stream generator catches a failure during generation and sends it as
-                # an event of the same chunked stream, then [DONE] (serving_chat.py).
+                # an event of the same chunked stream, then [DONE] (serving_chat.py); each
+                # route's framer says what its stream does instead.
                 outcome = "errored"
                 stats.fault_responses += 1
-                yield framer.error(InternalError("emulated fault: error_after").envelope())
-                yield DONE
+                yield framer.fail(InternalError("emulated fault: error_after").envelope())
+                if framer.cuts_after_error:
+                    cut()
                 return
             if i == last:
                 break
@@ -166,11 +173,8 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
             final = _shown(req, gen.deltas[last]) or {}
         extra = {**(prompt_ids or {}), **({"params": params} if placement == "final" and params is not None else {})}
         yield framer.chunk(final, [token_id(steps[last])] if ids else None, gen.finish_reason, extra)
-        if req.include_usage:
-            yield framer.usage(len(turn.tokens), turn.completion_tokens, _cached(engine, turn))
-        if params is not None and placement == "separate":
-            yield framer.params_only(params)
-        yield DONE
+        yield framer.tail(gen, req.include_usage, len(turn.tokens), _cached(engine, turn, framer), params,
+                          placement)
         outcome = "completed"
     except GeneratorExit:  # the server closes us after a failed write: the client went away
         stats.aborted_streams += 1
@@ -180,6 +184,13 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
         if outcome == "completed":
             stats.completed += 1
         engine.record(turn, outcome)
+
+
+def _failed(framer, envelope: dict, cut: Callable[[], None]) -> Iterator[bytes]:
+    """A stream that fails before its first token (a failed KV load)."""
+    yield framer.fail(envelope)
+    if framer.cuts_after_error:
+        cut()
 
 
 def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cut: Callable[[], None],
@@ -206,7 +217,7 @@ def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cu
     body = framer.body(gen, len(turn.tokens), params,
                        turn.prompt_ids if ids else None,
                        token_ids(turn.sequence[len(turn.tokens):]) if ids else None,
-                       _cached(engine, turn))
+                       _cached(engine, turn, framer))
     engine.stats.completed += 1
     engine.record(turn, "completed")
     return Response(body, headers=headers, content_type="application/json")
@@ -217,6 +228,7 @@ def create_app(engine: Engine) -> Flask:
     app = Flask(__name__)
     app.json.compact = True  # vLLM bodies are one line; line-based clients depend on it
     cfg, stats = engine.config, engine.stats
+    responses_store = ResponseStore(cfg.responses_api_store)
 
     @app.errorhandler(EngineError)
     def engine_error(exc: EngineError) -> Response:
@@ -287,7 +299,9 @@ def create_app(engine: Engine) -> Flask:
             log.info("fault set to %s", engine.faults.current)
         return _json(engine.faults.current.to_dict())
 
-    def serve(kind: str) -> Response:
+    def serve(parse: Callable[[bytes, str], Call]) -> Response:
+        """One generating request: faults, then the route's parse, prefill, and its framer's
+        stream or body."""
         arrival = engine.clock()
         stats.requests += 1
         fault = engine.faults.take()
@@ -298,18 +312,18 @@ def create_app(engine: Engine) -> Flask:
             raise (Unavailable if fault.mode == "down" else InternalError)(f"emulated fault: {fault.mode}")
         if fault.mode == "slow":
             engine.sleep(fault.delay_s)
+        xid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
-            req = parse_request(kind, request.get_data(), cfg.model, cfg.max_model_len, engine.template)
+            call = parse(request.get_data(), xid)
         except EngineError:
             stats.bad_requests += 1
             raise
-        xid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{xid}"
+        req, framer = call.req, call.framer
         # vLLM appends a random suffix to internal ids, so remote_request_id != the response id.
-        internal_id = f"{response_id}-{secrets.token_hex(4)}"
-        framer = Framer(kind, response_id, cfg.model, int(time.time()), cfg.reasoning_field)
+        internal_id = f"{call.request_id}-{secrets.token_hex(4)}"
         headers = {"X-Request-Id": xid}
         environ = request.environ
+        cut = _cutter(environ)
         try:
             turn = engine.start(req, internal_id, fault, arrival,
                                 gone=lambda: _client_gone(environ, engine, 0))
@@ -320,14 +334,12 @@ def create_app(engine: Engine) -> Flask:
                 raise
             # vLLM has sent 200 and its headers before a stream fails, so the error is an SSE event
             # of its chunked stream (an iterator: a list would get a Content-Length instead).
-            return Response(iter([framer.error(exc.envelope()), DONE]), headers=headers,
-                            content_type=SSE)
+            return Response(_failed(framer, exc.envelope(), cut), headers=headers, content_type=SSE)
         ready = engine.clock() - arrival
         stats.first_token_seconds += ready
         headers["X-Engine-Prefill-Ms"] = f"{ready * 1000:.3f}"
-        cut = _cutter(request.environ)
         if req.stream:
-            return Response(_stream(engine, turn, framer, req, cut, request.environ),
+            return Response(_stream(engine, turn, framer, req, cut, environ),
                             headers=headers, content_type=SSE)
         return _body(engine, turn, framer, req, cut, headers)
 
@@ -343,12 +355,48 @@ def create_app(engine: Engine) -> Flask:
                  "token_strs": tokens if b'"return_token_strs":true' in body.replace(b" ", b"") else None}
         return _json(reply)
 
+    def openai_call(kind: str) -> Callable[[bytes, str], Call]:
+        return lambda raw, xid: chat_call(kind, raw, xid, cfg.model, cfg.max_model_len, engine.template,
+                                          cfg.reasoning_field)
+
     @app.post("/v1/chat/completions")
     def chat_completions() -> Response:
-        return serve("chat")
+        return serve(openai_call("chat"))
 
     @app.post("/v1/completions")
     def completions() -> Response:
-        return serve("completion")
+        return serve(openai_call("completion"))
+
+    @app.post("/v1/messages")
+    def messages() -> Response:
+        """vLLM's errors on this route are Anthropic's envelope, but for the route's own request
+        validation (FastAPI's handler: vLLM's envelope)."""
+        try:
+            return serve(lambda raw, xid: messages_call(raw, xid, cfg.model, cfg.max_model_len, engine.template))
+        except (MessagesError, ValidationError):
+            raise
+        except EngineError as exc:
+            raise MessagesError(exc) from exc
+
+    @app.post("/v1/messages/count_tokens")
+    def messages_count_tokens() -> Response:
+        return _json(count_tokens(request.get_data(), cfg.model, engine.template, engine.faults.down))
+
+    @app.post("/v1/responses")
+    def create_response() -> Response:
+        return serve(lambda raw, xid: responses_call(raw, responses_store, cfg.model, cfg.max_model_len,
+                                                     engine.template))
+
+    @app.get("/v1/responses/<response_id>")
+    def retrieve_response(response_id: str) -> Response:
+        if request.args.get("stream", "").lower() in ("true", "1"):
+            # vLLM streams from its event store, which only background requests fill
+            # (serving.py:1122-1175); the emulator runs none.
+            raise NotImplementedByEmulator("GET /v1/responses/{id}?stream=true is not emulated")
+        return _json(responses_store.get(response_id))
+
+    @app.post("/v1/responses/<response_id>/cancel")
+    def cancel_response(response_id: str) -> Response:
+        return _json(responses_store.cancel(response_id))
 
     return app

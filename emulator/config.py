@@ -114,6 +114,10 @@ class EngineConfig:
                                    "swallows still send an empty delta with their ids (complete, "
                                    "vLLM after PR #29074) or no chunk at all (lossy, before it)",
                                    choices=STREAM_TOKEN_IDS)
+    responses_api_store: bool = option(False, boolean, "vLLM's VLLM_ENABLE_RESPONSES_API_STORE (off "
+                                       "by default): on, /v1/responses keeps every response with "
+                                       "store=true in memory for previous_response_id, GET and "
+                                       "cancel; off, store=true is ignored and every id is unknown")
     fault: Fault = option(Fault(), _fault, "start with a fault, MODE[,key=value...], e.g. "
                           "slow,delay_s=2", show="none")
     access_log: bool = option(False, boolean, "log every HTTP request to stderr",

@@ -34,6 +34,13 @@ class MethodNotAllowed(EngineError):
     type = "MethodNotAllowed"
 
 
+class NotImplementedByEmulator(EngineError):
+    """vLLM serves this; the emulator does not (vLLM's NotImplementedError is a 501 too)."""
+
+    code = 501
+    type = "NotImplementedError"
+
+
 class Unavailable(EngineError):
     code = 503
     type = "ServiceUnavailableError"

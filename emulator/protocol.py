@@ -7,10 +7,11 @@ A little over 300 lines: every byte a client sees mirrors one vLLM serving modul
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 from .errors import BadRequest, NotFound
-from .tokens import BARE_JSON, SPACED_JSON, Template, render_completion
+from .tokens import BARE_JSON, SPACED_JSON, TEXT_PARTS, Template, render_completion
 
 DONE = b"data: [DONE]\n\n"
 
@@ -26,7 +27,8 @@ class ValidationError(BadRequest):
     type = "Bad Request"
 
     def __init__(self, param: str, problem: str) -> None:
-        super().__init__(f"1 validation error: body.{param}: {problem}", f"body.{param}")
+        where = f"body.{param}" if param else "body"   # "": a model validator's error
+        super().__init__(f"1 validation error: {where}: {problem}", where)
 
 
 @dataclass
@@ -48,7 +50,7 @@ class CompletionRequest:
     cache_salt: str | None = None
 
 
-def _optional(body: dict, name: str, kind: type, default: object = None) -> object:
+def optional(body: dict, name: str, kind: type, default: object = None) -> object:
     value = body.get(name)
     if value is None:
         return default
@@ -58,7 +60,7 @@ def _optional(body: dict, name: str, kind: type, default: object = None) -> obje
 
 
 def _count(body: dict, name: str, minimum: int) -> int | None:
-    value = _optional(body, name, int)
+    value = optional(body, name, int)
     if value is not None and value < minimum:
         raise ValidationError(name, f"must be >= {minimum}, got {value}")
     return value  # type: ignore[return-value]
@@ -81,7 +83,7 @@ def _check_messages(body: dict) -> list[dict]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise ValidationError(f"{where}.content.{j}", "must be an object with a string type")
-                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                if part["type"] in TEXT_PARTS and not isinstance(part.get("text"), str):
                     raise ValidationError(f"{where}.content.{j}.text", "must be a string")
         elif content is not None and not isinstance(content, str):
             raise ValidationError(f"{where}.content", "must be a string or a list of content parts")
@@ -105,7 +107,7 @@ def _check_prompt(body: dict) -> str:
     return prompt
 
 
-def _json_body(raw: bytes) -> dict:
+def json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -115,8 +117,8 @@ def _json_body(raw: bytes) -> dict:
     return body
 
 
-def _check_model(body: dict, model: str) -> None:
-    name = _optional(body, "model", str)
+def check_model(body: dict, model: str) -> None:
+    name = optional(body, "model", str)
     if name is not None and name != model:
         raise NotFound(f"The model `{name}` does not exist.", "model")
 
@@ -125,12 +127,12 @@ def render_body(kind: str, body: dict, template: Template) -> list[str]:
     """The prompt tokens a chat or completions body renders to (as /tokenize reports them)."""
     if kind != "chat":
         return render_completion(_check_prompt(body))
-    add_generation_prompt = _optional(body, "add_generation_prompt", bool, True)
-    continue_final_message = _optional(body, "continue_final_message", bool, False)
+    add_generation_prompt = optional(body, "add_generation_prompt", bool, True)
+    continue_final_message = optional(body, "continue_final_message", bool, False)
     if add_generation_prompt and continue_final_message and "add_generation_prompt" in body:
         raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    kwargs = _optional(body, "chat_template_kwargs", dict, {})
-    effort = _optional(body, "reasoning_effort", str)
+    kwargs = optional(body, "chat_template_kwargs", dict, {})
+    effort = optional(body, "reasoning_effort", str)
     return template.render(_check_messages(body), body.get("tools"), add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, kwargs=kwargs,  # type: ignore[arg-type]
                            reasoning_effort=effort)  # type: ignore[arg-type]
@@ -138,7 +140,7 @@ def render_body(kind: str, body: dict, template: Template) -> list[str]:
 
 def _truncate(body: dict, tokens: list[str], max_model_len: int) -> list[str]:
     """vLLM's truncate_prompt_tokens keeps the last k tokens (left truncation; -1: the context)."""
-    k = _optional(body, "truncate_prompt_tokens", int)
+    k = optional(body, "truncate_prompt_tokens", int)
     if k is None:
         return tokens
     if k == -1:
@@ -159,15 +161,21 @@ def _tool_names(body: dict) -> list[str]:
 def parse_request(kind: str, raw: bytes, model: str, max_model_len: int,
                   template: Template = Template()) -> CompletionRequest:
     """Validate a /v1/chat/completions (kind "chat") or /v1/completions body; raise the 400/404 vLLM would."""
-    body = _json_body(raw)
-    _check_model(body, model)
+    return request_from_body(kind, json_body(raw), model, max_model_len, template)
+
+
+def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
+                      template: Template = Template()) -> CompletionRequest:
+    """parse_request on a decoded body; the Anthropic and Responses routes, which vLLM turns into
+    chat requests, come in here with the chat body they convert to."""
+    check_model(body, model)
     tokens = _truncate(body, render_body(kind, body, template), max_model_len)
     max_tokens = _count(body, "max_tokens", 1)
     if kind == "chat":
         max_tokens = _count(body, "max_completion_tokens", 1) or max_tokens
     if _count(body, "n", 1) not in (None, 1):
         raise BadRequest("n > 1 is not supported by the emulator.", "n")
-    stream_options = _optional(body, "stream_options", dict, {})
+    stream_options = optional(body, "stream_options", dict, {})
     include_usage = stream_options.get("include_usage")  # type: ignore[union-attr]
     if include_usage is not None and not isinstance(include_usage, bool):
         raise ValidationError("stream_options.include_usage", "must be bool")
@@ -176,27 +184,45 @@ def parse_request(kind: str, raw: bytes, model: str, max_model_len: int,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{len(tokens) + (max_tokens or 1)} tokens ({len(tokens)} in the messages, "
             f"{max_tokens or 1} in the completion). Please reduce the length of the messages or completion.")
-    kwargs = _optional(body, "chat_template_kwargs", dict, {})
+    kwargs = optional(body, "chat_template_kwargs", dict, {})
     return CompletionRequest(
         kind=kind, tokens=tokens,
-        stream=bool(_optional(body, "stream", bool, False)),
+        stream=bool(optional(body, "stream", bool, False)),
         max_tokens=max_tokens,
         min_tokens=_count(body, "min_tokens", 0) or 0,
-        ignore_eos=bool(_optional(body, "ignore_eos", bool, False)),
+        ignore_eos=bool(optional(body, "ignore_eos", bool, False)),
         include_usage=bool(include_usage),
-        kv_transfer_params=_optional(body, "kv_transfer_params", dict),  # type: ignore[arg-type]
-        return_token_ids=bool(_optional(body, "return_token_ids", bool, False)),
+        kv_transfer_params=optional(body, "kv_transfer_params", dict),  # type: ignore[arg-type]
+        return_token_ids=bool(optional(body, "return_token_ids", bool, False)),
         tool_names=_tool_names(body) if kind == "chat" else [],
         thinking=kwargs.get("enable_thinking") is not False,  # type: ignore[union-attr]
-        include_reasoning=bool(_optional(body, "include_reasoning", bool, True)),
-        cache_salt=_optional(body, "cache_salt", str),  # type: ignore[arg-type]
+        include_reasoning=bool(optional(body, "include_reasoning", bool, True)),
+        cache_salt=optional(body, "cache_salt", str),  # type: ignore[arg-type]
     )
+
+
+@dataclass
+class Call:
+    """A generating request as a route hands it to the engine: the request, the engine's request
+    id (before vLLM's random suffix) and the framer that writes the reply."""
+
+    req: CompletionRequest
+    request_id: str
+    framer: object
+
+
+def chat_call(kind: str, raw: bytes, xid: str, model: str, max_model_len: int, template: Template,
+              reasoning_field: str) -> Call:
+    """/v1/chat/completions and /v1/completions: ids from X-Request-Id (serve/engine/serving.py:133-142)."""
+    req = parse_request(kind, raw, model, max_model_len, template)
+    response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{xid}"
+    return Call(req, response_id, Framer(kind, response_id, model, int(time.time()), reasoning_field))
 
 
 def parse_tokenize(raw: bytes, model: str, max_model_len: int, template: Template) -> list[str]:
     """POST /tokenize: a chat form (messages, ...) or a completion form (prompt); vLLM's fields."""
-    body = _json_body(raw)
-    _check_model(body, model)
+    body = json_body(raw)
+    check_model(body, model)
     return render_body("chat" if "messages" in body else "completion", body, template)
 
 
@@ -211,7 +237,13 @@ CONTENT_JSON: dict[str, bytes] = {**{w: v for w, v in BARE_JSON.items()},
 
 
 class Framer:
-    """The bytes of one response; plain content chunks are pre-serialised (two concatenations)."""
+    """The bytes of one response; plain content chunks are pre-serialised (two concatenations).
+
+    app.py's stream and body call the same methods on the Anthropic and Responses framers
+    (anthropic.py, responses.py), which turn the chat chunks into their own events as vLLM's
+    converters do."""
+
+    reports_cached = False   # cached_tokens only with --enable-prompt-tokens-details
 
     def __init__(self, kind: str, response_id: str, model: str, created: int,
                  reasoning_field: str = "reasoning") -> None:
@@ -285,9 +317,23 @@ class Framer:
         # Shaped like the fake D chunk in vLLM's test_disagg_proxy_multiturn.py.
         return b"data: " + dumps({"kv_transfer_params": params}) + b"\n\n"
 
+    def tail(self, gen, include_usage: bool, prompt_tokens: int, cached: int | None, params: dict | None,
+             placement: str) -> bytes:
+        """What follows the finish chunk: [usage chunk], [params chunk under `separate`], [DONE]."""
+        out = self.usage(prompt_tokens, gen.completion_tokens, cached) if include_usage else b""
+        if params is not None and placement == "separate":
+            out += self.params_only(params)
+        return out + DONE
+
     @staticmethod
     def error(envelope: dict) -> bytes:
         return b"data: " + dumps(envelope) + b"\n\n"
+
+    # A failure after the headers: the error event, then [DONE] (serving.py's stream generator).
+    cuts_after_error = False
+
+    def fail(self, envelope: dict) -> bytes:
+        return self.error(envelope) + DONE
 
     def body(self, gen, prompt_tokens: int, params: dict | None,
              prompt_token_ids: list[int] | None = None, output_token_ids: list[int] | None = None,

@@ -58,6 +58,9 @@ def token_ids(tokens) -> list[int]:
     return [token_id(t) for t in tokens]
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
 def content_words(content: object) -> list[str]:
     """Words of a message's content: a string, or a list of parts (text parts give their words)."""
     if content is None:
@@ -66,7 +69,8 @@ def content_words(content: object) -> list[str]:
         return content.split()
     words: list[str] = []
     for part in content:  # validated upstream: a list of objects with a string "type"
-        if part.get("type") == "text":
+        # vLLM's chat parser takes the Responses API's text parts as text (chat_message.py:105, 343)
+        if part.get("type") in TEXT_PARTS:
             words.extend(part.get("text", "").split())
         else:
             words.append(f"<|{part['type']}|>")
