@@ -1,7 +1,8 @@
 """The engine's HTTP API: OpenAI completions as vLLM streams them, plus health, models, stats and faults.
 
-A little over 300 lines because it is vLLM's whole HTTP surface in one place (both endpoints,
+A little over 300 lines because it is vLLM's completion surface in one place (both endpoints,
 streamed and not, /tokenize, faults); split, each part would be read beside the others anyway.
+vLLM's other routes (embeddings, scoring, audio, ...) are in other_routes.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .errors import (BadRequest, ClientGone, EngineError, InternalError, KVLoadE
                      NotFound, Unavailable)
 from .faults import Fault
 from .metrics import exposition
+from .other_routes import add_routes
 from .protocol import DONE, CompletionRequest, Framer, dumps, parse_request, parse_tokenize
 from .tokens import EOS, token_id, token_ids
 
@@ -238,6 +240,7 @@ def create_app(engine: Engine) -> Flask:
 
     @app.get("/version")
     def version() -> Response:
+        """vllm/entrypoints/serve/instrumentator/basic.py L53-56."""
         return _json({"version": "emulated"})
 
     @app.get("/v1/models")
@@ -351,4 +354,5 @@ def create_app(engine: Engine) -> Flask:
     def completions() -> Response:
         return serve("completion")
 
+    add_routes(app, engine)      # detokenize, ping, pooling, scoring, audio
     return app
