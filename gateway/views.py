@@ -12,7 +12,7 @@ import uuid
 from contextlib import ExitStack
 from typing import Callable, Iterator
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
 from gateway.flow.passthrough import ROUTES, Route
@@ -22,8 +22,8 @@ from gateway.front.auth import check_admin
 from gateway.parse import CHAT, COMPLETIONS
 from gateway.service import Arrival, Gateway
 from gateway.support import logs, metrics
-from gateway.support.errors import (BadRequest, ClientGone, GatewayError, Overloaded,
-                                    PayloadTooLarge, json_response)
+from gateway.support.errors import (BadRequest, ClientGone, GatewayError, MethodNotAllowed,
+                                    NotFound, Overloaded, PayloadTooLarge, json_response)
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -78,6 +78,8 @@ def _stalled(exc: BaseException | None) -> bool:
 
 
 BLUEPRINT = "pd_gateway"
+_NOT_SERVED = f"{BLUEPRINT}.not_served"     # the route of unknown paths under a prefix
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]   # its methods (HEAD, OPTIONS: Flask's)
 _UNSENT = "pd_gateway.stream_response"
 
 
@@ -149,8 +151,28 @@ def _instance_args() -> tuple[object, object, object]:
 Run = Callable[[Gateway, bytes, Arrival, str, Callable[[], None]], Reply]
 
 
-def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
-    """The gateway's routes, each serving `current()`, this process's `Gateway`."""
+def unknown_route() -> GatewayError:
+    """The answer to a request for a path the gateway does not serve (vLLM's engine-internal
+    and admin routes among them: docs/routes.md): 404, naming what it serves, as the client
+    would call it (the app's prefix included); 405 for a method a route of its does not take."""
+    rules = [rule for rule in current_app.url_map.iter_rules()
+             if rule.endpoint.startswith(f"{BLUEPRINT}.") and rule.endpoint != _NOT_SERVED]
+    allowed = sorted({m for rule in rules if rule.rule == request.path
+                      for m in rule.methods or () if m not in ("HEAD", "OPTIONS")})
+    where = request.script_root + request.path
+    if allowed:
+        return MethodNotAllowed(f"{request.method} is not allowed for {where}: "
+                                f"{', '.join(allowed)}", allowed)
+    served = sorted({request.script_root + rule.rule for rule in rules
+                     if "/admin/" not in rule.rule})     # (the admin's are the operator's)
+    return NotFound(f"{request.method} {where} is not a route of this gateway. It serves "
+                    f"{', '.join(served)}")
+
+
+def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> Blueprint:
+    """The gateway's routes, each serving `current()`, this process's `Gateway`. With
+    `unknown`, a route that answers any other path under the blueprint's prefix too
+    (`unknown_route`): mounted under a prefix, paths outside it stay the host app's."""
     bp = Blueprint(BLUEPRINT, __name__)
 
     def complete(path: str) -> Response:
@@ -313,6 +335,16 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         gateway.publish()
         body, content_type = metrics.exposition()
         return Response(body, content_type=content_type)
+
+    if unknown:
+        # Routing errors reach no blueprint's handler (no route matched, so no blueprint did):
+        # a route of its own for every other path under the prefix is how they are the
+        # gateway's to answer. Werkzeug tries it after every fixed route, so it only meets
+        # a path none serves, or a method the one serving it does not take.
+        @bp.route("/", defaults={"path": ""}, methods=_METHODS)
+        @bp.route("/<path:path>", methods=_METHODS)
+        def not_served(path: str) -> Response:
+            return unknown_route().response()
 
     # Blueprint-scoped: the app's own routes keep the app's handlers. HTTPException too, or an
     # app-wide handler for it would answer first (Flask looks for the most specific class).

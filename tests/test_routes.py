@@ -1,6 +1,7 @@
 """vLLM's other routes through the gateway (docs/routes.md): each passed to an engine of its
 model as it came (P, D, either, any), the reply relayed as it came, retried before any byte;
-the client's key, its limits and the body limit as for completions."""
+the client's key, its limits and the body limit as for completions; vLLM's engine-internal
+routes and any unknown path a 404 naming what the gateway serves, under a host's prefix too."""
 from __future__ import annotations
 
 import io
@@ -10,6 +11,7 @@ import time
 import pytest
 import requests
 import responses
+from flask import Flask
 from urllib3 import encode_multipart_formdata
 
 from devtools.processes import models_toml
@@ -19,12 +21,22 @@ from emulator.tokens import VOCAB, token_id
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.engines.instances import Instance, _weight
+from gateway.extension import PDGateway
 from gateway.flow.passthrough import ROUTES, form_field
 from gateway.support import metrics
 from tests.helpers.payloads import D_URL, P_URL
 from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
 P2_URL = "http://10.9.0.5:8100"
+# vLLM 0.33.0's routes the gateway leaves closed (docs/routes.md says where each is).
+CLOSED = [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+          ("POST", "/reset_prefix_cache"), ("POST", "/collective_rpc"),
+          ("POST", "/start_profile"), ("POST", "/stop_profile"), ("POST", "/update_weights"),
+          ("POST", "/scale_elastic_ep"), ("GET", "/server_info"), ("GET", "/load"),
+          ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+          ("GET", "/kv_event_sources"), ("POST", "/pause"), ("POST", "/invocations"),
+          ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/generative_scoring"),
+          ("POST", "/inference/v1/generate"), ("GET", "/docs"), ("GET", "/openapi.json")]
 
 
 def _app(store, **settings):
@@ -233,6 +245,65 @@ def test_an_alias_reaches_its_models_engines_under_the_models_name(make_app):
     assert sent.headers["Content-Length"] == str(len(sent.body))
 
 
+# --- what the gateway does not serve ------------------------------------------------------------
+
+@responses.activate
+@pytest.mark.parametrize("method,path", CLOSED)
+def test_vllms_engine_internal_routes_are_closed(client, method, path):
+    reply = client.open(path, method=method, json={})
+    assert reply.status_code == 404
+    message = reply.json["error"]["message"]
+    assert message.startswith(f"{method} {path} is not a route of this gateway. It serves ")
+    assert "/v1/chat/completions" in message and "/v1/embeddings" in message
+    assert "/admin/" not in message
+    assert len(responses.calls) == 0
+
+
+def test_a_wrong_method_on_a_route_is_a_405_naming_the_one_it_takes(client):
+    reply = client.get("/v1/embeddings")
+    assert reply.status_code == 405 and reply.headers["Allow"] == "POST"
+    assert reply.json["error"]["code"] == 405
+
+
+def _host(prefix):
+    host = Flask("host")
+
+    @host.get("/own")
+    def own():
+        return {"own": True}
+
+    @host.errorhandler(404)
+    def not_found(exc):
+        return {"host": "not found"}, 404
+
+    PDGateway(host, url_prefix=prefix, engine_metrics_interval=0, probe_interval=0,
+              prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8)
+    return host
+
+
+def test_under_a_prefix_the_gateway_answers_unknown_paths_below_it_only():
+    host = _host("/llm")
+    client = host.test_client()
+    try:
+        ours = client.post("/llm/sleep")
+        assert ours.status_code == 404
+        assert "/llm/v1/embeddings" in ours.json["error"]["message"]
+        assert client.get("/llm/").status_code == 404 and client.get("/llm/").json["error"]
+        wrong = client.get("/llm/v1/chat/completions")
+        assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST"
+        for path in ("/sleep", "/llmx", "/own/x"):
+            assert client.get(path).json == {"host": "not found"}, path
+        assert client.get("/own").json == {"own": True}
+        assert client.get("/llm/ping").status_code == 200
+    finally:
+        host.extensions["pd_gateway"].close()
+    root = _host(None)
+    try:
+        assert root.test_client().get("/sleep").json == {"host": "not found"}
+    finally:
+        root.extensions["pd_gateway"].close()
+
+
 # --- real engines ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -332,6 +403,18 @@ def test_a_transcription_goes_to_d_and_streams_as_d_sends_it(routed):
     assert arrived[-1][0] - arrived[0][0] >= 1.0, arrived
     after = _requests_of((p1, p2, d))
     assert after[2] - before[2] == 2 and after[:2] == before[:2]
+
+
+def test_closed_and_unknown_routes_reach_no_engine(routed):
+    (gateway, *_), engines = routed
+    before = [engine.stats() for engine in engines]
+    for method, path in CLOSED + [("GET", "/no/such/route")]:
+        reply = requests.request(method, gateway.url + path, json={}, timeout=10)
+        assert reply.status_code == 404, path
+        assert reply.json()["error"]["type"] == "not_found_error"
+    after = [engine.stats() for engine in engines]
+    assert [(a["requests"], a["other_requests"]) for a in after] == \
+        [(b["requests"], b["other_requests"]) for b in before]
 
 
 def test_with_keys_the_passed_routes_need_one_and_ping_does_not(routed):
