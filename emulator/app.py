@@ -1,7 +1,8 @@
 """The engine's HTTP API: OpenAI completions as vLLM streams them, plus health, models, stats and faults.
 
-A little over 300 lines because it is vLLM's whole HTTP surface in one place (both endpoints,
+A little over 300 lines because it is vLLM's completion surface in one place (both endpoints,
 streamed and not, /tokenize, faults); split, each part would be read beside the others anyway.
+vLLM's other routes (embeddings, scoring, audio, ...) are in other_routes.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .errors import (BadRequest, ClientGone, EngineError, InternalError, KVLoadE
                      NotFound, NotImplementedByEmulator, Unavailable)
 from .faults import Fault
 from .metrics import exposition
+from .other_routes import add_routes
 from .protocol import Call, CompletionRequest, Framer, ValidationError, chat_call, dumps, parse_tokenize
 from .responses import ResponseStore, responses_call
 from .tokens import EOS, token_id, token_ids
@@ -250,6 +252,7 @@ def create_app(engine: Engine) -> Flask:
 
     @app.get("/version")
     def version() -> Response:
+        """vllm/entrypoints/serve/instrumentator/basic.py L53-56."""
         return _json({"version": "emulated"})
 
     @app.get("/v1/models")
@@ -399,4 +402,5 @@ def create_app(engine: Engine) -> Flask:
     def cancel_response(response_id: str) -> Response:
         return _json(responses_store.cancel(response_id))
 
+    add_routes(app, engine)      # detokenize, ping, pooling, scoring, audio
     return app

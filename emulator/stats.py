@@ -29,6 +29,7 @@ class Stats:
     kv_load_errors: int = 0  # requests failed by --kv-load-failure-policy fail
     aborted_streams: int = 0  # the client went away mid-stream
     tokenize_requests: int = 0  # POST /tokenize
+    other_requests: int = 0  # the routes of other_routes.py: /detokenize, embeddings, audio, ...
     # D, which path each request took: remote_prefill (pulled the prompt from P: two-stage),
     # decode_only (params without a pull: prefilled here, from its prefix cache and compute),
     # plain (no kv_transfer_params: vLLM keeps nothing for a next turn).

@@ -11,6 +11,7 @@ from gateway.extension import PDGateway
 from gateway.reuse.store import ConversationStore
 from gateway.support import logs
 from gateway.support.errors import GatewayError
+from gateway.views import unknown_route
 
 
 def create_app(settings: Settings | None = None, store: ConversationStore | None = None) -> Flask:
@@ -24,6 +25,8 @@ def create_app(settings: Settings | None = None, store: ConversationStore | None
     def http_error(exc: HTTPException) -> Response:
         # Routing errors (404, 405) happen before any blueprint: the app answers them, and
         # here the whole app is the gateway's.
+        if exc.code in (404, 405):
+            return unknown_route().response()      # what the gateway serves, named
         response = GatewayError.from_http(exc).response()
         for name, value in exc.get_headers():
             if name.lower() != "content-type":     # e.g. 405's Allow

@@ -13,7 +13,7 @@ from gateway.engines.discovery import Discovery, Resolver
 from gateway.engines.instances import KV_TRANSFER_CONFIG, Instance, Pool
 from gateway.engines.upstream import Upstream
 from gateway.flow.disagg import prefill_counts
-from gateway.options import SettingsError
+from gateway.options import ArgumentParser, SettingsError
 from gateway.parse import CHAT, ClientRequest
 from gateway.reuse.exactness import Exactness
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
@@ -369,15 +369,18 @@ def _timeout(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="pd-gateway check",
         description="Check real P and D engines before serving: each answers, what it serves, "
                     "its KV cache, and one real P -> D -> P turn per D, as the gateway runs it. "
                     "Exit 0 when reuse will work, 1 when not (each failure with its fix). The "
                     "engines are given as to pd-gateway (GATEWAY_* variables too).")
-    parser.add_argument("--prefill", nargs="+", help="P instance URLs, as the gateway's")
-    parser.add_argument("--decode", nargs="+", help="D instance URLs, as the gateway's")
-    parser.add_argument("--models", nargs="+",
+    # Several values, or the flag again, as the gateway's (gateway.options.add_arguments).
+    parser.add_argument("--prefill", nargs="+", action="extend",
+                        help="P instance URLs, as the gateway's")
+    parser.add_argument("--decode", nargs="+", action="extend",
+                        help="D instance URLs, as the gateway's")
+    parser.add_argument("--models", nargs="+", action="extend",
                         help="'NAME;prefill=URL,URL;decode=URL', as the gateway's")
     parser.add_argument("--models-file", help="a TOML file of [[model]] tables, as the gateway's")
     parser.add_argument("--upstream-api-key", help="Bearer key sent to the engines (default "

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
-from gateway.options import (SettingsError, add_arguments, auto_or, boolean, bounded, check, given,
-                             option, options, positive, read_env)
+from gateway.options import (ArgumentParser, SettingsError, add_arguments, auto_or, boolean,
+                             bounded, check, given, option, options, positive, read_env)
 # a plain `port` would be shadowed by the field of that name
 from gateway.options import port as _port
 
@@ -19,7 +19,9 @@ CONFIG_PREFIX = "PD_GATEWAY_"  # keys of a host Flask app's app.config (gateway.
 
 
 def _url_list(value: Any) -> list[str]:
-    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    # Space or comma separated, in a variable or in each value of a flag (`--prefill a:1,b:2`).
+    given = [value] if isinstance(value, str) else list(value)
+    items = [item for each in given for item in str(each).replace(",", " ").split()]
     urls = []
     for item in items:
         url = item if "://" in item else f"http://{item}"
@@ -202,9 +204,11 @@ class Settings:
     host: str = option("0.0.0.0", str, "Address the gateway listens on.")
     port: int = option(8000, _port, "Port the gateway listens on.")
     prefill: list[str] = option(["http://127.0.0.1:8100"], _url_list,
-                                "Prefill (P) instance URLs, space or comma separated.", nargs="+")
+                                "Prefill (P) instance URLs, space or comma separated; the flag "
+                                "given again adds more.", nargs="+")
     decode: list[str] = option(["http://127.0.0.1:8200"], _url_list,
-                               "Decode (D) instance URLs, space or comma separated.", nargs="+")
+                               "Decode (D) instance URLs, space or comma separated; the flag "
+                               "given again adds more.", nargs="+")
     models: list[str] = option([], _model_list, "Several models, each with its own engines: "
                                "'NAME;prefill=URL,URL;decode=URL[;aliases=A,B][;adapters=L]', "
                                "one argument per model (GATEWAY_MODELS: space separated). A "
@@ -570,18 +574,21 @@ def _seed_instances(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="pd-gateway",
         description="Gateway for vLLM disaggregated prefill/decode with multi-turn KV reuse. "
                     f"Every flag also reads from a {ENV_PREFIX}* environment variable.")
     add_arguments(parser, Settings)
     seed = parser.add_argument_group("seed-proxy compatible flags")
-    seed.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+")
+    # Each given again adds more, as the gateway's own list flags (gateway.options.add_arguments).
+    seed.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+",
+                      action="extend")
     seed.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_ports", nargs="+",
-                      type=int)
-    seed.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_hosts", nargs="+")
+                      action="extend", type=int)
+    seed.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_hosts", nargs="+",
+                      action="extend")
     seed.add_argument("--decoder-port", "--decoder-ports", dest="decoder_ports", nargs="+",
-                      type=int)
+                      action="extend", type=int)
     return parser
 
 

@@ -47,7 +47,11 @@ class PDGateway:
                                  self.conversation_store)
         app.extensions[EXTENSION] = mounted
         prefix = url_prefix if url_prefix is not None else self.url_prefix
-        app.register_blueprint(create_blueprint(lambda: mounted.gateway), url_prefix=prefix)
+        # Under a prefix, every path below it is the gateway's to answer, unknown ones too;
+        # at a host app's root, the host's own 404 stays its own.
+        app.register_blueprint(create_blueprint(lambda: mounted.gateway,
+                                                unknown=bool(prefix and prefix.strip("/"))),
+                               url_prefix=prefix)
 
 
 class MountedGateway:

@@ -7,7 +7,9 @@ variable when one is bad. It imports nothing from gateway, so the emulator uses 
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
@@ -107,9 +109,49 @@ def read_env(cls: type, environ: Mapping[str, Any], prefix: str | None = None) -
     return {o.name: o.apply(environ[key], key) for key, o in known.items() if key in environ}
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a mistake is answered in two lines, not the whole usage: what is
+    wrong, the closest flag to a mistyped or ambiguous one (difflib: Python 3.12's
+    `suggest_on_error` is not in 3.11), and where every flag is listed."""
+
+    # Python's own wording (3.11 to 3.13), the one message argparse gives no other way to read
+    # (an abbreviation that several flags begin with). Any other message is shown as it is.
+    CLOSE = 0.7     # difflib's likeness above which a flag is suggested (0.6: --bogus, --host)
+    _AMBIGUOUS = re.compile(r"ambiguous option: (?P<given>[^=\s]+)\S* could match (?P<flags>.+)")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            # The flags, if any: the values after an unknown flag would only be noise.
+            shown = [a for a in unknown if a.startswith("-")] or unknown
+            what = "argument" if len(shown) == 1 else "arguments"
+            self.error(f"unrecognized {what} " + ", ".join(map(self._suggest, shown)))
+        return parsed
+
+    def _suggest(self, arg: str) -> str:
+        """`arg`, with the flag it was probably meant to be."""
+        given = arg.partition("=")[0]
+        close = (difflib.get_close_matches(given, self._option_string_actions, n=1,
+                                           cutoff=self.CLOSE) if given.startswith("--") else [])
+        return f"{arg} (did you mean {close[0]}?)" if close else arg
+
+    def error(self, message: str):  # type: ignore[no-untyped-def, override]
+        ambiguous = self._AMBIGUOUS.fullmatch(message)
+        if ambiguous:
+            flags = ambiguous["flags"].split(", ")
+            close = difflib.get_close_matches(ambiguous["given"], flags, n=1, cutoff=self.CLOSE)
+            message = (f"ambiguous argument {ambiguous['given']}, the start of "
+                       f"{', '.join(flags)}" + (f" (did you mean {close[0]}?)" if close else ""))
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"{self.prog} --help lists every flag\n")
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per option. Flags parse to raw values (None when absent): the dataclass converts
-    them, so a bad value is reported the same way whether it came from a flag or from code."""
+    them, so a bad value is reported the same way whether it came from a flag or from code. A
+    flag of several values adds to them each time it is given (`--prefill A --prefill B`, one
+    engine a flag as routers take them): with the last one winning, engines were silently
+    dropped."""
     for o in options(cls):
         shown = o.shown
         if o.env:  # the variable beside the default, as README's settings table has them
@@ -121,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         metavar = "{" + ",".join(o.choices) + "}" if o.choices else None
         parser.add_argument(o.flag, dest=o.name, default=None, nargs=o.nargs, metavar=metavar,
+                            action="extend" if o.nargs == "+" else None,
                             required=o.required, help=help)
 
 

@@ -21,6 +21,7 @@ from gateway.engines.watch import Watch, still_open
 from gateway.flow.disagg import Disagg, Work
 from gateway.flow.fast_path import FastPath
 from gateway.flow.model_pools import ModelPool, ModelPools
+from gateway.flow.passthrough import PassThrough, Route, model_of
 from gateway.flow.release import Releaser
 from gateway.flow.reply import Reply
 from gateway.front.admission import Admission, BodyBudget
@@ -146,6 +147,8 @@ class Gateway:
                              exactness=self._exactness(pools.values()), fast_path=fast_path,
                              access_log=settings.access_log))
             for spec, pools in zip(specs, roles.values())])
+        # vLLM's other client routes, passed to an engine of the request's model.
+        self.passthrough = PassThrough(self.upstream, self.pools, settings.attempts)
         # The first model's (the only one's, without --models): for embedders and tests.
         first = self.pools.default
         self.prefill, self.decode, self.disagg = first.prefill, first.decode, first.disagg
@@ -209,7 +212,7 @@ class Gateway:
         try:
             request = parse(path, raw)        # CPU only: no watcher, no place taken yet
             pool, request = self.pools.route(request)     # an unknown model: 404 here
-            arrival.model = pool.label(request)
+            arrival.model = pool.label(request.body.get("model"))
             metrics.model_seen(arrival.model)
             tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
             conversation = Conversation(request.body, headers, request.conversation_id, tenant)
@@ -219,7 +222,7 @@ class Gateway:
             # this turn or its relay. Either way 429 with nothing started. Charged once an
             # engine worked for it (`work`), whatever happens after; else given back.
             work = Work()
-            ticket = (self._counted(held, tenant, limits, raw, work) if owner is None
+            ticket = (self._counted(held, tenant, limits, len(raw), work) if owner is None
                       else NO_TICKET)
             self._admit(held, self.admission if owner is None else self.relays, tenant, limits,
                         arrival.socket)
@@ -231,7 +234,7 @@ class Gateway:
                 body_held()     # relayed: the owner holds the body now, this worker only bytes
             if reply is None:
                 if owner is not None:                    # its owner is away: served here
-                    ticket = self._counted(held, tenant, limits, raw, work)
+                    ticket = self._counted(held, tenant, limits, len(raw), work)
                     if self.relays is not self.admission:
                         self._admit(held, self.admission, tenant, limits, arrival.socket)
                 reply = self._serve(pool, request, conversation, headers, request_id, work,
@@ -242,23 +245,55 @@ class Gateway:
         except BaseException:
             _release(held.close)      # the error the client sees is the one that stopped it
             raise
-        held.callback(reply.close)    # the reply's own first: the stream, D's count
-        reply.close = held.close      # once, each step even if one before it fails
-        if reply.stream is None:
-            _release(reply.close)                # the body is whole: it goes out regardless
-        return reply
+        return _holding(held, reply)
+
+    def pass_through(self, route: Route, raw: bytes, headers: Mapping[str, str], target: str,
+                     arrival: Arrival, request_id: str,
+                     body_held: Callable[[], None] | None = None) -> Reply:
+        """Run one request of vLLM's other routes (gateway.flow.passthrough) whose whole body
+        is `raw`, to `target` (its path and query): to an engine of the model it names, within
+        its key's limits and a place among the turns, watched as a turn is; raises
+        GatewayError. The reply's `close` releases what it holds, as `complete`'s does."""
+        held = ExitStack()
+        if body_held:
+            held.callback(body_held)
+        try:
+            model, renamed = model_of(route, raw, headers.get("Content-Type", ""))
+            pool, rename = self.pools.find(model)        # an unknown model: 404 here
+            if rename is not None:
+                raw = renamed(rename)
+            arrival.model = pool.label(model)
+            tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
+            work = Work()
+            # Its key's requests; its tokens only where the engine runs the model over text
+            # (a JSON body's size / 4 until the engine says; an audio file's bytes are no text).
+            text = route.computes and route.body == "json"
+            ticket = self._counted(held, tenant, limits, len(raw) if text else 0, work)
+            self._admit(held, self.admission, tenant, limits, arrival.socket)
+            total = self.settings.total_timeout
+            held.callback(Watch(arrival.socket, time.monotonic() + total if total else None).stop)
+            engine_headers = self._engine_headers(headers, request_id)
+            if headers.get("Content-Type"):       # a form's boundary among it
+                engine_headers["Content-Type"] = headers["Content-Type"]
+            reply = self.passthrough.run(route, self.passthrough.pool(route, pool), target, raw,
+                                         engine_headers, request_id, work)
+            reply.headers.update(ticket.headers)
+        except BaseException:
+            _release(held.close)
+            raise
+        return _holding(held, reply)
 
     def refuse_early(self, headers: Mapping[str, str]) -> None:
         """429 before the body is read, for a key whose requests of this window this worker
         has seen spent."""
         self.tenants.refuse_early(*self.api_keys.tenant(headers.get("Authorization")))
 
-    def _counted(self, held: ExitStack, tenant: str, limits: KeyLimits, raw: bytes,
+    def _counted(self, held: ExitStack, tenant: str, limits: KeyLimits, body_bytes: int,
                  work: Work) -> Ticket:
         """Count the request against its key's limits (429 if over). A turn that ends before
         its reply is charged its prompt tokens if an engine worked for it (P prefilled it, or
         D answered), else given back; a reply's own charge (`_charge`) comes first."""
-        ticket = self.tenants.admit(tenant, limits, len(raw))
+        ticket = self.tenants.admit(tenant, limits, body_bytes)
         if ticket is not NO_TICKET:
             def settle() -> None:
                 if work.done:
@@ -283,12 +318,16 @@ class Gateway:
             # (A salt that is not a string goes as sent: the engine answers its 400.)
             salt = tenant_salt(headers.get("Authorization"), own_salt)
             request = replace(request, body={**request.body, "cache_salt": salt})
+        return pool.disagg.run(request, identity, self._engine_headers(headers, request_id),
+                               request_id, work, model)
+
+    def _engine_headers(self, headers: Mapping[str, str], request_id: str) -> dict[str, str]:
+        """What the engine calls of a request carry: its id, its trace context, a credential."""
         # A client's own key is the gateway's to check, not the engines' (--upstream-api-key).
         client_credential = None if self.api_keys.enabled else headers.get("Authorization")
-        engine_headers = self.upstream.headers(request_id, client_credential,
-                                               logs.traceparent(headers.get("traceparent")),
-                                               headers.get("tracestate"))
-        return pool.disagg.run(request, identity, engine_headers, request_id, work, model)
+        return self.upstream.headers(request_id, client_credential,
+                                     logs.traceparent(headers.get("traceparent")),
+                                     headers.get("tracestate"))
 
     def models(self) -> dict:
         """/v1/models: with one pool, the list of the first D that answers, healthy ones first;
@@ -355,6 +394,17 @@ def _charge(ticket: Ticket, reply: Reply) -> Callable[[], None]:
         if reply.decoded is not None:
             ticket.charge(reply.decoded.tokens(ticket.estimate))
     return charge
+
+
+def _holding(held: ExitStack, reply: Reply) -> Reply:
+    """`reply`, its `close` releasing what its request holds (`held`) after what the reply
+    holds itself (the stream, the engine's count), once, each step even if one before it
+    fails; a reply whose body is whole is released now: it goes out regardless."""
+    held.callback(reply.close)
+    reply.close = held.close
+    if reply.stream is None:
+        _release(reply.close)
+    return reply
 
 
 def _release(close) -> None:

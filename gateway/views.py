@@ -5,22 +5,25 @@ handlers answer its own routes only, and its replies do not depend on the app's 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import uuid
 from contextlib import ExitStack
 from typing import Callable, Iterator
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
+from gateway.flow.passthrough import ROUTES, Route
+from gateway.flow.reply import Reply
 from gateway.front.admission import BodyHold
 from gateway.front.auth import check_admin
 from gateway.parse import CHAT, COMPLETIONS
 from gateway.service import Arrival, Gateway
 from gateway.support import logs, metrics
-from gateway.support.errors import (BadRequest, ClientGone, GatewayError, Overloaded,
-                                    PayloadTooLarge, json_response)
+from gateway.support.errors import (BadRequest, ClientGone, GatewayError, MethodNotAllowed,
+                                    NotFound, Overloaded, PayloadTooLarge, json_response)
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -74,6 +77,9 @@ def _stalled(exc: BaseException | None) -> bool:
     return False
 
 
+BLUEPRINT = "pd_gateway"
+_NOT_SERVED = f"{BLUEPRINT}.not_served"     # the route of unknown paths under a prefix
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]   # its methods (HEAD, OPTIONS: Flask's)
 _UNSENT = "pd_gateway.stream_response"
 
 
@@ -120,7 +126,7 @@ def _forget_request_id() -> None:
     logs.REQUEST_ID.set("-")     # this thread's (or greenlet's) next lines belong to no request
 
 
-def _failed(exc: GatewayError, request_id: str, model: str) -> Response:
+def _failed(exc: GatewayError, request_id: str, model: str, completion: bool) -> Response:
     if isinstance(exc, ClientGone):
         metrics.DISCONNECTS.inc()      # nobody reads the reply
     else:
@@ -128,7 +134,8 @@ def _failed(exc: GatewayError, request_id: str, model: str) -> Response:
         # hundreds a second the log lines would cost more than the refusals themselves.
         log.log(logging.DEBUG if isinstance(exc, Overloaded) else logging.INFO,
                 "request %s failed with %d: %s", request_id, exc.status, exc.message)
-        metrics.ERRORS.labels("request", str(exc.status), model).inc()
+        if completion:        # (a passed route's are in pd_gateway_passed_total)
+            metrics.ERRORS.labels("request", str(exc.status), model).inc()
     return exc.response(request_id)
 
 
@@ -141,11 +148,52 @@ def _instance_args() -> tuple[object, object, object]:
     return body.get("role"), body.get("url"), body.get("model")
 
 
-def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
-    """The gateway's routes, each serving `current()`, this process's `Gateway`."""
-    bp = Blueprint("pd_gateway", __name__)
+Run = Callable[[Gateway, bytes, Arrival, str, Callable[[], None]], Reply]
+
+
+def unknown_route() -> GatewayError:
+    """The answer to a request for a path the gateway does not serve (vLLM's engine-internal
+    and admin routes among them: docs/routes.md): 404, naming what it serves, as the client
+    would call it (the app's prefix included); 405 for a method a route of its does not take."""
+    rules = [rule for rule in current_app.url_map.iter_rules()
+             if rule.endpoint.startswith(f"{BLUEPRINT}.") and rule.endpoint != _NOT_SERVED]
+    allowed = sorted({m for rule in rules if rule.rule == request.path
+                      for m in rule.methods or () if m not in ("HEAD", "OPTIONS")})
+    where = request.script_root + request.path
+    if allowed:
+        return MethodNotAllowed(f"{request.method} is not allowed for {where}: "
+                                f"{', '.join(allowed)}", allowed)
+    served = sorted({request.script_root + rule.rule for rule in rules
+                     if "/admin/" not in rule.rule})     # (the admin's are the operator's)
+    return NotFound(f"{request.method} {where} is not a route of this gateway. It serves "
+                    f"{', '.join(served)}")
+
+
+def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> Blueprint:
+    """The gateway's routes, each serving `current()`, this process's `Gateway`. With
+    `unknown`, a route that answers any other path under the blueprint's prefix too
+    (`unknown_route`): mounted under a prefix, paths outside it stay the host app's."""
+    bp = Blueprint(BLUEPRINT, __name__)
 
     def complete(path: str) -> Response:
+        return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
+                         path, raw, request.headers, arrival, request_id, body_held),
+                     lambda model, status: metrics.RESPONSES.labels(path, model, status).inc(),
+                     completion=True)
+
+    def pass_through(route: Route) -> Response:
+        # The path and query as they came (the engine's route, without the app's prefix).
+        target = route.path + (f"?{request.query_string.decode('latin-1')}"
+                               if request.query_string else "")
+        return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.pass_through(
+                         route, raw, request.headers, target, arrival, request_id, body_held),
+                     lambda model, status: metrics.PASSED.labels(route.path, model,
+                                                                 status).inc(),
+                     completion=False)
+
+    def serve(run: Run, count: Callable[[str, str], None], completion: bool) -> Response:
+        """One request whose reply `run` makes (of its body, read here, within the limits),
+        counted by `count(model, status)`."""
         gateway = current()
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
@@ -156,17 +204,18 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                           socket=environ.get("gunicorn.socket"))
         status = 500            # unless it answers: an error the blueprint's handler answers
         try:
-            response = answer(gateway, path, arrival, request_id)
+            response = answer(gateway, run, arrival, request_id, completion)
             status = response.status_code
         except HTTPException as exc:
             status = exc.code or 500
             raise
         finally:
             if not gateway.owners.forwarded(arrival.port):     # counted where its client is
-                metrics.RESPONSES.labels(path, arrival.model, str(status)).inc()
+                count(arrival.model, str(status))
         return response
 
-    def answer(gateway: Gateway, path: str, arrival: Arrival, request_id: str) -> Response:
+    def answer(gateway: Gateway, run: Run, arrival: Arrival, request_id: str,
+               completion: bool) -> Response:
         streaming = False
         try:
             gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
@@ -177,9 +226,11 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
             except BaseException:
                 hold.release()
                 raise
-            reply = gateway.complete(path, raw, request.headers, arrival, request_id,
-                                     hold.release)
-            if reply.stream is None:
+            reply = run(gateway, raw, arrival, request_id, hold.release)
+            if isinstance(reply.body, bytes):       # an engine's, as it came
+                response = Response(reply.body, status=reply.status,
+                                    content_type=reply.content_type)
+            elif reply.stream is None:
                 response = json_response(reply.body)
             else:
                 # The server's close of the response is the reply's close: the whole chain,
@@ -194,7 +245,7 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:
-            return _failed(exc, request_id, arrival.model)
+            return _failed(exc, request_id, arrival.model, completion)
         finally:
             if not streaming:
                 _forget_request_id()
@@ -226,6 +277,16 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         gateway.api_keys.check(request.headers.get("Authorization"))
         return json_response(gateway.models())
 
+    # vLLM's other client routes, each passed to an engine (gateway.flow.passthrough).
+    for route in ROUTES:
+        bp.add_url_rule(route.path, f"passed {route.path}",
+                        functools.partial(pass_through, route), methods=[route.method])
+
+    # /ping: SageMaker's probe, vLLM's /health under another name (vLLM 0.33.0
+    # entrypoints/serve/sagemaker/api_router.py L91-96): so here too, the gateway's own
+    # readiness (a P and a D of some model answer) rather than one engine's, and open as
+    # /health is (the prober sends no key).
+    @bp.route("/ping", methods=["GET", "POST"])
     @bp.get("/health")
     def health() -> Response:
         """For load balancers and Kubernetes probes: status only, nothing about the engines.
@@ -274,6 +335,16 @@ def create_blueprint(current: Callable[[], Gateway]) -> Blueprint:
         gateway.publish()
         body, content_type = metrics.exposition()
         return Response(body, content_type=content_type)
+
+    if unknown:
+        # Routing errors reach no blueprint's handler (no route matched, so no blueprint did):
+        # a route of its own for every other path under the prefix is how they are the
+        # gateway's to answer. Werkzeug tries it after every fixed route, so it only meets
+        # a path none serves, or a method the one serving it does not take.
+        @bp.route("/", defaults={"path": ""}, methods=_METHODS)
+        @bp.route("/<path:path>", methods=_METHODS)
+        def not_served(path: str) -> Response:
+            return unknown_route().response()
 
     # Blueprint-scoped: the app's own routes keep the app's handlers. HTTPException too, or an
     # app-wide handler for it would answer first (Flask looks for the most specific class).

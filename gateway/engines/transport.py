@@ -1,7 +1,8 @@
 """The engine POSTs' connections over plain HTTP: http.client's, kept alive in a pool of our own.
 
-The gateway's POSTs to an `http://` engine (P's call, D's stream, releases, /tokenize) are made
-here without requests (gateway.engines.upstream: `Upstream._send`). Measured with one process
+The gateway's POSTs to an `http://` engine (P's call, D's stream, releases, /tokenize), and the
+requests it passes through (gateway.flow.passthrough, a GET among them), are made here without
+requests (gateway.engines.upstream: `Upstream._send`). Measured with one process
 calling an emulated P, 8 calls at once under gevent, client CPU a call (`python -m
 bench.engine_call`): 234 us through requests and urllib3's pool, 150 through requests' adapter
 on this pool, 105 here (bare http.client: 116). urllib3 and requests spend the difference on

@@ -9,6 +9,7 @@ from typing import Callable, TypeVar
 
 from gateway.engines.instances import Instance, Pool
 from gateway.engines.upstream import Upstream
+from gateway.flow.attempts import Work, attempt
 from gateway.flow.decoded import Decoded
 from gateway.flow.fast_path import FastPath
 from gateway.flow.release import Releaser
@@ -19,7 +20,7 @@ from gateway.reuse.exactness import Exactness, Reuse, plain_reply
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
 from gateway.support import metrics
-from gateway.support.errors import GatewayError, ServiceUnavailable, UpstreamRejected
+from gateway.support.errors import GatewayError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
@@ -124,16 +125,6 @@ def replayable(failure: GatewayError | None) -> bool:
     return failure is None or isinstance(failure, ServiceUnavailable)
 
 
-@dataclass(slots=True)
-class Work:
-    """What the engines have done for a turn so far, for its key's limits: a turn an engine
-    worked for (P prefilled it, or D answered it) is charged, whatever happens after; one
-    no engine worked for is given back."""
-
-    done: bool = False
-    prompt_tokens: int | None = None     # as P reported them
-
-
 @dataclass(frozen=True, slots=True)
 class TurnPath:
     """The way a turn went, as its response headers, metrics and access-log line say it."""
@@ -214,43 +205,8 @@ class Disagg:
                  call: Callable[[Instance, GatewayError | None], T],
                  hold: bool = False, only: Instance | None = None,
                  work: Work | None = None) -> tuple[Instance, T]:
-        """`call(instance, last failure)` on instances of `pool` until one answers.
-
-        Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
-        request's fault and is not retried. With `hold`, the instance stays counted in flight
-        (the caller releases it when the stream ends). With `only`, that instance, once.
-        `work` hears of an engine that got the request and may have computed for it before it
-        failed, or before its client left (all but a connection never made and a 4xx refusal).
-        """
-        tried: list[Instance] = []
-        failure = None
-        while True:
-            instance = only or pool.choose(key, prefer=prefer, exclude=tried)
-            pool.acquire(instance)
-            try:
-                result = call(instance, failure)
-            except GatewayError as exc:
-                pool.release(instance)
-                if work is not None and not isinstance(exc, (ServiceUnavailable,
-                                                             UpstreamRejected)):
-                    work.done = True
-                if not exc.instance_fault:
-                    raise
-                pool.failed(instance, unreachable=isinstance(exc, ServiceUnavailable))
-                tried.append(instance)
-                if only or len(tried) >= min(self.attempts, len(pool.instances)):
-                    raise
-                log.info("retrying %s after: %s", pool.role, exc.message)
-                metrics.RETRIES.labels(pool.role).inc()
-                failure = exc
-                continue
-            except BaseException:
-                pool.release(instance)     # a bug, or the worker stopping: never a leaked count
-                raise
-            pool.succeeded(instance)
-            if not hold:
-                pool.release(instance)
-            return instance, result
+        """`call` on instances of `pool` until one answers, --attempts at most (`attempt`)."""
+        return attempt(pool, key, call, self.attempts, prefer, hold, only, work)
 
     def run(self, request: ClientRequest, identity: Identity, headers: dict,
             request_id: str, work: Work | None = None, model: str = "unknown") -> Reply:

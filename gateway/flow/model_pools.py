@@ -43,13 +43,12 @@ class ModelPool:
     def name(self) -> str:
         return self.spec.name
 
-    def label(self, request: ClientRequest) -> str:
-        """The model as metrics label it: this pool's name; without --models (one pool, named
-        ""), the name the request gives if an engine lists it (vLLM serves the first name it
-        lists when none is given), else "unknown": never a client's free text."""
+    def label(self, given: object) -> str:
+        """The model as metrics label a request that names `given`: this pool's name; without
+        --models (one pool, named ""), `given` if an engine lists it (vLLM serves the first
+        name it lists when none is given), else "unknown": never a client's free text."""
         if self.spec.name:
             return self.spec.name
-        given = request.body.get("model")
         for instance in self.decode.instances:
             served = instance.served or ()
             if given is None and served:
@@ -84,16 +83,20 @@ class ModelPools:
         """The pool of the model `request` names, and the request as its engines get it (an
         alias replaced by the model's name). No model: the first, as vLLM serves its first
         name. A model no pool serves: 404, before any engine is called."""
-        model = request.body.get("model")
-        if self.single or model is None:
-            return self.default, request
-        found = self._by_name.get(model) if isinstance(model, str) else None
-        if found is None:
-            raise ModelNotFound(model, self.served)
-        pool, rename = found
+        pool, rename = self.find(request.body.get("model"))
         if rename is not None:
             request = replace(request, body={**request.body, "model": rename})
         return pool, request
+
+    def find(self, model: object) -> tuple[ModelPool, str | None]:
+        """The pool of `model`, and the name its engines know it by if the request's is an
+        alias (else None). No model: the first pool; a model no pool serves: 404."""
+        if self.single or model is None:
+            return self.default, None
+        found = self._by_name.get(model) if isinstance(model, str) else None
+        if found is None:
+            raise ModelNotFound(model, self.served)
+        return found
 
     def remember(self) -> None:
         """Note each model's Ds now (called as the instance sets change), so an entry whose D

@@ -28,12 +28,25 @@ class Reply:
     watcher): call it once the reply has ended, or was dropped unsent; calling again is a no-op."""
 
     headers: dict
-    body: dict | None = None
+    body: dict | bytes | None = None     # bytes: an engine's body as it came (`content_type`)
     stream: Iterator[bytes] | None = None
     content_type: str = "application/json"
     status: int = 200
     close: Callable[[], None] = _nothing
     decoded: Decoded | None = None    # what D produced, once the reply has ended (None: relayed)
+
+
+def relayed(stream: Stream, sse: bool) -> Iterator[bytes]:
+    """An engine's (or an owner worker's) bytes as they arrive. Once bytes are out the status
+    can't change: a failure after them ends an event stream (`sse`) with an error event, other
+    bodies just end. The stream is closed however it ends."""
+    try:
+        yield from stream.chunks()
+    except GatewayError as exc:
+        if sse:
+            yield error_event(exc)
+    finally:
+        stream.close()
 
 
 class StreamRelay:

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import Iterator, Mapping
+from typing import Mapping
 from urllib.parse import quote
 
 from werkzeug.http import is_hop_by_hop_header
@@ -20,10 +20,10 @@ from werkzeug.http import is_hop_by_hop_header
 from gateway.config import Settings
 from gateway.engines.instances import Instance
 from gateway.engines.upstream import Upstream
-from gateway.flow.reply import Reply
+from gateway.flow.reply import Reply, relayed
 from gateway.slots import LIVE_SLOTS, PRIVATE_ENV, SLOT_ENV
 from gateway.support import metrics
-from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable, error_event
+from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
@@ -120,16 +120,7 @@ class Owners:
                 metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
                 raise
         metrics.FORWARDED.labels("sent").inc()
-        relayed = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
-        return Reply(headers=relayed, stream=self._relay(response, relayed),
-                     status=response.status, close=response.close)
-
-    @staticmethod
-    def _relay(response, headers: dict) -> Iterator[bytes]:
-        try:
-            yield from response.chunks()
-        except GatewayError as exc:
-            if headers.get("Content-Type", "").startswith("text/event-stream"):
-                yield error_event(exc)
-        finally:
-            response.close()
+        back = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
+        sse = back.get("Content-Type", "").startswith("text/event-stream")
+        return Reply(headers=back, stream=relayed(response, sse), status=response.status,
+                     close=response.close)

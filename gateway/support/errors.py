@@ -83,6 +83,18 @@ class NotFound(GatewayError):
     type = "not_found_error"
 
 
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, allowed: list[str]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": ", ".join(self.allowed)}
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"

@@ -119,6 +119,11 @@ TURN_REASONS = ("short", "no_entry", "fast_path_off", "long", "partial", "unprov
                 "decode_gone", "decode_failed")
 DROP_REASONS = ("unproven", "mismatch", "decode_only", "decode_failed", "decode_gone",
                 "prefill_failed", "unstored", "replaced", "evicted", "expired", "budget")
+# vLLM's other client routes, passed to an engine (gateway.flow.passthrough.ROUTES, the same).
+PASSED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info", "/v1/messages/count_tokens",
+                 "/version", "/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score",
+                 "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/audio/transcriptions",
+                 "/v1/audio/translations")
 ADMISSION_RESULTS = ("admitted", "queued", "rejected_queue_full", "rejected_waited",
                      "rejected_key_turns", "rejected_bodies", "rejected_client_gone")
 
@@ -167,6 +172,14 @@ INTER_TOKEN_SECONDS = Histogram(
 PREFILL_SECONDS = Histogram(
     "pd_gateway_prefill_seconds", "From a turn's start to P's answer (the entry's proof "
     "included)", ["model"], values=dict(model=MODEL), buckets=_LATENCY)
+PASSED = Counter(
+    "pd_gateway_passed", "Requests of vLLM's other routes, passed to an engine as they came "
+    "(docs/routes.md), by the status sent: the engine's own (a 4xx or 501 relayed as it "
+    "came), or the gateway's (a refusal before any engine, or 502, 503, 504 when the engines "
+    "failed). Not in the completions' responses, errors or error ratio",
+    ["route", "model", "status"],
+    values=dict(route=PASSED_ROUTES, model=MODEL,
+                status="the HTTP status: the engine's, or the gateway's own as for completions"))
 DISCONNECTS = Counter("pd_gateway_client_disconnects", "Clients gone before the end")
 
 # What P did with what D kept.
@@ -241,7 +254,8 @@ PINNED_BUDGET = Gauge(
 
 # Admission and the keys' limits.
 ADMISSIONS = Counter(
-    "pd_gateway_admissions", "Turns by admission (--max-turns): admitted at once, queued "
+    "pd_gateway_admissions", "Turns (and requests of vLLM's other routes: pd_gateway_passed_"
+    "total) by admission (--max-turns): admitted at once, queued "
     "(waited for a place, then admitted), rejected_queue_full and rejected_waited (429 with "
     "Retry-After, no engine called), rejected_key_turns (a key at its turns at once), "
     "rejected_bodies (429 before the body was read: --max-bodies-bytes), rejected_client_gone "

@@ -104,15 +104,19 @@ def test_the_service_keeps_its_routes_handlers_hooks_and_json(legacy):
     key = {"X-Api-Key": "legacy-key"}
     assert requests.get(base + "/api/items/7", headers=key, timeout=10).json() == \
         {"id": 7, "name": "item 7"}
-    # Its 500s and 404s stay its own, under the prefix too (routing errors come before any
-    # blueprint); the gateway's errors are the OpenAI envelope.
+    # Its 500s and 404s stay its own outside the prefix (routing errors come before any
+    # blueprint); the gateway's errors are the OpenAI envelope, an unknown path under its
+    # prefix among them.
     legacy_500 = requests.get(base + "/api/boom", headers=key, timeout=10)
     assert (legacy_500.status_code, legacy_500.json()) == \
         (500, {"error": "internal", "service": "legacy"})
-    for path in ("/nowhere", "/llm/nowhere"):
+    for path in ("/nowhere", "/llmnowhere"):
         missing = requests.get(base + path, timeout=10)
         assert (missing.status_code, missing.json()) == \
             (404, {"error": "not found", "service": "legacy"}), path
+    ours_missing = requests.get(legacy.url + "/nowhere", timeout=10)
+    assert ours_missing.status_code == 404
+    assert "/llm/v1/chat/completions" in ours_missing.json()["error"]["message"]
     bad = requests.post(legacy.url + "/v1/chat/completions", data=b"{", timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     wrong = requests.get(legacy.url + "/admin/status", timeout=10,
