@@ -22,7 +22,8 @@ from flask import Flask, Response, request
 
 from .engine import Engine
 from .errors import BadRequest, InternalError, Unavailable
-from .protocol import DONE, ValidationError, _check_model, _json_body, dumps
+from .protocol import DONE, ValidationError, check_model, dumps
+from .protocol import json_body as parse_json
 from .tokens import VOCAB, token_id
 
 EMBEDDING_SIZE = 16     # the emulated model's hidden size: what `dimensions` may shorten
@@ -87,8 +88,8 @@ def add_routes(app: Flask, engine: Engine) -> None:
             engine.sleep(fault.delay_s)
 
     def json_body() -> dict:
-        body = _json_body(request.get_data())
-        _check_model(body, cfg.model)
+        body = parse_json(request.get_data())
+        check_model(body, cfg.model)
         return body
 
     @app.route("/ping", methods=["GET", "POST"])
@@ -206,7 +207,7 @@ def add_routes(app: Flask, engine: Engine) -> None:
         begin()
         if "file" not in request.files:
             raise ValidationError("file", "Field required")
-        _check_model({"model": request.form.get("model")}, cfg.model)
+        check_model({"model": request.form.get("model")}, cfg.model)
         audio_bytes = len(request.files["file"].read())
         words = [VOCAB[b % len(VOCAB)] for b in hashlib.blake2b(
             str(audio_bytes).encode(), digest_size=6).digest()]
