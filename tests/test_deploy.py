@@ -21,6 +21,7 @@ from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RULES = DEPLOY / "prometheus" / "pd-gateway.rules.yml"
+EXAMPLE = DEPLOY / "prometheus" / "prometheus.example.yml"
 
 
 def _module(path: Path):
@@ -86,6 +87,12 @@ def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     # Longer than the streams it lets finish.
     assert pod["terminationGracePeriodSeconds"] > int(env["GATEWAY_GRACEFUL_TIMEOUT"]["value"])
     assert env["GATEWAY_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "pd-gateway"
+    # Prometheus scrapes the metrics listener, which needs no token.
+    metrics_port = int(env["GATEWAY_METRICS_PORT"]["value"])
+    annotations = resources["Deployment", "pd-gateway"]["spec"]["template"]["metadata"][
+        "annotations"]
+    assert int(annotations["prometheus.io/port"]) == metrics_port
+    assert {"name": "metrics", "containerPort": metrics_port} in container["ports"]
     for role in ("prefill", "decode"):                # headless: the gateway's DNS discovery
         assert resources["Service", f"vllm-{role}"]["spec"]["clusterIP"] == "None"
     linted = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint"),
@@ -136,30 +143,32 @@ def test_the_dashboard_json_is_what_its_code_writes():
 @pytest.fixture(scope="module")
 @starts_processes
 def scraped(tmp_path_factory):
-    """A gateway (2 workers) with traffic of every kind the rules look at, scraped every second
-    by a real Prometheus that evaluates the rules every second."""
+    """A gateway (2 workers, client keys on) with traffic of every kind the rules look at,
+    scraped every second on its metrics listener by a real Prometheus, with the scrape job of
+    prometheus.example.yml (no token), that evaluates the rules every second."""
     assert PROMETHEUS, NEEDS_PROMETHEUS
     work = tmp_path_factory.mktemp("prometheus")
     keys = work / "keys"
     keys.write_text("tenant rpm=1000\nlimited rpm=1\n")
+    metrics_port = free_port("127.0.0.1")
     with EmulatorProcess("prefill", host="127.0.0.69", itl_ms=1, bidirectional_kv_xfer=True) as p, \
             EmulatorProcess("decode", host="127.0.0.70", itl_ms=1, bidirectional_kv_xfer=True) as d, \
             gateway_process([p.url], [d.url], workers=2, api_keys_file=str(keys),
-                            engine_metrics_interval=0.5) as gateway:
+                            engine_metrics_interval=0.5, metrics_port=metrics_port,
+                            metrics_host="127.0.0.1") as gateway:
+        gateway.metrics_url = f"http://127.0.0.1:{metrics_port}"
         # The rules as deployed, evaluated every second.
         rules = yaml.safe_load(RULES.read_text())
         for group in rules["groups"]:
             group["interval"] = "1s"
         (work / "rules.yml").write_text(yaml.safe_dump(rules))
-        (work / "token").write_text(gateway.admin_token)
+        # The example's scrape job as it is, aimed at this gateway's metrics listener.
+        (job,) = yaml.safe_load(EXAMPLE.read_text())["scrape_configs"]
+        job["static_configs"] = [{"targets": [gateway.metrics_url.split("//")[1]]}]
         port = free_port("127.0.0.1")
         (work / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(work / "rules.yml")],
-            "scrape_configs": [{
-                "job_name": "pd-gateway", "metrics_path": "/metrics",
-                "authorization": {"credentials_file": str(work / "token")},
-                "static_configs": [{"targets": [gateway.url.split("//")[1]]}]}]}))
+            "rule_files": [str(work / "rules.yml")], "scrape_configs": [job]}))
         log = open(work / "prometheus.log", "wb")
         server = subprocess.Popen(
             [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
@@ -217,10 +226,17 @@ def _left_side(expr: str) -> str:
     return re.split(r"\s(?:>|<|==)\s[\d.]+\s*(?:\n|$)", expr.strip())[0].split("\nand ")[0]
 
 
+def test_prometheus_scrapes_the_metrics_listener_with_client_keys_on_and_no_token(scraped):
+    gateway, url = scraped
+    assert requests.get(gateway.url + "/metrics", timeout=10).status_code == 401
+    wait_until(lambda: _query(url, 'up{job="pd-gateway"} == 1'), 30, "a successful scrape")
+    (target,) = requests.get(url + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+    assert (target["health"], target["scrapeUrl"]) == ("up", gateway.metrics_url + "/metrics")
+
+
 def test_every_expression_names_only_what_the_gateway_exports(scraped):
     gateway, _ = scraped
-    text = requests.get(gateway.url + "/metrics", timeout=10,
-                        headers={"Authorization": f"Bearer {gateway.admin_token}"}).text
+    text = requests.get(gateway.metrics_url + "/metrics", timeout=10).text
     exported, recorded = _exported(text), _recorded()
     unknown = {name for expr in _expressions() for name in _names(expr)} - exported - recorded
     assert not unknown, f"names the gateway does not export: {sorted(unknown)}"
