@@ -100,6 +100,133 @@ def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     assert linted.returncode == 0, linted.stdout + linted.stderr
 
 
+# --- the restricted Pod Security Standard ----------------------------------------------------
+# https://kubernetes.io/docs/concepts/security/pod-security-standards/ (restricted, with the
+# baseline it includes), as the kit sets it: the restricted fields at pod and container level
+# both, so no container depends on what its pod says.
+
+POD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet")
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+
+
+def _manifests() -> list[dict]:
+    folder = DEPLOY / "kubernetes"
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    return [doc for name in kustomization["resources"]
+            for doc in yaml.safe_load_all((folder / name).read_text())]
+
+
+def _pods(docs: list[dict]) -> dict[str, dict]:
+    """Every pod spec the manifests make, by the name of what makes it."""
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
+            for doc in docs if doc["kind"] in POD_KINDS}
+    pods.update({doc["metadata"]["name"]: doc["spec"] for doc in docs if doc["kind"] == "Pod"})
+    return pods
+
+
+def pod_security_violations(pod: dict) -> list[str]:
+    """What in a pod spec the restricted Pod Security Standard (or the kit's rule of setting
+    its fields at both levels) refuses; [] when it passes."""
+    found = []
+    context = pod.get("securityContext") or {}
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(field):
+            found.append(f"pod: {field}")
+    if context.get("runAsNonRoot") is not True:
+        found.append("pod: securityContext.runAsNonRoot is not true")
+    if context.get("runAsUser") == 0:
+        found.append("pod: securityContext.runAsUser is 0")
+    if (context.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        found.append("pod: securityContext.seccompProfile.type is not RuntimeDefault")
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            found.append(f"pod: volume {volume['name']} is {', '.join(sorted(kinds))}")
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        name = f"container {container['name']}"
+        own = container.get("securityContext") or {}
+        if own.get("privileged"):
+            found.append(f"{name}: privileged")
+        if own.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: securityContext.allowPrivilegeEscalation is not false")
+        if own.get("runAsNonRoot") is not True:
+            found.append(f"{name}: securityContext.runAsNonRoot is not true")
+        if own.get("runAsUser") == 0:
+            found.append(f"{name}: securityContext.runAsUser is 0")
+        if (own.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: securityContext.seccompProfile.type is not RuntimeDefault")
+        capabilities = own.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            found.append(f"{name}: securityContext.capabilities.drop has no ALL")
+        if set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: securityContext.capabilities.add")
+        if any("hostPort" in port for port in container.get("ports", [])):
+            found.append(f"{name}: a hostPort")
+    return found
+
+
+def test_every_pod_passes_the_restricted_pod_security_standard():
+    pods = _pods(_manifests())
+    assert set(pods) == {"pd-gateway", "pd-gateway-redis"}
+    assert {name: pod_security_violations(pod) for name, pod in pods.items()} == \
+        {name: [] for name in pods}
+
+
+def _breakages(pods: dict[str, dict]):
+    """Each rule of the check broken in one place of the kit's pods: (pod, what it breaks, how)."""
+    def pop(*path):
+        def breaking(pod):
+            node = pod
+            for key in path[:-1]:
+                node = node[key]
+            del node[path[-1]]
+        return breaking
+
+    def put(value, *path):
+        def breaking(pod):
+            node = pod
+            for key in path[:-1]:
+                node = node[key] if isinstance(node, list) else node.setdefault(key, {})
+            node[path[-1]] = value
+        return breaking
+
+    for name, pod in pods.items():
+        yield name, "pod: securityContext.runAsNonRoot", pop("securityContext", "runAsNonRoot")
+        yield name, "pod: securityContext.seccompProfile", pop("securityContext",
+                                                                "seccompProfile")
+        yield name, "pod: securityContext.runAsUser is 0", put(0, "securityContext", "runAsUser")
+        yield name, "pod: hostNetwork", put(True, "hostNetwork")
+        yield name, "is hostPath", lambda pod: pod.setdefault("volumes", []).append(
+            {"name": "host", "hostPath": {"path": "/"}})
+        for i, container in enumerate(pod["containers"]):
+            here = ("containers", i, "securityContext")
+            for key in ("allowPrivilegeEscalation", "runAsNonRoot", "seccompProfile"):
+                yield name, f"container {container['name']}: securityContext.{key}", \
+                    pop(*here, key)
+            yield name, f"container {container['name']}: securityContext.capabilities.drop", \
+                pop(*here, "capabilities", "drop")
+            yield name, f"container {container['name']}: securityContext.allowPrivilegeEscalation", \
+                put(True, *here, "allowPrivilegeEscalation")
+            yield name, f"container {container['name']}: securityContext.capabilities.add", \
+                put(["SYS_ADMIN"], *here, "capabilities", "add")
+            yield name, f"container {container['name']}: privileged", \
+                put(True, *here, "privileged")
+            yield name, f"container {container['name']}: securityContext.runAsUser is 0", \
+                put(0, *here, "runAsUser")
+
+
+def test_the_pod_security_check_finds_each_rule_broken():
+    """The check can fail: every rule removed (or turned) in every pod and container of the
+    kit, one at a time, is found and named."""
+    import copy
+    pods = _pods(_manifests())
+    for name, what, breaking in _breakages(pods):
+        pod = copy.deepcopy(pods[name])
+        breaking(pod)
+        assert any(what in found for found in pod_security_violations(pod)), (name, what)
+
+
 # --- the names, against what a gateway exports --------------------------------------------
 
 def _recorded() -> set[str]:
