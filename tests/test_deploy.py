@@ -227,6 +227,86 @@ def test_the_pod_security_check_finds_each_rule_broken():
         assert any(what in found for found in pod_security_violations(pod)), (name, what)
 
 
+# --- Redis: a password from the Secret, and only the gateway's pods reach it -----------------
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) in args and env values: a variable it knows, else left as it is."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def _env(container: dict, secret: dict[str, str]) -> dict[str, str]:
+    """A container's environment as Kubernetes makes it: in order, each value's $(VAR) from
+    the variables above it, secretKeyRef values from `secret`."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        ref = item.get("valueFrom", {}).get("secretKeyRef")
+        env[item["name"]] = (secret[ref["key"]] if ref and ref["name"] == "pd-gateway"
+                             else _expand(item["value"], env))
+    return env
+
+
+def test_only_the_gateways_pods_reach_redis():
+    docs = _manifests()
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"]
+            for doc in docs if doc["kind"] in POD_KINDS}
+    (policy,) = [doc["spec"] for doc in docs if doc["kind"] == "NetworkPolicy"]
+    assert policy["podSelector"]["matchLabels"] == pods["pd-gateway-redis"]
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": pods["pd-gateway"]}}]
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+
+
+@pytest.mark.processes
+def test_the_kits_redis_needs_the_password_its_gateways_store_url_carries(fresh_engines):
+    """Redis's args and the gateway's GATEWAY_STORE as Kubernetes makes them from the Secret:
+    a real redis-server refuses a client without the password, and a real gateway (the store
+    and the per-key limits, both in Redis) works with the URL."""
+    import secrets
+
+    import redis as redis_py
+
+    from devtools.processes import RedisProcess
+
+    docs = _manifests()
+    pods = _pods(docs)
+    (secret,) = [doc["stringData"] for doc in docs if doc["kind"] == "Secret"]
+    secret = {**secret, "redis-password": secrets.token_hex(32)}
+    (redis_container,) = pods["pd-gateway-redis"]["containers"]
+    (gateway_container,) = pods["pd-gateway"]["containers"]
+    args = [_expand(arg, _env(redis_container, secret)) for arg in redis_container["args"]]
+    assert args[args.index("--requirepass") + 1] == secret["redis-password"]
+    store = _env(gateway_container, secret)["GATEWAY_STORE"]
+    assert store == f"redis://:{secret['redis-password']}@pd-gateway-redis:6379/0"
+    server = RedisProcess(extra=tuple(args), password=secret["redis-password"])
+    try:
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(host=server.host, port=server.port, socket_timeout=5).ping()
+        store = store.replace("pd-gateway-redis:6379", f"{server.host}:{server.port}")
+        p, d = fresh_engines
+        with gateway_process([p.url], [d.url], store=store, api_keys="tenant",
+                             key_rpm=3) as gateway:
+            report = gateway.status()
+            assert report["store"] == "redis" and report["reachable"]
+            messages = [{"role": "user", "content": "a conversation kept in Redis"}]
+            caches = []
+            for _ in range(4):
+                reply = requests.post(gateway.url + "/v1/chat/completions", timeout=20,
+                                      headers={"Authorization": "Bearer tenant"},
+                                      json={"model": MODEL, "max_tokens": 4,
+                                            "messages": messages})
+                caches.append((reply.status_code, reply.headers.get("X-Gateway-Cache")))
+                if reply.status_code == 200:
+                    messages += [reply.json()["choices"][0]["message"],
+                                 {"role": "user", "content": "more"}]
+            # The third turn hit through Redis; the fourth was over the key's rpm, counted there.
+            assert caches[:3] == [(200, "miss"), (200, "hit"), (200, "hit")]
+            assert caches[3][0] == 429
+            assert any(key.startswith(b"pd-gateway:") for key in server.client.keys())
+    finally:
+        server.stop()
+
+
 # --- the names, against what a gateway exports --------------------------------------------
 
 def _recorded() -> set[str]:
