@@ -74,9 +74,12 @@ def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     folder = DEPLOY / "kubernetes"
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     resources = {}
+    # The oldest Kubernetes the kit states (kustomization.yaml), and the newest known.
+    versions = ("1.25.0", kubernetes_validate.utils.latest_version())
     for name in kustomization["resources"]:
         for doc in yaml.safe_load_all((folder / name).read_text()):
-            kubernetes_validate.validate(doc, "1.30.0", strict=True)     # raises if not
+            for version in versions:
+                kubernetes_validate.validate(doc, version, strict=True)     # raises if not
             resources[doc["kind"], doc["metadata"]["name"]] = doc
     assert {k for k, _ in resources} >= {"Deployment", "Service", "PodDisruptionBudget",
                                          "Secret"}
@@ -84,6 +87,9 @@ def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     (container,) = pod["containers"]
     env = {e["name"]: e for e in container["env"]}
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # A pause before SIGTERM that any Kubernetes runs: the image's sleep (deploy/Dockerfile's
+    # final stage is Debian's python slim image, with coreutils).
+    assert container["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
     # Longer than the streams it lets finish.
     assert pod["terminationGracePeriodSeconds"] > int(env["GATEWAY_GRACEFUL_TIMEOUT"]["value"])
     assert env["GATEWAY_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "pd-gateway"
