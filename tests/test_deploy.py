@@ -99,11 +99,26 @@ def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
         "annotations"]
     assert int(annotations["prometheus.io/port"]) == metrics_port
     assert {"name": "metrics", "containerPort": metrics_port} in container["ports"]
+    # Memory (docs/operating.md, "Memory"): the limit is the master's and each worker's rest,
+    # as measured (bench.pod_memory), and 15 times the bodies each worker may hold, and room.
+    workers = int(env["GATEWAY_WORKERS"]["value"])
+    bodies = max(int(env[name]["value"]) for name in
+                 ("GATEWAY_MAX_BODY_BYTES", "GATEWAY_MAX_BODIES_BYTES")) / 2**20
+    needed = 33 + workers * (96 + 15 * bodies)
+    limit = _mebibytes(container["resources"]["limits"]["memory"])
+    assert needed <= limit <= needed + 256, (needed, limit)
     for role in ("prefill", "decode"):                # headless: the gateway's DNS discovery
         assert resources["Service", f"vllm-{role}"]["spec"]["clusterIP"] == "None"
     linted = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint"),
                              str(DEPLOY)], capture_output=True, text=True, timeout=60)
     assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+def _mebibytes(quantity: str) -> float:
+    """A Kubernetes memory quantity (2560Mi, 2Gi, 1200M) in MiB."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "k": 10**3, "M": 10**6, "G": 10**9}
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", quantity).groups()
+    return int(number) * units.get(unit, 1) / 2**20
 
 
 # --- the restricted Pod Security Standard ----------------------------------------------------
