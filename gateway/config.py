@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
+from gateway import __version__
 from gateway.options import (SettingsError, add_arguments, auto_or, boolean, bounded, check, given,
                              option, options, positive, read_env)
 # a plain `port` would be shadowed by the field of that name
@@ -590,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pd-gateway",
         description="Gateway for vLLM disaggregated prefill/decode with multi-turn KV reuse. "
                     f"Every flag also reads from a {ENV_PREFIX}* environment variable.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_arguments(parser, Settings)
     seed = parser.add_argument_group("seed-proxy compatible flags")
     seed.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+")
