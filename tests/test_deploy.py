@@ -328,6 +328,53 @@ def test_the_kits_redis_needs_the_password_its_gateways_store_url_carries(fresh_
         server.stop()
 
 
+# --- the image: wheels built with a compiler, installed without one ---------------------------
+# No Docker engine here (nor in CI) to build it: the Dockerfile's stages are read instead.
+
+COMPILERS = re.compile(r"\b(gcc|g\+\+|cc|clang|build-essential|libc6-dev|python3?-dev|make)\b")
+
+
+def _stages(text: str) -> list[dict]:
+    """The Dockerfile's stages: each one's base, name and instructions (continuations joined)."""
+    stages: list[dict] = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        word, _, rest = line.strip().partition(" ")
+        if word.upper() == "FROM":
+            base, _, name = rest.partition(" AS ")
+            stages.append({"base": base.strip(), "name": name.strip(), "steps": []})
+        else:
+            stages[-1]["steps"].append((word.upper(), rest.strip()))
+    return stages
+
+
+def test_the_images_final_stage_installs_built_wheels_and_no_compiler():
+    *builders, final = _stages((DEPLOY / "Dockerfile").read_text())
+    (builder,) = [stage for stage in builders if stage["name"] == "builder"]
+    runs = [rest for word, rest in final["steps"] if word == "RUN"]
+    assert not [run for run in runs if "apt-get" in run or COMPILERS.search(run)], runs
+    assert not [rest for word, rest in final["steps"] if word in ("ADD", "COPY")
+                and "--from=builder" not in rest]        # nothing of the sources either
+    # The builder makes wheels (and has the compiler: gunicorn-h1c compiles)...
+    assert any("pip wheel" in rest and "--wheel-dir /wheels" in rest
+               for word, rest in builder["steps"] if word == "RUN")
+    assert any(COMPILERS.search(rest) for word, rest in builder["steps"] if word == "RUN")
+    # ...the final stage installs them alone, building nothing (pip refuses to).
+    (install,) = [run for run in runs if "pip install" in run]
+    assert "from=builder" in install and "source=/wheels" in install
+    assert "--no-index" in install and "--only-binary=:all:" in install
+    # The same Python (the wheels' ABI), Debian's slim image (its sleep: the preStop hook).
+    assert final["base"] == builder["base"] and re.fullmatch(r"python:3\.\d+-slim", final["base"])
+    # The Deployment's user, and its ports.
+    pod = _pods(_manifests())["pd-gateway"]
+    assert ("USER", str(pod["securityContext"]["runAsUser"])) in final["steps"]
+    (container,) = pod["containers"]
+    exposed = {int(port) for word, rest in final["steps"] if word == "EXPOSE"
+               for port in rest.split()}
+    assert exposed == {port["containerPort"] for port in container["ports"]}
+
+
 # --- the names, against what a gateway exports --------------------------------------------
 
 def _recorded() -> set[str]:
