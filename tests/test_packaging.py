@@ -7,6 +7,7 @@ import configparser
 import hashlib
 import importlib.metadata
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -75,3 +76,17 @@ def test_the_installed_command_says_its_version():
     assert command.exists(), f"{command}: no pd-gateway command beside this Python (make install)"
     said = subprocess.run([str(command), "--version"], capture_output=True, text=True, timeout=60)
     assert (said.returncode, said.stdout) == (0, f"pd-gateway {_metadata()['version']}\n")
+
+
+@pytest.mark.processes
+def test_make_run_installs_the_gateway_and_its_demo_not_the_test_tools():
+    """`make run` (a fresh clone's first command) installs the demo extra (the OpenAI SDK the
+    demo's client is), not the test tools, which `make test` and `make install` add."""
+    def installs(target: str) -> list[str]:
+        planned = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=60, check=True).stdout
+        return re.findall(r"pip install .*-e '(\.\[[a-z-]+\])'", planned)
+    assert installs("run") == [".[demo]"]
+    assert installs("install") == [".[test]"]
+    extras = _setup_cfg()["options.extras_require"]
+    assert "pd-gateway[demo]" in extras["test-embedding"].split()  # the tests' SDK: the demo's
