@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+VENV_STAMP := $(VENV)/.created
+RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -11,15 +13,24 @@ DECODE ?=
 
 .PHONY: install run test test-fast bench bench-quick prometheus-tools
 
-$(STAMP): setup.cfg setup.py
+$(VENV_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	touch $@
+
+# make run: the gateway and what its demo needs (the demo extra), not the test tools.
+$(RUN_STAMP): setup.cfg setup.py $(VENV_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $@
+
+# make test and make install: the test tools too.
+$(STAMP): setup.cfg setup.py $(VENV_STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
 install: $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/python -m devtools.demo $(if $(PREFILL),--prefill $(PREFILL)) $(if $(DECODE),--decode $(DECODE))
 
 # The lowest supported versions (constraints/lowest.txt, the floors of setup.cfg) in a venv of

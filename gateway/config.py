@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
+from gateway import __version__
 from gateway.options import (ArgumentParser, SettingsError, add_arguments, auto_or, boolean,
                              bounded, check, given, option, options, positive, read_env)
 # a plain `port` would be shadowed by the field of that name
@@ -75,6 +76,10 @@ def _host_list(value: Any) -> list[str]:
         hosts.append((f"[{network}]" if suffix and network.version == 6 else str(network))
                      + suffix)
     return hosts
+
+
+def _port_or_off(value: Any) -> int:
+    return 0 if int(value) == 0 else _port(value)
 
 
 def _keys_file(value: Any) -> str:
@@ -203,6 +208,15 @@ class Settings:
 
     host: str = option("0.0.0.0", str, "Address the gateway listens on.")
     port: int = option(8000, _port, "Port the gateway listens on.")
+    metrics_port: int = option(0, _port_or_off, "A listener of its own for GET /metrics and "
+                               "/health (as vllm-router's --prometheus-port): open, no client "
+                               "key or admin token, for Prometheus and probes; everything else "
+                               "there is 404. One per gunicorn master (any worker answers, "
+                               "/metrics summed over workers, /health as on --port). 0: none; "
+                               "/metrics is on --port, behind the admin token when client keys "
+                               "are on.")
+    metrics_host: str = option("", str, "Address the --metrics-port listener binds; empty: "
+                               "--host's.", show="--host")
     prefill: list[str] = option(["http://127.0.0.1:8100"], _url_list,
                                 "Prefill (P) instance URLs, space or comma separated; the flag "
                                 "given again adds more.", nargs="+")
@@ -259,7 +273,7 @@ class Settings:
                             "its cache (on/off); off by itself with one worker.")
     private_host: str = option("127.0.0.1", str,
                                "Address of the per-worker private listeners used for forwarding.")
-    private_base_port: int = option(0, lambda v: 0 if int(v) == 0 else _port(v),
+    private_base_port: int = option(0, _port_or_off,
                                     "Worker slot N listens privately on this port + N; 0 means "
                                     "the gateway port + 1.")
     owner_wait: float = option(3.0, bounded(float, 0.0), "Seconds a request waits for "
@@ -452,6 +466,9 @@ class Settings:
         # Read once: every part of the gateway sees the same models, whatever the file
         # becomes later (names unique, no engine in two models).
         object.__setattr__(self, "_specs", self._read_specs())
+        if self.metrics_port and self.metrics_port == self.port:
+            raise SettingsError(f"--metrics-port {self.metrics_port} is --port: the metrics "
+                                "listener needs a port of its own (or 0 for none)")
         if (self.worker_class == "gthread" and self.workers > 1 and self.forwards
                 and self.threads < 2):
             # A relay holds the worker's only thread while its owner's request waits for one.
@@ -529,6 +546,11 @@ class Settings:
         return max(1, min(self.max_turns or threads * 3 // 4, threads - 1))
 
     @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where the metrics listener binds (--metrics-host, else --host), or None: none."""
+        return (self.metrics_host or self.host, self.metrics_port) if self.metrics_port else None
+
+    @property
     def forwards(self) -> bool:
         """May workers forward conversations to their owner? Only workers with stores of their
         own need to, and only when gunicorn runs several (gunicorn_conf gives each a private
@@ -578,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pd-gateway",
         description="Gateway for vLLM disaggregated prefill/decode with multi-turn KV reuse. "
                     f"Every flag also reads from a {ENV_PREFIX}* environment variable.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_arguments(parser, Settings)
     seed = parser.add_argument_group("seed-proxy compatible flags")
     # Each given again adds more, as the gateway's own list flags (gateway.options.add_arguments).

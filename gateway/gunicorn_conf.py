@@ -2,7 +2,8 @@
 
 They give each worker a stable slot and, with several workers, a private loopback listener (the
 worker affinity of gateway.front.owners), set up the directory where every worker writes its
-metrics (so /metrics sums them), and refuse to start under sync workers. Hooks the config
+metrics (so /metrics sums them), open the metrics listener (--metrics-port: gateway.metrics_port
+says why the workers answer it), and refuse to start under sync workers. Hooks the config
 already has keep running, after pd-gateway's. The gateway's own config (standalone_conf.py) is
 its settings and the same call; a host app's `gunicorn.conf.py` ends with it (docs/embedding.md).
 
@@ -19,7 +20,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from gunicorn.sock import TCPSocket
+from gunicorn.sock import TCP6Socket, TCPSocket
 from gunicorn.util import get_arity, load_class
 
 from gateway.config import Settings
@@ -40,7 +41,8 @@ def install(config: dict[str, Any], **settings: Any) -> None:
 
     `settings` override the GATEWAY_* environment for what the master needs to know: `affinity`,
     `store` (a shared Redis store needs no private listeners), `private_host`,
-    `private_base_port` (default: the first bound port + 1).
+    `private_base_port` (default: the first bound port + 1), `metrics_port` and
+    `metrics_host` (a host app's own PD_GATEWAY_* config is read in the workers, too late).
     """
     if any(getattr(config.get(name), _MARK, False) for name in HOOKS):
         raise RuntimeError("pd-gateway: install() was already called on this gunicorn config")
@@ -93,6 +95,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # as before (the forwarder waits --owner-wait for the replacement, then serves).
         server.pd_holds = {}
         server.pd_changes = _new_changes(None)
+        server.pd_metrics = _metrics_listener(settings, server, None)
         # Every configured slot owns its share from the start: a request that reaches the first
         # worker up waits for its owner (owner_wait) rather than moving once all have started.
         for slot in range(min(server.num_workers, MAX_SLOTS)):
@@ -106,6 +109,8 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # Admin changes are reset with the settings: the new workers start from those alone.
         # Old workers notice their file was unlinked and stop reporting progress in APPLIED.
         server.pd_changes = _new_changes(getattr(server, "pd_changes", None))
+        # The reloaded settings' metrics listener; the one there stays if they did not move it.
+        server.pd_metrics = _metrics_listener(settings, server, getattr(server, "pd_metrics", None))
 
     def pre_fork(server, worker):
         if not hasattr(server, "pd_slots"):    # on_starting was not ours: it says why
@@ -134,6 +139,13 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         else:
             os.environ[THREADS_ENV] = str(worker.cfg.threads)
         os.environ[CHANGES_ENV] = server.pd_changes
+        listener = getattr(server, "pd_metrics", None)
+        # Its address now: gunicorn's gevent worker takes the descriptor out of the object.
+        worker.pd_metrics = listener.getsockname() if listener is not None else None
+        if listener is not None:
+            # Accepted by every worker, as gunicorn's own listeners are; answered by
+            # gateway.metrics_port in front of the app (post_worker_init).
+            worker.sockets = [*worker.sockets, listener]
         os.environ.pop(PRIVATE_ENV, None)
         if server.pd_private is not None:
             host, base = server.pd_private
@@ -164,6 +176,21 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         mounted = extensions.get("pd_gateway") if isinstance(extensions, dict) else None
         if mounted is not None:
             mounted.gateway      # noqa: B018  (built on first use)
+        listener = getattr(worker, "pd_metrics", None)     # its address
+        if listener is not None:
+            if mounted is None:
+                raise RuntimeError(
+                    "pd-gateway: the metrics listener (--metrics-port) needs gunicorn's app to "
+                    "be the Flask app PDGateway is mounted on (its /health is that gateway's); "
+                    "this worker's app has no app.extensions['pd_gateway']")
+            from gateway.metrics_port import MetricsPort
+
+            worker.wsgi = MetricsPort(worker.wsgi, listener, mounted)
+        elif mounted is not None and mounted.settings.metrics_port:
+            worker.log.warning("pd-gateway: the app's settings name a metrics port (%d), but "
+                               "gunicorn's master opened none: set GATEWAY_METRICS_PORT for "
+                               "the master, or install(globals(), metrics_port=...)",
+                               mounted.settings.metrics_port)
 
     def child_exit(server, worker):
         holder = server.pd_slots.get(worker.pd_slot)
@@ -229,7 +256,8 @@ def _private_base(settings: Settings, server) -> tuple[str, int] | None:
         raise RuntimeError("pd-gateway: no TCP address bound to put the private listeners "
                            "after; set GATEWAY_PRIVATE_BASE_PORT")
     base = settings.private_base_port or public[0] + 1
-    clash = sorted(set(public) & set(range(base, base + server.num_workers)))
+    taken = {*public, settings.metrics_port} - {0}
+    clash = sorted(taken & set(range(base, base + server.num_workers)))
     if clash:
         raise RuntimeError(f"pd-gateway: the private listeners ({base}..) would take the bound "
                            f"port(s) {clash}; set GATEWAY_PRIVATE_BASE_PORT elsewhere")
@@ -255,6 +283,33 @@ def _hold(server, slot: int) -> bool:
         return False
     server.pd_holds[slot] = hold
     return True
+
+
+def _metrics_listener(settings: Settings, server, old: TCPSocket | None) -> TCPSocket | None:
+    """The master's metrics listener where `settings` put it (None: no --metrics-port):
+    `old` if it is there already, else a new one (`old` closed)."""
+    address = settings.metrics_address
+    if old is not None:
+        if old.cfg_addr == address:
+            return old
+        old.close()
+    if address is None:
+        return None
+    # gunicorn's own kind of listener. Not SO_REUSEPORT (unless gunicorn's reuse_port asks for
+    # it): a port another process holds stops the gateway, saying which, rather than scrapes
+    # shared with it. So a re-exec'd master (USR2) cannot bind it while the old one runs: it
+    # stops, saying so, and the old master goes on serving.
+    kind = TCP6Socket if ":" in address[0] else TCPSocket
+    try:
+        listener = kind(address, server.cfg, server.log)
+    except OSError as exc:
+        raise RuntimeError(f"pd-gateway: cannot listen for metrics on {address[0]}:{address[1]} "
+                           f"(--metrics-host, --metrics-port): {exc.strerror or exc}") from exc
+    # The workers get it by fork; nothing exec'd needs it.
+    listener.sock.set_inheritable(False)
+    server.log.info("pd-gateway: metrics and health on http://%s:%d (/metrics, /health)",
+                    *listener.getsockname()[:2])
+    return listener
 
 
 def _new_changes(old: str | None) -> str:

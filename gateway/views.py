@@ -148,6 +148,20 @@ def _instance_args() -> tuple[object, object, object]:
     return body.get("role"), body.get("url"), body.get("model")
 
 
+def health_response(gateway: Gateway) -> Response:
+    """For load balancers and Kubernetes probes: status only, nothing about the engines.
+    503 when no model can be served; with several models, "degraded" and 200 while some
+    can (taking the gateway out would not help the others)."""
+    return json_response({"status": gateway.health()}, 200 if gateway.healthy() else 503)
+
+
+def metrics_response(gateway: Gateway) -> Response:
+    """Every metric, summed over the workers, this worker's view of the engines published first."""
+    gateway.publish()
+    body, content_type = metrics.exposition()
+    return Response(body, content_type=content_type)
+
+
 Run = Callable[[Gateway, bytes, Arrival, str, Callable[[], None]], Reply]
 
 
@@ -289,11 +303,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     @bp.route("/ping", methods=["GET", "POST"])
     @bp.get("/health")
     def health() -> Response:
-        """For load balancers and Kubernetes probes: status only, nothing about the engines.
-        503 when no model can be served; with several models, "degraded" and 200 while some
-        can (taking the gateway out would not help the others)."""
-        gateway = current()
-        return json_response({"status": gateway.health()}, 200 if gateway.healthy() else 503)
+        return health_response(current())
 
     def admin() -> Gateway:
         """This process's Gateway, for a caller with the admin token (404 when none is set)."""
@@ -332,9 +342,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         if gateway.api_keys.enabled:     # clients authenticate: metrics are for the operator
             check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
                         "/metrics (with API keys on)")
-        gateway.publish()
-        body, content_type = metrics.exposition()
-        return Response(body, content_type=content_type)
+        return metrics_response(gateway)
 
     if unknown:
         # Routing errors reach no blueprint's handler (no route matched, so no blueprint did):

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from devtools import workload
 from devtools.processes import GatewayProcess, Mount
-from emulator.process import wait_until
+from emulator.process import free_port, wait_until
 from tests.helpers.servers import MODEL, chat_turns, starts_processes, workers_of
 
 pytestmark = pytest.mark.processes     # every test here runs the legacy service under gunicorn
@@ -151,6 +151,45 @@ def test_a_reload_runs_the_config_and_install_again_and_keeps_affinity(engines, 
         assert requests.get(root(gateway) + "/health", timeout=10).json()["post_fork"] in \
             ("slot 0", "slot 1")
     assert p.stats()["wrong_reuse"] == 0
+
+
+def test_the_metrics_listener_answers_for_the_mounted_gateway_and_never_for_the_host(
+        engines, fresh_engines):
+    """GATEWAY_METRICS_PORT reaches the master through install(): /metrics and /health at the
+    listener's root, whatever the app's prefix, and none of the host's routes there; after a
+    reload (SIGHUP) the new workers answer it too."""
+    metrics_port = free_port()
+    mount = legacy_mount("gthread", engines, workers=2)
+    with GatewayProcess(NOWHERE, NOWHERE, mount=mount, metrics_port=metrics_port,
+                        metrics_host="127.0.0.1") as gateway:
+        listener = f"http://127.0.0.1:{metrics_port}"
+        client = OpenAI(base_url=gateway.url + "/v1", api_key="client-key", max_retries=0)
+        assert chat_turns(client, False, explicit=False) == ["miss"] + ["hit"] * 4
+
+        def served() -> float:
+            text = requests.get(listener + "/metrics", timeout=10).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("pd_gateway_requests_total{"))
+
+        assert served() == 5
+        assert requests.get(listener + "/health", timeout=10).content == b'{"status":"ok"}\n'
+        for path in ("/api/items/7", "/llm/health", "/llm/metrics", "/llm/v1/models"):
+            assert requests.get(listener + path, timeout=10,
+                                headers={"X-Api-Key": "legacy-key"}).status_code == 404, path
+        old = workers_of(gateway)
+        gateway.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: len(workers_of(gateway)) == 2 and not workers_of(gateway) & old,
+                   60, "the old workers to stop")
+        assert requests.get(listener + "/health", timeout=10).status_code == 200
+
+
+def test_a_metrics_port_only_the_apps_config_names_is_said_to_be_unopened(engines):
+    """The master reads no app config: a metrics port set only there opens nothing, and each
+    worker says so."""
+    mount = legacy_mount("gthread", engines, workers=1, LEGACY_PD_GATEWAY_METRICS_PORT="9")
+    with GatewayProcess(NOWHERE, NOWHERE, mount=mount) as gateway:
+        assert ("the app's settings name a metrics port (9), but gunicorn's master opened "
+                "none") in gateway.log()
 
 
 def test_without_the_hooks_the_app_says_what_is_missing(engines):
