@@ -78,3 +78,51 @@ def test_no_module_imports_one_above_it_in_the_architecture_table():
             upward += [(module, n) for n in names
                        if n in position and position[n] < position[module]]
     assert upward == []
+
+
+def _headings(text: str) -> list[tuple[int, str]]:
+    """The markdown headings of `text` at levels 2 and 3, outside code blocks."""
+    out, in_code = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith(("## ", "### ")):
+            level, _, title = line.partition(" ")
+            out.append((len(level), title))
+    return out
+
+
+def _anchor(title: str) -> str:
+    import re
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_readme_contents_list_every_section_in_order():
+    import re
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    contents = readme[readme.index("## Contents\n"):]
+    contents = contents[:contents.index("\n\n", contents.index("- ["))]
+    listed = re.findall(r"^( *)- \[([^\]]+)\]\(#([^)]+)\)$", contents, re.M)
+    sections = [(level, title) for level, title in _headings(readme) if title != "Contents"]
+    assert [(2 + len(indent) // 2, title) for indent, title, _ in listed] == sections
+    assert all(anchor == _anchor(title) for _, title, anchor in listed)
+
+
+def test_every_relative_link_in_readme_and_docs_leads_somewhere():
+    import re
+    root = Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue                              # http(s), mailto: not ours to check
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in {
+                    _anchor(title) for _, title in _headings(linked.read_text())}:
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []
