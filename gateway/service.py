@@ -229,7 +229,8 @@ class Gateway:
             total = self.settings.total_timeout
             held.callback(Watch(arrival.socket, time.monotonic() + total if total else None).stop)
             reply = (None if owner is None else
-                     self.owners.forward(owner, arrival.route, raw, headers))
+                     self.owners.forward(owner, arrival.route, raw, headers,
+                                                         arrival.model))
             if reply is not None and body_held:
                 body_held()     # relayed: the owner holds the body now, this worker only bytes
             if reply is None:

@@ -223,6 +223,10 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         except HTTPException as exc:
             status = exc.code or 500
             raise
+        except Exception:
+            if completion:      # a bug: the handler answers 500 (and logs it)
+                metrics.ERRORS.labels("request", "500", arrival.model).inc()
+            raise
         finally:
             if not gateway.owners.forwarded(arrival.port):     # counted where its client is
                 count(arrival.model, str(status))

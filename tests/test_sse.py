@@ -127,6 +127,10 @@ def test_a_client_that_leaves_after_done_had_a_completed_turn(last, outcome):
 
     def disconnects() -> float:
         return REGISTRY.get_sample_value("pd_gateway_client_disconnects_total") or 0.0
+
+    def ends() -> float:     # the turns the e2e histogram timed
+        return REGISTRY.get_sample_value("pd_gateway_e2e_request_latency_seconds_count",
+                                         {"model": "unknown"}) or 0.0
     pool = Pool("decode", ["http://127.0.0.3:8200"])
     decode = pool.instances[0]
     pool.acquire(decode)
@@ -134,8 +138,9 @@ def test_a_client_that_leaves_after_done_had_a_completed_turn(last, outcome):
     stream = _CutAfter([b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', last])
     relay = StreamRelay(stream, Decoded(), decode, pool, 0.0, "unknown", lambda: None,
                         lambda ttft, outcome: logged.append(outcome))
-    before = disconnects()
+    before, timed = disconnects(), ends()
     sent = b"".join(relay.chunks())
     assert sent.endswith(last) and stream.closed and decode.inflight == 0
     assert logged == [outcome]
     assert disconnects() - before == (outcome == "client_gone")
+    assert ends() - timed == (outcome == "completed")     # timed to its [DONE]

@@ -28,7 +28,7 @@ def panel(title: str, targets: list[tuple[str, str]], unit: str = "short",
 RESPONSES, ERRORS = "pd_gateway_responses_total", "pd_gateway_errors_total"
 KV_READS, REQUESTS = "pd_gateway_kv_reads_total", "pd_gateway_requests_total"
 FAILED, IN_STREAM, THROTTLED = 'status=~"5.."', 'stage="stream"', 'status="429"'
-READ, SENT = 'result="read"', 'cache=~"hit|partial"'
+READ, REPORTED, SENT = 'result="read"', 'result!="unreported"', 'cache=~"hit|partial"'
 
 
 def rate(metric: str, selector: str = "") -> str:
@@ -75,10 +75,10 @@ ROWS = [
     ]),
     ("KV reuse: what P read of D's blocks, and why not", [
         panel("Turns whose P read D's blocks, and turns sent them", [
-            (f"sum({rate(KV_READS, READ)} or {rate(KV_READS)} * 0) / sum({rate(KV_READS)})",
-             "read, of the turns sent D's params"),
+            (f"sum({rate(KV_READS, READ)} or {rate(KV_READS, REPORTED)} * 0) / "
+             f"sum({rate(KV_READS, REPORTED)})", "read, of the turns sent D's params"),
             (f"sum({rate(REQUESTS, SENT)} or {rate(REQUESTS)} * 0) / sum({rate(REQUESTS)})",
-             "sent D's params, of all turns")],
+             "served with D's blocks (sent to P, or decode-only), of all turns")],
             "percentunit",
             description="Read: what P reported (pd_gateway_kv_reads_total). A turn sent D's "
                         "params is recomputed when the part to read is under vLLM's "
@@ -164,9 +164,9 @@ def dashboard() -> dict:
             {"name": "datasource", "type": "datasource", "query": "prometheus",
              "label": "Prometheus", "current": {}, "hide": 0},
             {"name": "job", "type": "query", "datasource": DATASOURCE, "label": "job",
-             "query": {"query": "label_values(pd_gateway_requests_total, job)",
+             "query": {"query": "label_values(pd_gateway_admissions_total, job)",
                        "refId": "job"},
-             "definition": "label_values(pd_gateway_requests_total, job)",
+             "definition": "label_values(pd_gateway_admissions_total, job)",
              "includeAll": True, "multi": True, "allValue": ".+", "refresh": 2, "current": {},
              "hide": 0},
         ]},

@@ -36,13 +36,15 @@ class Reply:
     decoded: Decoded | None = None    # what D produced, once the reply has ended (None: relayed)
 
 
-def relayed(stream: Stream, sse: bool) -> Iterator[bytes]:
+def relayed(stream: Stream, sse: bool,
+            failed: Callable[[GatewayError], None] = lambda exc: None) -> Iterator[bytes]:
     """An engine's (or an owner worker's) bytes as they arrive. Once bytes are out the status
     can't change: a failure after them ends an event stream (`sse`) with an error event, other
-    bodies just end. The stream is closed however it ends."""
+    bodies just end; `failed` hears of it. The stream is closed however it ends."""
     try:
         yield from stream.chunks()
     except GatewayError as exc:
+        failed(exc)
         if sse:
             yield error_event(exc)
     finally:
@@ -74,6 +76,7 @@ class StreamRelay:
         relay = EventFilter(decoded)
         gaps, bounds = self._gaps, metrics.ITL_BUCKETS
         sent = 0.0            # when the last chunk went out
+        done_at = None        # when [DONE] went out: the turn's end, as its client sees it
         try:
             for chunk in self.stream.chunks():
                 out = relay.feed(chunk)
@@ -90,17 +93,20 @@ class StreamRelay:
                         metrics.count_into(gaps, bounds, now - sent)
                         self._gaps_total += now - sent
                     sent = now
+                    if decoded.done and done_at is None:
+                        done_at = now
                     yield out
             if not decoded.done:
                 raise BadGateway(f"{decode.name} ended the stream before it was complete")
             self.outcome = "completed"
-            metrics.E2E_SECONDS.labels(self.model).observe(time.perf_counter() - self.started)
+            self._ended(done_at)
         except ClientGone:
             if decoded.done:
                 # [DONE] went out: the client had the whole reply and left before D's stream
                 # ended (the OpenAI SDK closes its response at [DONE], and the watch then cuts
                 # D's connection while the relay waits for D's last bytes). A completed turn.
                 self.outcome = "completed"
+                self._ended(done_at)
             else:
                 metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
         except GatewayError as exc:
@@ -115,6 +121,10 @@ class StreamRelay:
             raise
         finally:
             self.finish()
+
+    def _ended(self, done_at: float | None) -> None:
+        end = done_at if done_at is not None else time.perf_counter()
+        metrics.E2E_SECONDS.labels(self.model).observe(end - self.started)
 
     def finish(self) -> None:
         """Close D's stream, release D's count, log the turn; once, and never raising (it runs

@@ -90,10 +90,11 @@ class Owners:
                                           "worker", slot)
         return self.targets[slot]
 
-    def forward(self, target: Instance, route: str, raw: bytes,
-                headers: Mapping[str, str]) -> Reply | None:
+    def forward(self, target: Instance, route: str, raw: bytes, headers: Mapping[str, str],
+                model: str = "unknown") -> Reply | None:
         """Relay the request through its owner, to `route`, the path it came on (an app may
-        mount the routes under a prefix); None if the owner is away (serve it here).
+        mount the routes under a prefix); None if the owner is away (serve it here). `model`
+        labels a stream the owner could not finish.
 
         Only an owner that is away falls back to serving here. A client that left, or the
         request's deadline, propagate (the view answers 499/504): re-running the whole turn
@@ -122,5 +123,8 @@ class Owners:
         metrics.FORWARDED.labels("sent").inc()
         back = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
         sse = back.get("Content-Type", "").startswith("text/event-stream")
-        return Reply(headers=back, stream=relayed(response, sse), status=response.status,
+        # A stream cut here (its owner died mid-stream): the owner cannot count it; we do.
+        def cut(exc: GatewayError) -> None:
+            metrics.ERRORS.labels("stream", str(exc.status), model).inc()
+        return Reply(headers=back, stream=relayed(response, sse, cut), status=response.status,
                      close=response.close)

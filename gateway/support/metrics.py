@@ -44,8 +44,11 @@ class _Children:
                 DECLARED.append(self)
 
     def labels(self, *values: str, **by_name: str):  # type: ignore[no-untyped-def]
-        if by_name:
-            values = tuple(by_name[name] for name in self._labelnames)  # type: ignore[attr-defined]
+        if by_name:        # prometheus_client's own path (and checks), the values checked too
+            child = super().labels(*values, **by_name)  # type: ignore[misc]
+            self._undeclared(tuple(str(by_name[name])
+                                   for name in self._labelnames))  # type: ignore[attr-defined]
+            return child
         children = self.__dict__.setdefault("_pd_children", {})
         child = children.get(values)
         if child is None:
@@ -144,14 +147,15 @@ REQUESTS = Counter(
     values=dict(endpoint=ENDPOINTS, model=MODEL, cache=CACHE))
 ERRORS = Counter(
     "pd_gateway_errors", "Requests that ended in an error: stage request (an error reply, its "
-    "status) or stream (an error event after the first byte, the status it stands for)",
+    "status; a client gone before its reply is not counted) or stream (an error event after "
+    "the first byte, the status it stands for)",
     ["stage", "status", "model"],
     values=dict(stage=("request", "stream"), status=ERROR_STATUS, model=MODEL))
 TURN_PATHS = Counter(
     "pd_gateway_turn_paths", "Turns by path and why (X-Gateway-Path): decode-only with short "
     "(D holds the history and the new part is short: no P call); two-stage with no_entry (no "
-    "entry found), fast_path_off (an entry, --fast-path-tokens 0), long (too many new tokens "
-    "for the fast path), partial (P reads a shared prefix), unproven (the entry's reuse not "
+    "entry, or one whose history the request does not extend), fast_path_off (an entry, "
+    "--fast-path-tokens 0), long (too many new tokens for the fast path), partial (P reads a shared prefix), unproven (the entry's reuse not "
     "proven), tokenize_failed (D's /tokenize failed), decode_down, decode_overloaded, "
     "decode_busy (the entry's D down, over its share, or reporting a queue or a full KV "
     "cache), decode_gone (the entry's D left the pool), decode_failed (the decode-only turn's "
@@ -161,13 +165,14 @@ FIRST_BYTE_SECONDS = Histogram(
     "pd_gateway_time_to_first_byte_seconds", "From a turn's start to the first byte of its "
     "stream", ["model"], values=dict(model=MODEL), buckets=_LATENCY)
 E2E_SECONDS = Histogram(
-    "pd_gateway_e2e_request_latency_seconds", "From a turn's start to its reply's end, for "
-    "turns that completed (vLLM's vllm:e2e_request_latency_seconds, its buckets, through the "
+    "pd_gateway_e2e_request_latency_seconds", "From a turn's start to its reply's end (a "
+    "stream's [DONE], or its JSON body), for turns that completed (vLLM's vllm:e2e_request_latency_seconds, its buckets, through the "
     "gateway)", ["model"], values=dict(model=MODEL), buckets=E2E_BUCKETS)
 INTER_TOKEN_SECONDS = Histogram(
     "pd_gateway_inter_token_latency_seconds", "Between consecutive chunks of a stream sent to "
     "the client (one chunk: the events of one read from D, mostly one token; vLLM's "
-    "vllm:inter_token_latency_seconds, its buckets, as the client sees it)", ["model"],
+    "vllm:inter_token_latency_seconds, its buckets, as the client sees it), every stream's, "
+    "completed or not", ["model"],
     values=dict(model=MODEL), buckets=ITL_BUCKETS)
 PREFILL_SECONDS = Histogram(
     "pd_gateway_prefill_seconds", "From a turn's start to P's answer (the entry's proof "
@@ -342,7 +347,8 @@ def model_seen(model: str) -> None:
     for endpoint in ENDPOINTS:
         for cache in CACHE:
             REQUESTS.labels(endpoint, model, cache)
-        RESPONSES.labels(endpoint, model, "200")
+        for status in ("200", "500", "502", "503", "504"):
+            RESPONSES.labels(endpoint, model, status)
     for stage in ("request", "stream"):
         for status in ("502", "503", "504"):
             ERRORS.labels(stage, status, model)
