@@ -20,10 +20,16 @@ class ClientRequest:
     body: dict
     stream: bool
     conversation_id: str | None
+    endpoint: str = ""     # the route it came on, when not `path` (/v1/messages runs as chat)
 
     @property
     def is_chat(self) -> bool:
         return self.path == CHAT
+
+    @property
+    def label(self) -> str:
+        """The endpoint as the metrics label it."""
+        return self.endpoint or self.path
 
     @cached_property
     def wire(self) -> dict:
