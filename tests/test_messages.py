@@ -18,7 +18,7 @@ from gateway.flow.decoded import Decoded
 from gateway.front import anthropic as edge
 from gateway.reuse.conversation import identify
 from tests.helpers.payloads import CHAT, D_URL, MISS, P_URL, d_params, p_params, p_reply, sse
-from tests.helpers.servers import MODEL, starts_processes
+from tests.helpers.servers import MODEL, reset, starts_processes
 
 MESSAGES = "/v1/messages"
 SYSTEM = [{"type": "text", "text": "be brief"},
@@ -410,3 +410,121 @@ def test_the_key_comes_as_x_api_key_and_a_tenant_is_the_same_either_way(keyed):
     assert keyed.post(MESSAGES, json=body, headers={"Authorization": "Bearer sk-good"}
                       ).status_code == 200
     assert json.loads(responses.calls[2].request.body)["cache_salt"] == salt
+
+
+# --- the anthropic SDK through a gateway under gunicorn to the emulator ------------------------
+
+TURNS = 4
+# A system prompt long enough that P reading D's blocks is most of each later turn's prompt.
+LONG_SYSTEM = " ".join(f"rule {i}: answer about kv blocks plainly." for i in range(60))
+
+
+def sdk(gateway, key: str = "test-key"):
+    from anthropic import Anthropic
+    return Anthropic(base_url=gateway.url, api_key=key, max_retries=0)
+
+
+@pytest.fixture
+@starts_processes
+def gateway(fresh_engines, gateway_factory):
+    p, d = fresh_engines
+    return gateway_factory([p.url], [d.url])
+
+
+def converse(client, stream: bool, turns: int = TURNS, **extra) -> list[tuple[str, str, object]]:
+    """A conversation sent with no id: each turn echoes the last reply as the SDK returned it.
+    Returns each turn's (X-Gateway-Cache, X-Gateway-KV, message)."""
+    messages = [{"role": "user", "content": f"first question {uuid.uuid4().hex}"}]
+    out = []
+    for turn in range(turns):
+        args = dict(model=MODEL, max_tokens=24, system=LONG_SYSTEM, messages=messages, **extra)
+        if stream:
+            with client.messages.stream(**args) as events:
+                message = events.get_final_message()
+                headers = events.response.headers
+        else:
+            raw = client.messages.with_raw_response.create(**args)
+            message, headers = raw.parse(), raw.headers
+        out.append((headers["X-Gateway-Cache"], headers["X-Gateway-KV"], message))
+        messages = messages + [{"role": "assistant", "content": message.content},
+                               {"role": "user", "content": _next(message, turn)}]
+    return out
+
+
+def _next(message, turn: int):
+    calls = [block for block in message.content if block.type == "tool_use"]
+    if calls:
+        return [{"type": "tool_result", "tool_use_id": call.id, "content": f"result {turn}"}
+                for call in calls]
+    return f"follow up number {turn}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_later_turns_sent_with_no_id_make_p_read_ds_blocks(gateway, fresh_engines, stream):
+    p, d = fresh_engines
+    reads = gateway.metric("pd_gateway_kv_reads_total", result="read")
+    turns = converse(sdk(gateway), stream)
+    assert [(cache, kv) for cache, kv, _ in turns] == [("miss", "none")] + [("hit", "read")] * 3
+    for _, _, message in turns:
+        assert message.type == "message" and message.role == "assistant"
+        assert message.content[0].type == "text" and message.content[0].text
+        assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 24
+    assert p.stats()["hits"] == TURNS - 1
+    assert p.stats()["wrong_reuse"] == 0 and d.stats()["wrong_reuse"] == 0
+    assert gateway.metric("pd_gateway_kv_reads_total", result="read") - reads == TURNS - 1
+    assert gateway.metric("pd_gateway_requests_total", endpoint="/v1/messages") >= TURNS
+
+
+def test_errors_are_anthropics(gateway):
+    import anthropic
+    client = sdk(gateway)
+    with pytest.raises(anthropic.NotFoundError) as found:
+        client.messages.create(model="no-such-model", max_tokens=4,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert found.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model=MODEL, max_tokens=0,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "max_tokens: max_tokens must be positive"}}
+
+
+def test_the_sdks_x_api_key_is_the_clients_key(fresh_engines, gateway_factory):
+    import anthropic
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], api_keys="sk-messages")
+    with pytest.raises(anthropic.AuthenticationError):
+        sdk(gateway, "sk-wrong").messages.create(model=MODEL, max_tokens=4,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    message = sdk(gateway, "sk-messages").messages.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert message.usage.output_tokens == 4
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def thinking_engines():
+    """Engines whose every reply reasons, and calls a tool when the request has tools."""
+    from emulator.process import EmulatorProcess
+    flags = dict(bidirectional_kv_xfer=True, itl_ms=1, recompute_threshold=0,
+                 reasoning_share=1.0, tool_call_share=1.0)
+    with EmulatorProcess("prefill", host="127.0.0.145", **flags) as p, \
+            EmulatorProcess("decode", host="127.0.0.146", **flags) as d:
+        yield p, d
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_thinking_and_tool_use_turns_read_ds_blocks(thinking_engines, gateway_factory, stream):
+    p, d = reset(thinking_engines)
+    gateway = gateway_factory([p.url], [d.url])
+    tools = [{"name": "lookup", "description": "look something up",
+              "input_schema": {"type": "object", "properties": {"query": {"type": "string"},
+                                                                "limit": {"type": "integer"}}}}]
+    turns = converse(sdk(gateway), stream, tools=tools)
+    for _, _, message in turns:
+        kinds = [block.type for block in message.content]
+        assert kinds[0] == "thinking" and message.content[0].signature
+        assert "tool_use" in kinds and message.stop_reason == "tool_use"
+    assert [cache for cache, _, _ in turns] == ["miss"] + ["hit"] * 3
+    assert p.stats()["hits"] == TURNS - 1
+    assert p.stats()["wrong_reuse"] == 0 and d.stats()["wrong_reuse"] == 0

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Mapping
 from werkzeug.datastructures import Headers
 
 from gateway.flow.reply import Reply
+from gateway.parse import read_json
 from gateway.support import jsonio
 from gateway.support.errors import BadRequest, GatewayError
 
@@ -622,13 +623,7 @@ class Edge:
         self.disabled_thinking_effort = disabled_thinking_effort
 
     def chat(self, raw: bytes) -> bytes:
-        try:
-            body = jsonio.loads(raw)
-        except jsonio.TooDeep as exc:
-            raise BadRequest(f"Request body {exc}") from exc
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"Request body is not valid JSON: {exc}"[:300]) from exc
-        return jsonio.dumps(to_chat(body, self.disabled_thinking_effort))
+        return jsonio.dumps(to_chat(read_json(raw), self.disabled_thinking_effort))
 
     reply: Callable[[Reply], Reply] = staticmethod(converted)
 
