@@ -20,10 +20,16 @@ class ClientRequest:
     body: dict
     stream: bool
     conversation_id: str | None
+    endpoint: str = ""     # the route it came on, when not `path` (/v1/messages runs as chat)
 
     @property
     def is_chat(self) -> bool:
         return self.path == CHAT
+
+    @property
+    def label(self) -> str:
+        """The endpoint as the metrics label it."""
+        return self.endpoint or self.path
 
     @cached_property
     def wire(self) -> dict:
@@ -96,15 +102,20 @@ def _is_prompt(prompt: Any) -> bool:
             or all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt))
 
 
-def parse(path: str, raw: bytes) -> ClientRequest:
-    """Validate `raw` for `path`; raises BadRequest naming the offending field."""
+def read_json(raw: bytes) -> Any:
+    """A client's body as JSON; BadRequest if it is not, or nests too deep."""
     try:
-        body = jsonio.loads(raw, MAX_DEPTH)
+        return jsonio.loads(raw, MAX_DEPTH)
     except jsonio.TooDeep as exc:
         raise BadRequest(f"Request body {exc}") from exc
     except (ValueError, RecursionError) as exc:
         # UnicodeDecodeError, JSONDecodeError and orjson's are all ValueErrors.
         raise BadRequest(f"Request body is not valid JSON: {exc}"[:300]) from exc
+
+
+def parse(path: str, raw: bytes) -> ClientRequest:
+    """Validate `raw` for `path`; raises BadRequest naming the offending field."""
+    body = read_json(raw)
     _check(isinstance(body, dict), "body", "Request body must be a JSON object")
     if path == CHAT:
         _check("messages" in body, "messages", "'messages' is required")

@@ -25,6 +25,7 @@ from gateway.flow.passthrough import PassThrough, Route, model_of
 from gateway.flow.release import Releaser
 from gateway.flow.reply import Reply
 from gateway.front.admission import Admission, BodyBudget
+from gateway.front.anthropic import Edge
 from gateway.front.auth import ApiKeys
 from gateway.front.owners import Owners
 from gateway.front.tenants import NO_TICKET, KeyLimits, Tenants, Ticket
@@ -196,8 +197,12 @@ class Gateway:
         return pool.prefill if pool is not None else None
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str], arrival: Arrival,
-                 request_id: str, body_held: Callable[[], None] | None = None) -> Reply:
-        """Run one completion request whose whole body is `raw`; raises GatewayError.
+                 request_id: str, body_held: Callable[[], None] | None = None,
+                 edge: Edge | None = None) -> Reply:
+        """Run one completion request whose whole body is `raw`; raises GatewayError. With
+        `edge`, `raw` is another API's request (Anthropic's Messages): run as the chat request
+        `edge.chat(raw)` makes of it, its reply made the API's by `edge.reply`; forwarded to
+        the conversation's owner as it came, to the route it came on.
 
         The body must be read before this call: bytes still unread in the socket would look to
         the disconnect watcher like a pipelined next request, and it would stop watching.
@@ -210,7 +215,9 @@ class Gateway:
         if body_held:
             held.callback(body_held)
         try:
-            request = parse(path, raw)        # CPU only: no watcher, no place taken yet
+            # CPU only: no watcher, no place taken yet
+            request = (parse(path, raw) if edge is None else
+                       replace(parse(path, edge.chat(raw)), endpoint=edge.endpoint))
             pool, request = self.pools.route(request)     # an unknown model: 404 here
             arrival.model = pool.label(request.body.get("model"))
             metrics.model_seen(arrival.model)
@@ -240,6 +247,8 @@ class Gateway:
                         self._admit(held, self.admission, tenant, limits, arrival.socket)
                 reply = self._serve(pool, request, conversation, headers, request_id, work,
                                     arrival.model)
+                if edge is not None:
+                    reply = edge.reply(reply)
                 if ticket is not NO_TICKET:
                     reply.headers.update(ticket.headers)
                     held.callback(_charge(ticket, reply))

@@ -10,13 +10,14 @@ import logging
 import re
 import uuid
 from contextlib import ExitStack
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from flask import Blueprint, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
 from gateway.flow.passthrough import ROUTES, Route
 from gateway.flow.reply import Reply
+from gateway.front import anthropic
 from gateway.front.admission import BodyHold
 from gateway.front.auth import check_admin
 from gateway.parse import CHAT, COMPLETIONS
@@ -126,7 +127,8 @@ def _forget_request_id() -> None:
     logs.REQUEST_ID.set("-")     # this thread's (or greenlet's) next lines belong to no request
 
 
-def _failed(exc: GatewayError, request_id: str, model: str, completion: bool) -> Response:
+def _failed(exc: GatewayError, request_id: str, model: str, completion: bool,
+            envelope: Envelope | None = None) -> Response:
     if isinstance(exc, ClientGone):
         metrics.DISCONNECTS.inc()      # nobody reads the reply
     else:
@@ -136,7 +138,7 @@ def _failed(exc: GatewayError, request_id: str, model: str, completion: bool) ->
                 "request %s failed with %d: %s", request_id, exc.status, exc.message)
         if completion:        # (a passed route's are in pd_gateway_passed_total)
             metrics.ERRORS.labels("request", str(exc.status), model).inc()
-    return exc.response(request_id)
+    return exc.response(request_id, envelope)
 
 
 def _instance_args() -> tuple[object, object, object]:
@@ -163,6 +165,7 @@ def metrics_response(gateway: Gateway) -> Response:
 
 
 Run = Callable[[Gateway, bytes, Arrival, str, Callable[[], None]], Reply]
+Envelope = Callable[[GatewayError], dict]
 
 
 def unknown_route() -> GatewayError:
@@ -195,6 +198,16 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                      lambda model, status: metrics.RESPONSES.labels(path, model, status).inc(),
                      completion=True)
 
+    def messages_route() -> Response:
+        # Anthropic's clients send their key as x-api-key: the gateway reads it as a bearer key.
+        headers = anthropic.with_bearer(request.headers)
+        return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
+                         CHAT, raw, headers, arrival, request_id, body_held,
+                         edge=anthropic.EDGE),
+                     lambda model, status: metrics.RESPONSES.labels(anthropic.MESSAGES, model,
+                                                                    status).inc(),
+                     completion=True, headers=headers, envelope=anthropic.envelope)
+
     def pass_through(route: Route) -> Response:
         # The path and query as they came (the engine's route, without the app's prefix).
         target = route.path + (f"?{request.query_string.decode('latin-1')}"
@@ -205,9 +218,12 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                                                                  status).inc(),
                      completion=False)
 
-    def serve(run: Run, count: Callable[[str, str], None], completion: bool) -> Response:
+    def serve(run: Run, count: Callable[[str, str], None], completion: bool,
+              headers: Mapping[str, str] | None = None,
+              envelope: Envelope | None = None) -> Response:
         """One request whose reply `run` makes (of its body, read here, within the limits),
-        counted by `count(model, status)`."""
+        counted by `count(model, status)`; its key read from `headers` (the request's), its
+        errors in `envelope`'s shape (the OpenAI envelope)."""
         gateway = current()
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
@@ -218,7 +234,8 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                           socket=environ.get("gunicorn.socket"))
         status = 500            # unless it answers: an error the blueprint's handler answers
         try:
-            response = answer(gateway, run, arrival, request_id, completion)
+            response = answer(gateway, run, arrival, request_id, completion,
+                              request.headers if headers is None else headers, envelope)
             status = response.status_code
         except HTTPException as exc:
             status = exc.code or 500
@@ -233,11 +250,12 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         return response
 
     def answer(gateway: Gateway, run: Run, arrival: Arrival, request_id: str,
-               completion: bool) -> Response:
+               completion: bool, headers: Mapping[str, str],
+               envelope: Envelope | None) -> Response:
         streaming = False
         try:
-            gateway.api_keys.check(request.headers.get("Authorization"))   # before the body
-            gateway.refuse_early(request.headers)      # a key whose requests are spent, too
+            gateway.api_keys.check(headers.get("Authorization"))   # before the body
+            gateway.refuse_early(headers)      # a key whose requests are spent, too
             hold = gateway.bodies.hold()
             try:
                 raw = _read_body(gateway.settings.max_body_bytes, hold)   # before the watcher
@@ -263,7 +281,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                 request.environ[_UNSENT] = response     # until the server takes it (teardown)
                 streaming = True     # the relay's lines carry the id until the stream ends
         except GatewayError as exc:
-            return _failed(exc, request_id, arrival.model, completion)
+            return _failed(exc, request_id, arrival.model, completion, envelope)
         finally:
             if not streaming:
                 _forget_request_id()
@@ -288,6 +306,10 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     @bp.post(COMPLETIONS)
     def completions() -> Response:
         return complete(COMPLETIONS)
+
+    @bp.post(anthropic.MESSAGES)
+    def messages() -> Response:
+        return messages_route()
 
     @bp.get("/v1/models")
     def models() -> Response:
@@ -363,11 +385,15 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     @bp.errorhandler(HTTPException)
     @bp.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:
+        rule = request.url_rule
+        # The Messages route's errors in Anthropic's envelope, wherever they arose.
+        shape = (anthropic.envelope if rule is not None and rule.rule == anthropic.MESSAGES
+                 else None)
         if isinstance(exc, GatewayError):
-            return exc.response()
+            return exc.response(envelope=shape)
         if isinstance(exc, HTTPException) and (exc.code or 500) < 500:
-            return GatewayError.from_http(exc).response()
+            return GatewayError.from_http(exc).response(envelope=shape)
         log.exception("unexpected error")
-        return GatewayError("Internal gateway error").response()
+        return GatewayError("Internal gateway error").response(envelope=shape)
 
     return bp

@@ -3,6 +3,8 @@ a response (as Werkzeug's `HTTPException.get_response`) or, mid-stream, a final 
 Every JSON body the gateway answers with is serialized here too (`json_response`)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response
 
@@ -49,9 +51,11 @@ class GatewayError(Exception):
         """Response headers this error adds (Retry-After, WWW-Authenticate)."""
         return {}
 
-    def response(self, request_id: str | None = None) -> Response:
-        """This error as the client's HTTP response."""
-        response = json_response(self.envelope(), self.status)
+    def response(self, request_id: str | None = None,
+                 envelope: Callable[[GatewayError], dict] | None = None) -> Response:
+        """This error as the client's HTTP response (in `envelope`'s shape: another API's)."""
+        response = json_response(self.envelope() if envelope is None else envelope(self),
+                                 self.status)
         response.headers.update(self.headers())
         if request_id:
             response.headers["X-Request-Id"] = request_id

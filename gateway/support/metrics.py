@@ -105,7 +105,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 
 # Label values shared by several metrics.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 MODEL = "the model (below the table)"
 CACHE = ("hit", "partial", "miss")
 # The turn's KV outcome (X-Gateway-KV, with - for _): what P did with what D held.
