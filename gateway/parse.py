@@ -20,6 +20,12 @@ class ClientRequest:
     body: dict
     stream: bool
     conversation_id: str | None
+    endpoint: str = ""      # the route the client called, if not `path` (/v1/responses): metrics
+
+    @property
+    def label(self) -> str:
+        """The endpoint the metrics name."""
+        return self.endpoint or self.path
 
     @property
     def is_chat(self) -> bool:

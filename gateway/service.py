@@ -196,7 +196,8 @@ class Gateway:
         return pool.prefill if pool is not None else None
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str], arrival: Arrival,
-                 request_id: str, body_held: Callable[[], None] | None = None) -> Reply:
+                 request_id: str, body_held: Callable[[], None] | None = None,
+                 endpoint: str = "") -> Reply:
         """Run one completion request whose whole body is `raw`; raises GatewayError.
 
         The body must be read before this call: bytes still unread in the socket would look to
@@ -204,13 +205,16 @@ class Gateway:
         The reply's `close` releases what the turn holds (the engine stream, D's in-flight
         count, its admission place, the watcher, and `body_held`, the body's share of the
         worker's body budget, which this call owns from its start): call it when the reply has ended or was
-        dropped; a JSON reply comes released.
+        dropped; a JSON reply comes released. `endpoint`: the route the client called when it
+        is not `path` (a Responses request run as a chat one), for the metrics.
         """
         held = ExitStack()      # what the turn takes, released last taken first
         if body_held:
             held.callback(body_held)
         try:
             request = parse(path, raw)        # CPU only: no watcher, no place taken yet
+            if endpoint:
+                request = replace(request, endpoint=endpoint)
             pool, request = self.pools.route(request)     # an unknown model: 404 here
             arrival.model = pool.label(request.body.get("model"))
             metrics.model_seen(arrival.model)

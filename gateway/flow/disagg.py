@@ -379,7 +379,7 @@ class Disagg:
 
     @staticmethod
     def _count(turn: Turn, path: TurnPath) -> None:
-        metrics.REQUESTS.labels(turn.request.path, turn.model, path.cache).inc()
+        metrics.REQUESTS.labels(turn.request.label, turn.model, path.cache).inc()
         metrics.TURN_PATHS.labels(path.name, path.reason, turn.model).inc()
 
     def _log_turn(self, turn: Turn, path: TurnPath, decode: Instance, ttft: float | None,
