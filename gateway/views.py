@@ -20,6 +20,8 @@ from gateway.flow.reply import Reply
 from gateway.front.admission import BodyHold
 from gateway.front.auth import check_admin
 from gateway.parse import CHAT, COMPLETIONS
+from gateway.responses.items import RESPONSES
+from gateway.responses.route import Responses, responses_of
 from gateway.service import Arrival, Gateway
 from gateway.support import logs, metrics
 from gateway.support.errors import (BadRequest, ClientGone, GatewayError, MethodNotAllowed,
@@ -284,6 +286,33 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     @bp.post(COMPLETIONS)
     def completions() -> Response:
         return complete(COMPLETIONS)
+
+    # OpenAI's Responses API, run as chat completions (gateway.responses.route).
+    @bp.post(RESPONSES)
+    def responses_create() -> Response:
+        return serve(lambda gateway, raw, arrival, request_id, body_held: responses_of(
+                         gateway).create(raw, request.headers, arrival, request_id, body_held),
+                     lambda model, status: metrics.RESPONSES.labels(RESPONSES, model,
+                                                                    status).inc(),
+                     completion=True)
+
+    def stored(action: Callable[..., dict], response_id: str) -> Response:
+        gateway = current()
+        authorization = request.headers.get("Authorization")
+        gateway.api_keys.check(authorization)
+        return json_response(action(responses_of(gateway), response_id, authorization))
+
+    @bp.get(f"{RESPONSES}/<response_id>")
+    def responses_get(response_id: str) -> Response:
+        return stored(Responses.retrieve, response_id)
+
+    @bp.delete(f"{RESPONSES}/<response_id>")
+    def responses_delete(response_id: str) -> Response:
+        return stored(Responses.delete, response_id)
+
+    @bp.post(f"{RESPONSES}/<response_id>/cancel")
+    def responses_cancel(response_id: str) -> Response:
+        return stored(Responses.cancel, response_id)
 
     @bp.get("/v1/models")
     def models() -> Response:
