@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from gateway.config import Settings
 from gateway.engines.d_budget import DBudget
 from gateway.engines.engine_load import BlockSize, EngineLoad
-from gateway.engines.instances import Policy, Pool, Prober
+from gateway.engines.instances import Instance, Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.upstream import Upstream
 from gateway.engines.watch import Watch, still_open
@@ -249,6 +249,26 @@ class Gateway:
         except BaseException:
             _release(held.close)      # the error the client sees is the one that stopped it
             raise
+        return _holding(held, reply)
+
+    def relay(self, target: Instance, route: str, raw: bytes, headers: Mapping[str, str],
+              arrival: Arrival) -> Reply | None:
+        """Relay a request to `target`, the worker that holds what it names (a stored
+        response's chain: gateway.responses.route), within this worker's relay places and
+        watch; None if that worker is away. Its owner counts and admits the turn itself."""
+        held = ExitStack()
+        try:
+            tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
+            self._admit(held, self.relays, tenant, limits, arrival.socket)
+            total = self.settings.total_timeout
+            held.callback(Watch(arrival.socket, time.monotonic() + total if total else None).stop)
+            reply = self.owners.forward(target, route, raw, headers)
+        except BaseException:
+            _release(held.close)
+            raise
+        if reply is None:
+            _release(held.close)
+            return None
         return _holding(held, reply)
 
     def pass_through(self, route: Route, raw: bytes, headers: Mapping[str, str], target: str,

@@ -300,7 +300,13 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         gateway = current()
         authorization = request.headers.get("Authorization")
         gateway.api_keys.check(authorization)
-        return json_response(action(responses_of(gateway), response_id, authorization))
+        responses = responses_of(gateway)
+        relayed = responses.at_home(response_id, request.method,
+                                    request.script_root + request.path,
+                                    request.environ.get("SERVER_PORT", ""), authorization)
+        if relayed is not None:
+            return Response(relayed[1], status=relayed[0], content_type="application/json")
+        return json_response(action(responses, response_id, authorization))
 
     @bp.get(f"{RESPONSES}/<response_id>")
     def responses_get(response_id: str) -> Response:

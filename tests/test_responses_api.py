@@ -206,3 +206,29 @@ def test_the_chain_in_redis(fresh_engines, gateway_factory, redis_server):
         previous = response.id
     assert caches == ["miss", "hit", "hit"] and p.stats()["hits"] == 2
     assert client.responses.retrieve(previous).output_text == response.output_text
+
+
+def test_several_workers_with_a_local_store_keep_each_chain_in_one(fresh_engines,
+                                                                    gateway_factory):
+    """Each request naming a response goes to the worker that keeps its chain, whichever
+    worker the kernel gave the connection to."""
+    p, d = fresh_engines
+    gateway = gateway_factory([p.url], [d.url], workers=3)
+    chains = []
+    for n in range(4):
+        previous, caches = None, []
+        for turn in range(4):
+            client = client_of(gateway, f"key-{n}")    # a new connection: any worker's
+            response, cache, _ = create(client, input=f"chain {n} turn {turn} {uuid.uuid4().hex}",
+                                        previous_response_id=previous)
+            caches.append(cache)
+            previous = response.id
+        chains.append((client, previous, caches))
+    assert [caches for _, _, caches in chains] == [["miss", "hit", "hit", "hit"]] * 4
+    assert p.stats()["hits"] == 12 and p.stats()["wrong_reuse"] == 0
+    for client, last, _ in chains:
+        for _ in range(4):
+            assert client_of(gateway, client.api_key).responses.retrieve(last).id == last
+        client.responses.delete(last)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(last)
