@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 import uuid
 import weakref
+from typing import Callable, Mapping
 
 import requests
-from typing import Callable, Mapping
 
 from gateway.flow.reply import Reply
 from gateway.parse import CHAT
