@@ -254,6 +254,12 @@ class Settings:
                              "before the least recently used are evicted (with client keys, the "
                              "key with the most entries first; local store; bound a Redis store "
                              "with its maxmemory).")
+    responses_ttl: float = option(3600.0, positive(float), "Seconds a stored response "
+                                  "(/v1/responses with store) is kept for previous_response_id "
+                                  "and GET, in --store; its KV blocks go at --store-ttl.")
+    responses_bytes: int = option(256 << 20, positive(int), "Bytes of stored responses kept "
+                                  "per worker before the least recently used go (local store; "
+                                  "bound a Redis store with its maxmemory).")
     pinned_blocks: int | None = option(None, auto_or(bounded(int, 0)), "Blocks each D may keep "
                                        "pinned for conversations waiting for their next turn: "
                                        "auto, from what each D reports (vllm:cache_config_info's "

@@ -20,7 +20,8 @@ class ClientRequest:
     body: dict
     stream: bool
     conversation_id: str | None
-    endpoint: str = ""     # the route it came on, when not `path` (/v1/messages runs as chat)
+    endpoint: str = ""      # the route the client called, if not `path` (/v1/messages and
+                            # /v1/responses run as chat): for the metrics
 
     @property
     def is_chat(self) -> bool:

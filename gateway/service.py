@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from gateway.config import Settings
 from gateway.engines.d_budget import DBudget
 from gateway.engines.engine_load import BlockSize, EngineLoad
-from gateway.engines.instances import Policy, Pool, Prober
+from gateway.engines.instances import Instance, Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.upstream import Upstream
 from gateway.engines.watch import Watch, still_open
@@ -198,11 +198,12 @@ class Gateway:
 
     def complete(self, path: str, raw: bytes, headers: Mapping[str, str], arrival: Arrival,
                  request_id: str, body_held: Callable[[], None] | None = None,
-                 edge: Edge | None = None) -> Reply:
+                 edge: Edge | None = None, endpoint: str = "") -> Reply:
         """Run one completion request whose whole body is `raw`; raises GatewayError. With
         `edge`, `raw` is another API's request (Anthropic's Messages): run as the chat request
         `edge.chat(raw)` makes of it, its reply made the API's by `edge.reply`; forwarded to
-        the conversation's owner as it came, to the route it came on.
+        the conversation's owner as it came, to the route it came on. `endpoint`: the route
+        the metrics name, when not `path` (OpenAI's Responses, run as chat).
 
         The body must be read before this call: bytes still unread in the socket would look to
         the disconnect watcher like a pipelined next request, and it would stop watching.
@@ -218,6 +219,8 @@ class Gateway:
             # CPU only: no watcher, no place taken yet
             request = (parse(path, raw) if edge is None else
                        replace(parse(path, edge.chat(raw)), endpoint=edge.endpoint))
+            if endpoint:
+                request = replace(request, endpoint=endpoint)
             pool, request = self.pools.route(request)     # an unknown model: 404 here
             arrival.model = pool.label(request.body.get("model"))
             metrics.model_seen(arrival.model)
@@ -255,6 +258,26 @@ class Gateway:
         except BaseException:
             _release(held.close)      # the error the client sees is the one that stopped it
             raise
+        return _holding(held, reply)
+
+    def relay(self, target: Instance, route: str, raw: bytes, headers: Mapping[str, str],
+              arrival: Arrival) -> Reply | None:
+        """Relay a request to `target`, the worker that holds what it names (a stored
+        response's chain: gateway.responses.route), within this worker's relay places and
+        watch; None if that worker is away. Its owner counts and admits the turn itself."""
+        held = ExitStack()
+        try:
+            tenant, limits = self.api_keys.tenant(headers.get("Authorization"))
+            self._admit(held, self.relays, tenant, limits, arrival.socket)
+            total = self.settings.total_timeout
+            held.callback(Watch(arrival.socket, time.monotonic() + total if total else None).stop)
+            reply = self.owners.forward(target, route, raw, headers)
+        except BaseException:
+            _release(held.close)
+            raise
+        if reply is None:
+            _release(held.close)
+            return None
         return _holding(held, reply)
 
     def pass_through(self, route: Route, raw: bytes, headers: Mapping[str, str], target: str,

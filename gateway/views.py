@@ -21,6 +21,8 @@ from gateway.front import anthropic
 from gateway.front.admission import BodyHold
 from gateway.front.auth import check_admin
 from gateway.parse import CHAT, COMPLETIONS
+from gateway.responses.items import RESPONSES
+from gateway.responses.route import Responses, responses_of
 from gateway.service import Arrival, Gateway
 from gateway.support import logs, metrics
 from gateway.support.errors import (BadRequest, ClientGone, GatewayError, MethodNotAllowed,
@@ -310,6 +312,39 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     @bp.post(anthropic.MESSAGES)
     def messages() -> Response:
         return messages_route()
+
+    # OpenAI's Responses API, run as chat completions (gateway.responses.route).
+    @bp.post(RESPONSES)
+    def responses_create() -> Response:
+        return serve(lambda gateway, raw, arrival, request_id, body_held: responses_of(
+                         gateway).create(raw, request.headers, arrival, request_id, body_held),
+                     lambda model, status: metrics.RESPONSES.labels(RESPONSES, model,
+                                                                    status).inc(),
+                     completion=True)
+
+    def stored(action: Callable[..., dict], response_id: str) -> Response:
+        gateway = current()
+        authorization = request.headers.get("Authorization")
+        gateway.api_keys.check(authorization)
+        responses = responses_of(gateway)
+        relayed = responses.at_home(response_id, request.method,
+                                    request.script_root + request.path,
+                                    request.environ.get("SERVER_PORT", ""), authorization)
+        if relayed is not None:
+            return Response(relayed[1], status=relayed[0], content_type="application/json")
+        return json_response(action(responses, response_id, authorization))
+
+    @bp.get(f"{RESPONSES}/<response_id>")
+    def responses_get(response_id: str) -> Response:
+        return stored(Responses.retrieve, response_id)
+
+    @bp.delete(f"{RESPONSES}/<response_id>")
+    def responses_delete(response_id: str) -> Response:
+        return stored(Responses.delete, response_id)
+
+    @bp.post(f"{RESPONSES}/<response_id>/cancel")
+    def responses_cancel(response_id: str) -> Response:
+        return stored(Responses.cancel, response_id)
 
     @bp.get("/v1/models")
     def models() -> Response:

@@ -35,7 +35,7 @@ CLOSED = [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
           ("POST", "/scale_elastic_ep"), ("GET", "/server_info"), ("GET", "/load"),
           ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
           ("GET", "/kv_event_sources"), ("POST", "/pause"), ("POST", "/invocations"),
-          ("POST", "/v1/responses"), ("POST", "/generative_scoring"),
+          ("POST", "/generative_scoring"),
           ("POST", "/inference/v1/generate"), ("GET", "/docs"), ("GET", "/openapi.json")]
 
 

@@ -105,7 +105,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 
 # Label values shared by several metrics.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 MODEL = "the model (below the table)"
 CACHE = ("hit", "partial", "miss")
 # The turn's KV outcome (X-Gateway-KV, with - for _): what P did with what D held.
@@ -241,8 +241,9 @@ RELEASES = Counter(
 STORE_ERRORS = Counter(
     "pd_gateway_store_errors", "Calls to a Redis store that failed (take: a miss; put: no "
     "entry; ledger: a count of a D's pinned blocks missed a change: a Redis Cluster's, on "
-    "another node, or a failed trim to the budget; limits: a key's request was admitted uncounted)", ["operation"],
-    values=dict(operation=("take", "put", "ledger", "limits")))
+    "another node, or a failed trim to the budget; limits: a key's request was admitted uncounted; "
+    "responses: a stored response's get, put or delete)", ["operation"],
+    values=dict(operation=("take", "put", "ledger", "limits", "responses")))
 PINNED_BLOCKS = Gauge(
     "pd_gateway_pinned_blocks", "Blocks each D keeps for the conversations this gateway's local "
     "stores hold (their entries' remote_block_ids), summed over live workers", ["decode"],
