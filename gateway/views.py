@@ -9,6 +9,7 @@ import functools
 import logging
 import re
 import uuid
+from urllib.parse import quote
 from contextlib import ExitStack
 from typing import Callable, Iterator, Mapping
 
@@ -30,6 +31,7 @@ from gateway.support.errors import (BadRequest, ClientGone, GatewayError, Method
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_QUERY_SAFE = "=&%+;/?:@,$!*'()~[]"      # what a query keeps as it came (quote adds -._~)
 
 
 READ_CHUNK = 1 << 16    # the body budget counts a body as it arrives, 64 KiB at a time
@@ -211,14 +213,20 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                      completion=True, headers=headers, envelope=anthropic.envelope)
 
     def pass_through(route: Route) -> Response:
-        # The path and query as they came (the engine's route, without the app's prefix).
-        target = route.path + (f"?{request.query_string.decode('latin-1')}"
+        # The path and query as they came (the engine's route, without the app's prefix); a
+        # byte no URL may carry percent-encoded, as a server that let it in should have (else
+        # http.client refuses it, and that would count against the engine).
+        target = route.path + (f"?{quote(request.query_string, safe=_QUERY_SAFE)}"
                                if request.query_string else "")
+        # Anthropic's count_tokens: its SDK's key (x-api-key) and its envelope, as /v1/messages.
+        anthropic_route = route.path == anthropic.COUNT_TOKENS
+        headers = anthropic.with_bearer(request.headers) if anthropic_route else request.headers
         return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.pass_through(
-                         route, raw, request.headers, target, arrival, request_id, body_held),
+                         route, raw, headers, target, arrival, request_id, body_held),
                      lambda model, status: metrics.PASSED.labels(route.path, model,
                                                                  status).inc(),
-                     completion=False)
+                     completion=False, headers=headers,
+                     envelope=anthropic.envelope if anthropic_route else None)
 
     def serve(run: Run, count: Callable[[str, str], None], completion: bool,
               headers: Mapping[str, str] | None = None,

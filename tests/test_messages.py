@@ -139,6 +139,13 @@ def test_the_rest_of_the_conversion():
       "thinking": {"type": "enabled", "budget_tokens": 4000}}, "thinking.budget_tokens"),
     ({"model": "m", "max_tokens": 5, "messages": [], "stop_sequences": ["a"] * 5},
      "stop_sequences"),
+    # A tool_result's own items (they were a 500: a source that is no object, a text no string)
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": "x"}]}]}]}, "messages.0.content.0.content.0.source"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": 5}]}]}]}, "messages.0.content.0.content.0.text"),
 ])
 def test_a_bad_body_is_a_400_in_anthropics_envelope(client, body, param):
     reply = client.post(MESSAGES, json=body)
@@ -292,10 +299,22 @@ def test_a_streamed_message_is_anthropics_event_stream(client):
                         "stream_options": {"include_usage": True,
                                            "continuous_usage_stats": True},
                         "kv_transfer_params": {**p_params(1), "remote_host": "10.9.0.1"}})])
+    from prometheus_client import REGISTRY
+
+    def count(name: str, **labels) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+    before = (count("pd_gateway_client_disconnects_total"),
+              count("pd_gateway_e2e_request_latency_seconds_count", model="unknown"))
     reply = client.post(MESSAGES, json=body)
     assert reply.status_code == 200
     assert reply.content_type.startswith("text/event-stream")
     assert b"kv_transfer_params" not in reply.data
+    reply.close()           # the server's close of the reply: the relay's end
+    # A completed turn, as a chat stream's: no disconnect, timed end to end (the converter
+    # stops reading at [DONE]; that was counted a client gone).
+    assert (count("pd_gateway_client_disconnects_total") - before[0],
+            count("pd_gateway_e2e_request_latency_seconds_count", model="unknown")
+            - before[1]) == (0, 1)
     events = anthropic_events(reply.data)
     signature = events[3][1]["delta"].pop("signature")
     assert len(signature) == 32
@@ -410,6 +429,16 @@ def test_the_key_comes_as_x_api_key_and_a_tenant_is_the_same_either_way(keyed):
     assert keyed.post(MESSAGES, json=body, headers={"Authorization": "Bearer sk-good"}
                       ).status_code == 200
     assert json.loads(responses.calls[2].request.body)["cache_salt"] == salt
+    # count_tokens, passed through, takes the SDK's x-api-key too, and refuses in Anthropic's
+    # envelope
+    count = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    refused = keyed.post("/v1/messages/count_tokens", json=count, headers={"x-api-key": "bad"})
+    assert refused.status_code == 401 and refused.get_json()["type"] == "error"
+    responses.post(P_URL + "/v1/messages/count_tokens", json={"input_tokens": 7})
+    responses.post(D_URL + "/v1/messages/count_tokens", json={"input_tokens": 7})
+    counted = keyed.post("/v1/messages/count_tokens", json=count,
+                         headers={"x-api-key": "sk-good"})
+    assert counted.status_code == 200 and counted.get_json() == {"input_tokens": 7}
 
 
 # --- the anthropic SDK through a gateway under gunicorn to the emulator ------------------------

@@ -444,3 +444,18 @@ def test_a_model_is_passed_to_its_own_engines(routed):
     after = _requests_of((p1, p2, d, e))
     assert after[3] - before[3] == 2 and sum(after[:2]) - sum(before[:2]) == 1
     assert after[2] == before[2]
+
+
+@responses.activate
+def test_a_query_no_url_may_carry_is_passed_encoded_and_blames_no_engine(make_app):
+    """A byte http.client refuses in a URL (a server before gunicorn 27 lets it in) was taken
+    for the engine breaking the connection: eight such requests opened every breaker."""
+    client = make_app().test_client()
+    for url in (P_URL, D_URL):
+        responses.get(url + "/version", json={"version": url})
+    for _ in range(8):
+        reply = client.get("/version", environ_overrides={"QUERY_STRING": "x=\x7f&y=a b"})
+        assert reply.status_code == 200
+    assert responses.calls[0].request.url.endswith("/version?x=%7F&y=a%20b")
+    gateway = client.application.extensions["pd_gateway"].gateway
+    assert [i.failures for i in gateway.prefill.instances + gateway.decode.instances] == [0, 0]

@@ -98,6 +98,13 @@ class ModelPools:
             raise ModelNotFound(model, self.served)
         return found
 
+    def label(self, model: object) -> str:
+        """The metrics' label of a request naming `model`, before it is routed ("unknown" for
+        a model no pool serves)."""
+        found = (self.default, None) if self.single or model is None else (
+            self._by_name.get(model) if isinstance(model, str) else None)
+        return "unknown" if found is None else found[0].label(model)
+
     def remember(self) -> None:
         """Note each model's Ds now (called as the instance sets change), so an entry whose D
         has left its pool since (drained, gone from DNS) still finds its model."""

@@ -117,7 +117,13 @@ class StreamRelay:
             metrics.ERRORS.labels("stream", str(exc.status), self.model).inc()
             yield error_event(exc)
         except GeneratorExit:
-            metrics.DISCONNECTS.inc()
+            if decoded.done:
+                # Closed after [DONE] went out: its reader had the whole reply (an edge that
+                # converts the stream to another API stops reading there). A completed turn.
+                self.outcome = "completed"
+                self._ended(done_at)
+            else:
+                metrics.DISCONNECTS.inc()
             raise
         finally:
             self.finish()

@@ -24,6 +24,7 @@ from gateway.support import jsonio
 from gateway.support.errors import BadRequest, GatewayError
 
 MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"      # passed through (gateway.flow.passthrough)
 
 # protocol.py L68-78
 BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
@@ -80,6 +81,10 @@ def _blocks(value: Any, where: str, system_role: bool) -> list[dict]:
         if content is not None and not isinstance(content, str) and not (
                 isinstance(content, list) and all(isinstance(c, dict) for c in content)):
             raise _bad(f"{at}.content", "must be a string or a list of objects")
+        for j, item in enumerate(content if isinstance(content, list) else ()):
+            for name, kind, what in (("text", str, "a string"), ("source", dict, "an object")):
+                if item.get(name) is not None and not isinstance(item[name], kind):
+                    raise _bad(f"{at}.content.{j}.{name}", f"must be {what}")
         if block["type"] in ("tool_addition", "tool_removal"):
             if not system_role:      # protocol.py L110-117
                 raise _bad(at, f"{block['type']} blocks are only allowed in messages with "
@@ -196,7 +201,7 @@ def _user_tool_result(block: dict, out: list[dict]) -> None:
         for item in content:
             kind = item.get("type")
             if kind == "text":
-                texts.append(item.get("text", ""))
+                texts.append(item.get("text") or "")
             elif kind == "image":
                 if url := _image_url(item.get("source", {})):
                     images.append(url)

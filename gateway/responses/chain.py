@@ -34,14 +34,25 @@ def _key(tenant: bytes, response_id: str) -> bytes:
     return hashlib.sha256(tenant + b"\0" + response_id.encode()).digest()[:16]
 
 
+def _fits(packed: bytes, largest: int, response_id: str) -> bool:
+    """A record no larger than a request body may be (`--max-body-bytes`): expanding a
+    previous_response_id then costs a turn no more than a body sent whole would."""
+    if len(packed) <= largest:
+        return True
+    log.warning("response %s not stored: %d bytes, over --max-body-bytes", response_id,
+                len(packed))
+    return False
+
+
 class LocalChain:
     """Stored responses in this worker's memory, packed: least recently used out first beyond
-    `maxsize` bytes, each gone `ttl` seconds after it was stored."""
+    `maxsize` bytes, each gone `ttl` seconds after it was stored, none over `largest`."""
 
-    def __init__(self, maxsize: int, ttl: float,
+    def __init__(self, maxsize: int, ttl: float, largest: int = 1 << 62,
                  timer: Callable[[], float] = time.monotonic) -> None:
         self._cache: TTLCache = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer, getsizeof=len)
         self._lock = threading.Lock()      # the cache reorders itself on reads
+        self.largest = largest
 
     def get(self, tenant: bytes, response_id: str) -> dict | None:
         with self._lock:
@@ -50,6 +61,8 @@ class LocalChain:
 
     def put(self, tenant: bytes, response_id: str, record: dict) -> None:
         packed = jsonio.dumps(record)
+        if not _fits(packed, self.largest, response_id):
+            return
         with self._lock:
             try:
                 self._cache[_key(tenant, response_id)] = packed
@@ -68,8 +81,10 @@ class RedisChain:
 
     PREFIX = b"pd-gateway:response:"
 
-    def __init__(self, client, ttl: float) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, client, ttl: float,  # type: ignore[no-untyped-def]
+                 largest: int = 1 << 62) -> None:
         import redis
+        self.largest = largest
         self._errors = (redis.RedisError, redis.exceptions.RedisClusterException)
         self._redis = client
         self._ttl_ms = int(ttl * 1000)
@@ -89,6 +104,8 @@ class RedisChain:
 
     def put(self, tenant: bytes, response_id: str, record: dict) -> None:
         packed = jsonio.dumps(record)
+        if not _fits(packed, self.largest, response_id):
+            return
         self._call("put", lambda: self._redis.set(self.PREFIX + _key(tenant, response_id),
                                                   packed, px=self._ttl_ms))
 
@@ -103,7 +120,8 @@ Chain = LocalChain | RedisChain
 def create_chain(settings) -> Chain:  # type: ignore[no-untyped-def]
     """In the settings' store (`--store`), for `--responses-ttl`."""
     if settings.store == "local":
-        return LocalChain(settings.responses_bytes, settings.responses_ttl)
+        return LocalChain(settings.responses_bytes, settings.responses_ttl,
+                          settings.max_body_bytes)
     from gateway.reuse.store import redis_client
     return RedisChain(redis_client(settings.store, settings.store_timeout)[0],
-                      settings.responses_ttl)
+                      settings.responses_ttl, settings.max_body_bytes)

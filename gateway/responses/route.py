@@ -54,6 +54,7 @@ class Responses:
         `body_held` from its call on), its reply converted."""
         try:
             request = parse_request(raw)
+            arrival.model = self.gateway.pools.label(request.body.get("model"))  # if relayed
             tenant = tenant_of(headers.get("Authorization"))
             previous = None
             home = root_of(request.previous_response_id)
@@ -146,8 +147,10 @@ class Responses:
             return None
         timeout = (self.gateway.settings.connect_timeout, self.gateway.settings.read_timeout)
         try:
-            answer = requests.request(method, target.url + route, timeout=timeout,
-                                      headers={"Authorization": authorization or ""})
+            with requests.Session() as session:
+                session.trust_env = False      # loopback: never through $HTTP_PROXY
+                answer = session.request(method, target.url + route, timeout=timeout,
+                                         headers={"Authorization": authorization or ""})
         except requests.RequestException:
             return None
         return answer.status_code, answer.content
