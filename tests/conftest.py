@@ -103,6 +103,19 @@ def engines():
         yield p, d
 
 
+@pytest.fixture(scope="session")
+@starts_processes
+def agent_engines():
+    """Engines whose every reply reasons and, given tools, calls the first one: the agents'
+    APIs' loops (tests/test_messages.py, tests/test_responses_api.py); `reset` them first."""
+    from emulator.process import EmulatorProcess
+    flags = dict(bidirectional_kv_xfer=True, itl_ms=1, recompute_threshold=0,
+                 reasoning_share=1.0, tool_call_share=1.0)
+    with EmulatorProcess("prefill", host="127.0.0.145", **flags) as p, \
+            EmulatorProcess("decode", host="127.0.0.146", **flags) as d:
+        yield p, d
+
+
 @pytest.fixture
 def fresh_engines(engines):
     return reset(engines)

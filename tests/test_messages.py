@@ -530,21 +530,9 @@ def test_the_sdks_x_api_key_is_the_clients_key(fresh_engines, gateway_factory):
     assert message.usage.output_tokens == 4
 
 
-@pytest.fixture(scope="module")
-@starts_processes
-def thinking_engines():
-    """Engines whose every reply reasons, and calls a tool when the request has tools."""
-    from emulator.process import EmulatorProcess
-    flags = dict(bidirectional_kv_xfer=True, itl_ms=1, recompute_threshold=0,
-                 reasoning_share=1.0, tool_call_share=1.0)
-    with EmulatorProcess("prefill", host="127.0.0.145", **flags) as p, \
-            EmulatorProcess("decode", host="127.0.0.146", **flags) as d:
-        yield p, d
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
-def test_thinking_and_tool_use_turns_read_ds_blocks(thinking_engines, gateway_factory, stream):
-    p, d = reset(thinking_engines)
+def test_thinking_and_tool_use_turns_read_ds_blocks(agent_engines, gateway_factory, stream):
+    p, d = reset(agent_engines)
     gateway = gateway_factory([p.url], [d.url])
     tools = [{"name": "lookup", "description": "look something up",
               "input_schema": {"type": "object", "properties": {"query": {"type": "string"},

@@ -11,7 +11,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.helpers.servers import MODEL, metric, starts_processes
+from tests.helpers.servers import MODEL, metric, reset, starts_processes
 
 LONG = {"max_output_tokens": 12}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather in a city",
@@ -111,21 +111,9 @@ def test_stateless_input_carrying_the_conversation_hits(gateway, fresh_engines):
                         headers={"Authorization": "Bearer tenant-a"}).status_code == 404
 
 
-@pytest.fixture(scope="module")
-@starts_processes
-def agent_engines():
-    """Engines whose replies reason and, given tools, call the first one (every reply)."""
-    from emulator.process import EmulatorProcess
-    flags = dict(bidirectional_kv_xfer=True, itl_ms=1, recompute_threshold=0,
-                 reasoning_share=1.0, tool_call_share=1.0)
-    with EmulatorProcess("prefill", host="127.0.0.6", **flags) as p, \
-            EmulatorProcess("decode", host="127.0.0.7", **flags) as d:
-        yield p, d
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_an_agent_loop_of_function_calls(agent_engines, gateway_factory, stream):
-    p, d = agent_engines
+    p, d = reset(agent_engines)
     p.reset_stats()
     gateway = gateway_factory([p.url], [d.url])
     client = client_of(gateway)
