@@ -138,6 +138,11 @@ def gateway_factory():
         return started[key]
 
     yield start
+    # Told to stop all at once, then waited for: one after another, their graceful stops took
+    # some 20 s at the session's end.
+    for gateway in started.values():
+        if gateway.process.poll() is None:
+            gateway.process.terminate()
     for gateway in started.values():
         gateway.stop()
 
