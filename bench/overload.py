@@ -16,8 +16,8 @@ import subprocess
 import sys
 
 from bench import procstat
-from bench.run import ROOT
 from bench.systems import ENGINE_TIMING, PROXY_HOST, Engines, quiet_ports
+from devtools import ROOT
 from devtools.processes import GatewayProcess
 
 

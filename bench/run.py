@@ -14,13 +14,14 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib.metadata import version
 
-from bench import growth, history_cost, report, reuse, venvs
+from bench import growth, history_cost, profile, report, reuse, turn_budget, venvs
 from bench.measure import Load, run_load
 from bench.metrics import summarize
+from bench.provenance import machine, revision
 from bench.systems import ENGINE_TIMING, Engines, System, nginx_binary, start
+from devtools import ROOT
 from devtools.workload import REPLY_WORDS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GTHREADS = 256  # one thread per stream: enough for 256 conversations in one worker
 # Admission control (--max-turns) must admit the whole offered load: 256 turns in flight in one
 # worker, and with four workers each owner's share of them (rendezvous hashing is uneven), with
@@ -126,30 +127,9 @@ def versions() -> str:
             f"router venv: {router}; {nginx_version}")
 
 
-def revision() -> str:
-    """The commit measured, and whether gateway/ had uncommitted changes when it ran."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--", "gateway")
-    head = git("log", "-1", "--format=%h of %cs") or "unknown (not a git checkout)"
-    return f"commit `{head}`" + (" plus uncommitted changes in `gateway/`" if dirty else "")
-
-
-def machine() -> str:
-    with open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                     platform.machine())
-    with open("/proc/meminfo") as f:
-        mem_gib = int(f.readline().split()[1]) / 2**20
-    return f"{os.cpu_count()} CPUs ({model}), {mem_gib:.0f} GiB, Linux {platform.release()}"
-
-
 def cpu_rooms(plan: Plan, engines: Engines, out_dir: str, notes: list[str]) -> str:
     """bench.profile's room table for one gevent and one gthread worker (full plan; the quick
     one measures CPU per turn only)."""
-    from bench import profile   # it takes its engine timing from this module
-
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
     rate = 500 if spy and plan.name == "full" else 0
     if not rate:
@@ -167,7 +147,6 @@ def per_turn_budget(plan: Plan, notes: list[str]) -> str:
     if it fails, a note says why and the rest of the run is written all the same."""
     if not plan.turn_budget:
         return f"(Not measured by the {plan.name} plan: `python -m bench.turn_budget`.)"
-    from bench import turn_budget   # it imports this module's machine() and revision()
     try:
         return turn_budget.tables([turn_budget.run(turn_budget.arguments(list(plan.turn_budget)))])
     except (RuntimeError, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 import requests
 
 from bench import venvs
+from devtools import ROOT
 from devtools.processes import GatewayProcess, RedisClusterProcesses, RedisProcess
 from emulator.process import EmulatorProcess, free_port, wait_until
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROXY_HOST = "127.0.0.1"
 PREFILL_HOST = "127.0.0.2"
 DECODE_HOST = "127.0.0.3"

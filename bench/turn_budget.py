@@ -41,8 +41,9 @@ from datetime import datetime, timezone
 
 from bench import procstat, profile
 from bench.measure import Load, run_load
-from bench.run import machine, revision
-from bench.systems import ENGINE_TIMING, ROOT, Engines, System, slug, start
+from bench.provenance import machine, revision
+from bench.systems import ENGINE_TIMING, Engines, System, slug, start
+from devtools import ROOT
 
 FLOOR = System("bare Flask relay", "flask", True)
 GATEWAY_LABEL = "pd-gateway"
