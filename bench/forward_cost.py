@@ -17,7 +17,7 @@ import uuid
 
 import requests
 
-from bench.procstat import cpu_seconds, tree
+from devtools.procstat import cpu_seconds, tree
 from devtools import sse
 from devtools.processes import GatewayProcess
 from devtools.workload import MODEL

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import requests
 
-from bench import procstat
-from bench.fill import FILL_ENV
 from bench.measure import Load, run_load
 from bench.systems import (PROXY_HOST, Engines, Running, System, quiet_ports, slug, start,
                            stop_process)
+from devtools import procstat
+from devtools.fill import FILL_ENV
 from gateway.config import Settings
 from emulator.process import wait_until
 

@@ -3,7 +3,7 @@ from gateway.standalone_conf import *  # noqa: F401,F403  (first: it monkey-patc
 
 import os  # noqa: E402
 
-from bench.fill import FILL_ENV, fill  # noqa: E402
+from devtools.fill import FILL_ENV, fill  # noqa: E402
 from gateway.config import Settings  # noqa: E402
 
 

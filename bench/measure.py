@@ -7,9 +7,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from bench import procstat
 from bench.metrics import Measured
 from bench.systems import Engines, Running
+from devtools import procstat
 
 CLIENT_GRACE_S = 150  # a run's turns may outlive its duration by one request timeout (120 s)
 

@@ -15,9 +15,8 @@ import os
 import subprocess
 import sys
 
-from bench import procstat
 from bench.systems import ENGINE_TIMING, PROXY_HOST, Engines, quiet_ports
-from devtools import ROOT
+from devtools import ROOT, procstat
 from devtools.processes import GatewayProcess
 
 

@@ -16,8 +16,7 @@ import time
 
 import requests
 
-from bench import procstat
-from devtools import workload
+from devtools import procstat, workload
 from devtools.processes import GatewayProcess, RedisProcess
 from emulator.process import EmulatorProcess, free_port
 

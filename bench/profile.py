@@ -20,10 +20,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from bench import procstat
 from bench.measure import Load, run_load
 from bench.metrics import summarize
 from bench.systems import ENGINE_TIMING, PROXY_HOST, Engines, Running, System, start
+from devtools import procstat
 from devtools.processes import GatewayProcess, Mount
 
 CPROFILE_ENV = "BENCH_CPROFILE"  # where bench.gunicorn_cprofile writes the worker's stats

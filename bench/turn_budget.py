@@ -39,11 +39,11 @@ import time
 from dataclasses import replace
 from datetime import datetime, timezone
 
-from bench import procstat, profile
+from bench import profile
 from bench.measure import Load, run_load
 from bench.provenance import machine, revision
 from bench.systems import ENGINE_TIMING, Engines, System, slug, start
-from devtools import ROOT
+from devtools import ROOT, procstat
 
 FLOOR = System("bare Flask relay", "flask", True)
 GATEWAY_LABEL = "pd-gateway"

@@ -18,8 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from bench import procstat
-from devtools import sse
+from devtools import procstat, sse
 from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
 from emulator.process import EmulatorProcess

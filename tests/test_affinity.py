@@ -140,8 +140,7 @@ def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_en
 
 
 def test_after_ttou_no_request_waits_for_a_worker_that_is_gone(fresh_engines):
-    from bench import procstat
-    from devtools import workload
+    from devtools import procstat, workload
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], workers=3) as gateway:
         convs = workload.run(gateway.url, conversations=12, turns=1, concurrency=6)

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import requests
 
-from bench.exactness import MODES, TENANTS, measure
+from devtools.exactness import MODES, TENANTS, measure
 from tests.helpers.servers import MODEL
 
 pytestmark = pytest.mark.processes     # engines and gateways, every test

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from bench.load import CHAT_ROW, LOCUSTFILE, TPOT, run_locust
-from bench.systems import ROOT
+from devtools import ROOT
+from devtools.locust_runs import CHAT_ROW, LOCUSTFILE, TPOT, run_locust
 from tests.helpers.servers import gateway_process, starts_processes
 
 # Found without importing it: importing locust monkey-patches this whole process with gevent.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.partial import CASES, HYBRID, measure
+from devtools.partial import CASES, HYBRID, measure
 
 pytestmark = pytest.mark.processes     # engines and gateways, every test
 

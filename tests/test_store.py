@@ -196,7 +196,7 @@ def test_every_positional_field_of_an_entry_is_an_allowlisted_param():
 def test_a_benchmark_entry_packs_into_a_fifth_of_its_json():
     import orjson
 
-    from bench.fill import synthetic_entry
+    from devtools.fill import synthetic_entry
     from gateway.reuse.store import encode
     _, original = synthetic_entry(7, "http://127.0.0.3:8200")
     as_json = orjson.dumps([original.params, original.decode_url, original.history_digest,
@@ -217,7 +217,7 @@ def test_a_foreign_value_is_not_an_entry(foreign):
 def test_a_damaged_entry_is_a_value_error_or_an_entry(flips, cut):
     """What Redis hands back may be anything: decoding it fails with ValueError (a miss), never
     with another exception (a 500)."""
-    from bench.fill import synthetic_entry
+    from devtools.fill import synthetic_entry
     from gateway.reuse.store import decode, encode
     packed = bytearray(encode(synthetic_entry(3, "http://127.0.0.3:8200")[1]))
     for at, value in flips:

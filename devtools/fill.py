@@ -1,4 +1,5 @@
-"""Synthetic conversation-store entries, shaped like real ones, for the cached-conversations runs."""
+"""Synthetic conversation-store entries, shaped like real ones: the benchmark's cached-conversations
+runs fill a worker's store with them, and the store tests size them."""
 from __future__ import annotations
 
 import secrets
@@ -8,7 +9,7 @@ from hashlib import blake2b
 
 from gateway.reuse.store import ConversationStore, Entry
 
-FILL_ENV = "BENCH_FILL_ENTRIES"  # read by bench.gunicorn_fill in the worker
+FILL_ENV = "BENCH_FILL_ENTRIES"  # read by bench.gunicorn_fill in the worker (bench.growth sets it)
 HISTORY_TOKENS = 1100  # about what a 5-turn conversation of devtools.workload leaves in D
 BLOCK_SIZE = 16
 
