@@ -4,8 +4,7 @@ file, with the request-id filter), each timed over many repetitions.
 
     .venv/bin/python -m bench.ops_cost [--repeat 20000]
 
-Read them against the CPU of a whole turn in docs/BENCHMARKS.md (4 to 7 ms with one gevent
-worker).
+Read them against the CPU of a whole turn: docs/BENCHMARKS.md, "Where a turn's CPU goes".
 """
 from __future__ import annotations
 

@@ -169,8 +169,8 @@ def pulled_on_d(two_by_two, routing: str, gateway_factory) -> tuple[int, int]:
         engine.reset_stats()
     gateway = gateway_factory([p.url for p in ps], [d.url for d in ds], routing=routing)
     # Short questions, 200-token replies: D produced most of the history itself, which is
-    # what staying on it saves. (With 100-token replies the cut measured 68-78 % run to run:
-    # turn 1's full pull, equal under both policies, weighs more.)
+    # what staying on it saves. (With shorter replies turn 1's full pull, equal under both
+    # policies, weighs more, and the cut varies more from run to run: docs/BENCHMARKS.md.)
     convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8, max_tokens=200)
     assert workload.errors(convs) == []
     assert sum(p.stats()["wrong_reuse"] for p in ps) == 0

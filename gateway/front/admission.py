@@ -195,9 +195,9 @@ class BodyBudget:
     parsed. A body alone always fits (up to --max-body-bytes), so no size is refused for good,
     and a client that sends slowly holds only what it has sent.
 
-    Why: memory and CPU grow with a body, ~15 times its size in memory and up to ~50 ns a byte
-    to parse and identify (a 32 MiB history of 900,000 short messages: 0.5 GB, 1.7 s). Admission
-    counts turns, not their size: four such bodies at once took a gevent worker to 1.66 GB."""
+    Why: memory and CPU grow with a body, some 15 times its size in memory, from before it is
+    read until its turn ends (docs/production.md, "Big bodies", has the figures), and admission
+    counts turns, not their size: a few big bodies at once could take a worker past its memory."""
 
     def __init__(self, limit: int, retry_after: int) -> None:
         self.limit = limit

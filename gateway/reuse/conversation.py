@@ -47,8 +47,8 @@ LOOKUP_DEPTH = 64
 
 
 def _h(*parts: bytes) -> bytes:
-    # SHA-256 (cut to 16 bytes): CPUs hash it in hardware, three times as fast as BLAKE2b
-    # (measured here: 71 against 207 us for 100 KB), and every turn hashes its whole history.
+    # SHA-256 (cut to 16 bytes): CPUs hash it in hardware, faster than BLAKE2b, and every turn
+    # hashes its whole history (docs/BENCHMARKS.md, "The figures behind smaller choices").
     h = hashlib.sha256()
     for part in parts:
         h.update(len(part).to_bytes(4, "little"))

@@ -36,8 +36,8 @@ _RUN = struct.Struct("<IHb")          # first id, length, step (+1 or -1)
 _PLAIN, _EXPIRES, _HISTORY_BYTES, _TOKENS_BYTES, _HAS_BLOCKS, _PREFIXES = 1, 2, 4, 8, 16, 32
 _HEX = frozenset("0123456789abcdef")
 # The values are deflated (zlib, raw, a 512-byte window) against a preset dictionary of what
-# they hold: ids in hex, URLs, vLLM's request-id prefix. Measured: 191 -> 113 bytes for the
-# benchmark's entry, 13 us to write and 6 to read. Changing it needs a new _VERSION.
+# they hold: ids in hex, URLs, vLLM's request-id prefix, so that even a short entry shrinks
+# (docs/BENCHMARKS.md, "The figures behind smaller choices"). Changing it needs a new _VERSION.
 _ZDICT = b'0123456789abcdef-0123456789abcdef"http://127.0.0.1:","chatcmpl-,null,false,"pull"]'
 
 

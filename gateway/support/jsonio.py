@@ -1,6 +1,6 @@
-"""JSON bytes in and out, fast: orjson (measured on a 76 KB body: 74 us to read where `json`
-takes 131, 145 us to write where it takes 626), and the standard library only where orjson would
-change a value: integers beyond 64 bits, which it reads as floats and cannot write.
+"""JSON bytes in and out, fast: orjson (faster than `json` both ways, by most when writing:
+docs/BENCHMARKS.md, "The figures behind smaller choices"), and the standard library only where
+orjson would change a value: integers beyond 64 bits, which it reads as floats and cannot write.
 `orjson.Fragment` puts JSON already written into a document: a request's history is written
 once for both engines.
 
@@ -19,8 +19,8 @@ import orjson
 
 _HUGE = 2.0 ** 63     # orjson reads integer literals it cannot hold as floats at least this big
 # 2**63 has 19 digits: a run of 19 digits is a number orjson may not hold. Found by mapping every
-# digit to "0" and looking for 19 of them (bytes.translate and a substring search, both in C):
-# 0.36 us for a token's event where the regex \d{19} took 2.6 (it tries a match at every digit).
+# digit to "0" and looking for 19 of them (bytes.translate and a substring search, both in C),
+# not with the regex \d{19}, which tries a match at every digit of every event.
 _DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
 _LONG_RUN = b"0" * 19
 _CONTAINERS = frozenset((dict, list))
@@ -44,7 +44,7 @@ def loads_engine(raw: bytes, exact: bool = True) -> Any:
     """An engine's JSON (a reply, one streamed event) as Python's json reads it: orjson where
     the two agree, json for NaN and Infinity (kept as they were written), lone surrogates and,
     if `exact`, numbers too long for orjson to hold exactly (a value only read, never written
-    back, needs no such scan: 1.3 against 4.1 us for a token's event). ValueError if it is not
+    back, needs no such scan: it runs on every streamed event). ValueError if it is not
     JSON."""
     if not (exact and _LONG_RUN in raw.translate(_DIGITS_AS_ZERO)):
         try:

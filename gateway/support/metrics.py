@@ -27,9 +27,10 @@ DECLARED: list = []        # every metric below, in the order README lists them
 
 class _Children:
     """`labels(...)` found once per label values, then from a plain dict: prometheus_client's
-    own checks the values and takes a lock on every call (measured: about 6 us a call, some
-    ten calls a turn). No child is ever removed here, so none goes stale. A new child's values
-    are checked against the metric's declared ones (once per child: off the hot path)."""
+    own checks the values and takes a lock on every call, some ten calls a turn
+    (docs/BENCHMARKS.md, "The cuts since"). No child is ever removed here, so none goes stale.
+    A new child's values are checked against the metric's declared ones (once per child: off
+    the hot path)."""
 
     values: dict[str, tuple[str, ...] | str] = {}
 
@@ -77,8 +78,8 @@ class Gauge(_Children, prometheus_client.Gauge):
 class Histogram(_Children, prometheus_client.Histogram):
     def observe_many(self, counts: list[int], total: float) -> None:
         """Add `counts` (observations per bucket, as `bucket_counts` makes them) and their
-        `total` at once. A stream's inter-token gaps, one observe each, would cost some 2 us a
-        token in multiprocess mode (a locked write to the mmap per value, twice); one write per
+        `total` at once. A stream's inter-token gaps, one observe each, would cost a locked
+        write to the mmap per value, twice, for every token in multiprocess mode; one write per
         bucket a turn costs a few. prometheus_client has no batch observe: this writes its
         histogram's own values as `observe` does (pinned by tests/test_metrics.py)."""
         for bucket, count in zip(self._buckets, counts):  # type: ignore[attr-defined]
