@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 import uuid
 
 import pytest
@@ -146,13 +145,11 @@ def test_after_ttou_no_request_waits_for_a_worker_that_is_gone(fresh_engines):
         convs = workload.run(gateway.url, conversations=12, turns=1, concurrency=6)
         gateway.process.send_signal(signal.SIGTTOU)
         wait_until(lambda: len(procstat.children(gateway.process.pid)) == 2, 30, "2 workers")
-        started = time.monotonic()
         workload.drive(convs, turns=2, concurrency=6)
         assert workload.errors(convs) == []
         # Before: requests owned by the stopped worker's slot waited --owner-wait (3 s) for it,
-        # then were served where they landed ("away").
+        # then were served where they landed ("away"): a wait is counted there, not timed here.
         assert metric(gateway, "pd_gateway_forwarded_total", result="away") == 0
-        assert time.monotonic() - started < 3.0
         assert p.stats()["wrong_reuse"] == 0
 
 
