@@ -63,9 +63,9 @@ def test_client_disconnect_during_prefill_closes_the_engine_call(worker_class):
         open_and_abandon(gateway, {"model": MODEL, "messages": [{"role": "user", "content": "h"}],
                                    "stream": True, "conversation_id": "gone"},
                          lambda sock: wait_until(lambda: p.stats()["requests"] == 2, 10, "P call"))
-        closed_at = time.monotonic()
+        # A hung P answers nothing until the gateway closes its connection (its read timeout is
+        # minutes away): closed within the wait, the disconnect closed it.
         wait_until(lambda: p.stats()["fault_responses"] == 1, 5, "P connection closed")
-        assert time.monotonic() - closed_at < 1.0
         p.set_fault("none")
         assert d.stats()["requests"] == 1                       # only the warm-up
         settle(gateway, before)
@@ -75,7 +75,7 @@ def test_client_disconnect_during_prefill_closes_the_engine_call(worker_class):
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.15", itl_ms=1) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.16", itl_ms=3000) as d, \
+            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.16", itl_ms=60_000) as d, \
             gateway_process([p.url], [d.url], worker_class=worker_class) as gateway:
         # Warm up, so gthread's pool has its request thread before we count.
         requests.post(gateway.url + "/v1/chat/completions", timeout=10,
@@ -94,10 +94,8 @@ def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
         open_and_abandon(gateway, {"model": MODEL, "stream": True, "max_tokens": 5,
                                    "messages": [{"role": "user", "content": "slow"}]},
                          first_event)
-        closed_at = time.monotonic()
-        wait_until(lambda: d.stats()["aborted_streams"] == 1, 5, "D stream aborted")
-        # Tokens come every 3 s: only the disconnect watcher can close D this early.
-        assert time.monotonic() - closed_at < 1.0
+        # Tokens come every 60 s: only the disconnect watcher can close D within the wait.
+        wait_until(lambda: d.stats()["aborted_streams"] == 1, 10, "D stream aborted")
         settle(gateway, before)
         assert health(gateway)["conversations"] == stored   # nothing stored for it
 
@@ -111,9 +109,7 @@ def test_a_client_gone_during_prefill_stops_the_turn(fresh_engines, gateway_fact
     p.set_fault("hang")
     open_and_abandon(gateway, {"model": MODEL, "messages": history_of(size), "stream": True},
                      lambda sock: wait_until(lambda: p.stats()["requests"] == 1, 10, "P call"))
-    closed_at = time.monotonic()
     wait_until(lambda: p.stats()["fault_responses"] == 1, 5, "P connection closed")
-    assert time.monotonic() - closed_at < 1.0
     p.set_fault("none")
     assert d.stats()["requests"] == 0
 
