@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
-from gateway import __version__
+from gateway import __version__, redis_url
 from gateway.options import (ArgumentParser, SettingsError, add_arguments, auto_or, boolean,
                              bounded, check, given, option, options, positive, read_env)
 # a plain `port` would be shadowed by the field of that name
@@ -166,15 +166,14 @@ def read_models_file(path: str) -> list[ModelSpec]:
     return [_model_spec(m, f"{path}, model {i + 1}") for i, m in enumerate(models)]
 
 
-_STORE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",
-                  "redis+sentinel://", "rediss+sentinel://")
-
-
 def _store_url(value: Any) -> str:
-    if value == "local" or str(value).startswith(_STORE_SCHEMES):
-        return str(value)
-    raise ValueError(f"{value!r} is neither 'local' nor a Redis URL "
-                     f"({', '.join(s.rstrip('/') for s in _STORE_SCHEMES)})")
+    if value != "local":
+        try:
+            redis_url.parse(str(value))
+        except ValueError:
+            raise ValueError(f"{value!r} is neither 'local' nor a Redis URL "
+                             f"({', '.join(s + ':' for s in redis_url.SCHEMES)})") from None
+    return str(value)
 
 
 def split_nameserver(value: str) -> tuple[str, int]:

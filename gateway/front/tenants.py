@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -27,6 +26,7 @@ from typing import Callable
 from limits import RateLimitItemPerMinute
 from limits.storage import storage_from_string
 
+from gateway import redis_url
 from gateway.support import metrics
 from gateway.support.errors import Overloaded
 
@@ -108,11 +108,11 @@ def storage_url(store: str) -> tuple[str, dict]:
     if store == "local":
         return "memory://", {}
     options: dict = {"key_prefix": _KEY_PREFIX}
-    scheme, _, rest = store.partition("://")
-    if scheme == "unix":
-        return "redis+unix://" + rest, options
-    if scheme.startswith("rediss+"):        # limits names TLS by the option, not the scheme
-        return scheme.replace("rediss+", "redis+") + "://" + rest, {**options, "ssl": True}
+    url = redis_url.parse(store)
+    if url.scheme == "unix":
+        return "redis+unix://" + url.rest, options
+    if url.tls and url.kind != "primary":   # limits names TLS by the option, not the scheme
+        return f"redis+{url.kind}://{url.rest}", {**options, "ssl": True}
     return store, options
 
 
@@ -125,10 +125,11 @@ class Tenants:
         if self.options:
             self.options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
         self.clock = clock
-        self._made = None
+        # Made on first use (a cluster's client asks its seeds at once); requests are admitted
+        # uncounted while it cannot be made or a second after a call failed.
+        self._storage = redis_url.Lazy(
+            lambda: storage_from_string(self.url, **self.options), timeout)
         self._ends: dict[str, float] = {}      # each counter's window end, as last asked
-        self._failed_at = float("-inf")
-        self._lock = threading.Lock()
         # Keys whose requests of this window are spent, as this worker counted them: until the
         # window ends, their next request is refused before its body is read.
         self._spent: dict[str, tuple[float, dict[str, str]]] = {}
@@ -146,7 +147,7 @@ class Tenants:
         now = self.clock()
         try:
             item = self._item(limits.rpm)
-            count = (self._counters().get(item.key_for(tenant, "requests"))
+            count = (self._storage.get().get(item.key_for(tenant, "requests"))
                      if now < until else 0)
         except Exception:           # the storage failing: the turn's own count decides
             return
@@ -158,22 +159,6 @@ class Tenants:
         raise RateLimited(f"Rate limit reached for requests per minute: limit {limits.rpm}. "
                           f"Please try again in {duration(reset)}.", reset,
                           {**headers, "x-ratelimit-reset-requests": duration(reset)})
-
-    def _counters(self):
-        """The storage, made on first use (a cluster client asks its seeds at once): a
-        storage that cannot be made is tried again a second later, requests admitted meanwhile."""
-        if time.monotonic() - self._failed_at < 1.0:
-            raise ConnectionError("the rate limit storage failed a moment ago")
-        if self._made is None:
-            with self._lock:
-                if self._made is None:
-                    try:
-                        storage = storage_from_string(self.url, **self.options)
-                    except Exception:
-                        self._failed_at = time.monotonic()
-                        raise
-                    self._made = storage
-        return self._made
 
     def _window_end(self, storage, key: str, now: float) -> float:
         """When `key`'s window ends: asked once a window (a Redis round trip), then known."""
@@ -199,7 +184,7 @@ class Tenants:
         if limits.tpm:
             checks.append(("tokens", self._item(limits.tpm), estimate))
         try:
-            storage = self._counters()
+            storage = self._storage.get()
             now = self.clock()
             counted, headers = [], {}
             for kind, item, cost in checks:
@@ -268,4 +253,4 @@ class Tenants:
         log.warning("rate limit storage failed: %r; requests admitted uncounted for a second",
                     exc)
         metrics.STORE_ERRORS.labels("limits").inc()
-        self._failed_at = time.monotonic()
+        self._storage.failed()

@@ -16,6 +16,7 @@ from typing import Callable
 
 from cachetools import TTLCache
 
+from gateway import redis_url
 from gateway.support import jsonio, metrics
 from gateway.support.errors import GatewayError, NotFound
 
@@ -83,9 +84,8 @@ class RedisChain:
 
     def __init__(self, client, ttl: float,  # type: ignore[no-untyped-def]
                  largest: int = 1 << 62) -> None:
-        import redis
         self.largest = largest
-        self._errors = (redis.RedisError, redis.exceptions.RedisClusterException)
+        self._errors = redis_url.failures()
         self._redis = client
         self._ttl_ms = int(ttl * 1000)
 
@@ -122,6 +122,5 @@ def create_chain(settings) -> Chain:  # type: ignore[no-untyped-def]
     if settings.store == "local":
         return LocalChain(settings.responses_bytes, settings.responses_ttl,
                           settings.max_body_bytes)
-    from gateway.reuse.store import redis_client
-    return RedisChain(redis_client(settings.store, settings.store_timeout)[0],
+    return RedisChain(redis_url.redis_client(settings.store, settings.store_timeout)[0],
                       settings.responses_ttl, settings.max_body_bytes)

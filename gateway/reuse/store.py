@@ -11,8 +11,10 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 from cachetools import TLRUCache
 
+from gateway import redis_url
 from gateway.engines.d_budget import Limit
 from gateway.engines.instances import public_url
+from gateway.redis_url import redis_client
 from gateway.reuse.packing import digest_bytes, expiry, pack, unpack
 from gateway.support import metrics
 
@@ -527,109 +529,6 @@ return {over, total}
 """
 
 
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
-
-
-def _nodes(netloc: str, default_port: int) -> list[tuple[str, int]]:
-    """host:port,host:port ([v6]:port) from a URL's host part, credentials removed."""
-    hosts = netloc.rpartition("@")[2]
-    nodes = []
-    for item in filter(None, hosts.split(",")):
-        if item.startswith("["):
-            host, _, port = item[1:].partition("]")
-            port = port.removeprefix(":")
-        else:
-            host, _, port = item.partition(":")
-        nodes.append((host, int(port) if port else default_port))
-    if not nodes:
-        raise ValueError("a Redis URL with no host")
-    return nodes
-
-
-def redis_client(url: str, timeout: float):  # type: ignore[no-untyped-def]
-    """(client, cluster?) for a store URL: `redis://` / `rediss://` / `unix://` (one primary),
-    `redis+cluster://host:port,host:port` (Redis or Valkey Cluster: any nodes as seeds), or
-    `redis+sentinel://host:port,host:port/primary-name[/db]` (Sentinel; the client asks the
-    sentinels for the primary again after a failover). `rediss+…` is TLS to Redis (to the
-    primary only, with Sentinel), `user:password@` an ACL user. Every call gives up after
-    `timeout` and is never retried: a slow store makes misses, not waits, and a script the
-    server may have run already (its reply lost) is never run twice (a put run again would
-    report its own entry as replaced, and its blocks would be released)."""
-    from urllib.parse import unquote, urlsplit
-
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    retry = Retry(NoBackoff(), 0)
-    common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
-    parts = urlsplit(url)
-    scheme = parts.scheme
-    if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
-        return redis.Redis.from_url(url, **common), False
-    auth = dict(username=unquote(parts.username) if parts.username else None,
-                password=unquote(parts.password) if parts.password else None)
-    tls = scheme.startswith("rediss")
-    if scheme in CLUSTER_SCHEMES:
-        from redis.cluster import ClusterNode
-        nodes = [ClusterNode(host, port) for host, port in _nodes(parts.netloc, 6379)]
-        return _LazyCluster(dict(startup_nodes=nodes, ssl=tls, **auth, **common)), True
-    from redis.sentinel import Sentinel
-    path = [p for p in parts.path.split("/") if p]
-    if not path:
-        raise ValueError("redis+sentinel:// needs the primary's name: .../mymaster[/db]")
-    sentinels = Sentinel(_nodes(parts.netloc, 26379),
-                         sentinel_kwargs=dict(socket_timeout=timeout,
-                                              socket_connect_timeout=timeout),
-                         **common)
-    db = int(path[1]) if len(path) > 1 else 0
-    return sentinels.master_for(path[0], db=db, ssl=tls, **auth, **common), False
-
-
-class _LazyCluster:
-    """A RedisCluster client made on first use, and made again after a failed try: made at once,
-    it connects, and a cluster down when a worker starts would stop the worker."""
-
-    RETRY_SECONDS = 1.0    # after a failed try, calls fail at once for this long
-
-    def __init__(self, kwargs: dict) -> None:
-        self.kwargs = kwargs
-        self._client = None
-        self._lock = threading.Lock()
-        self._failed_at = -float("inf")
-
-    def get_encoder(self):  # type: ignore[no-untyped-def]
-        """What a script needs before any connection (redis-py's default encoding)."""
-        from redis.connection import Encoder
-        return Encoder("utf-8", "strict", False)
-
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-        client = self._client
-        if client is None:
-            client = self._make()
-        return getattr(client, name)
-
-    def _make(self):  # type: ignore[no-untyped-def]
-        """One caller tries (the seeds, each up to the timeout); the others wait for it up to
-        one timeout, and for RETRY_SECONDS after a failed try every caller fails at once: a
-        cluster down costs a turn at most one timeout."""
-        from redis.cluster import RedisCluster
-        from redis.exceptions import RedisClusterException
-        if (time.monotonic() - self._failed_at < self.RETRY_SECONDS
-                or not self._lock.acquire(timeout=self.kwargs.get("socket_timeout") or 1.0)):
-            raise RedisClusterException("the cluster client is not made yet")
-        try:
-            if self._client is None:
-                self._client = RedisCluster(**self.kwargs)
-            return self._client
-        except BaseException:
-            self._failed_at = time.monotonic()
-            raise
-        finally:
-            self._lock.release()
-
-
 def _decode_id(decode_url: str) -> str:
     """A D's name in Redis: its URL's digest (no credentials in Redis)."""
     return hashlib.blake2b(decode_url.encode(), digest_size=8).hexdigest()
@@ -648,13 +547,10 @@ class RedisStore(_Takes):
 
     def __init__(self, url: str, ttl: float, timeout: float, client=None,
                  pinned_budget: int | Budget = 0, timer: Callable[[], float] = time.time) -> None:
-        import redis  # only a Redis-backed gateway needs the client
-        from redis.commands.core import Script
+        from redis.commands.core import Script  # only a Redis-backed gateway needs the client
 
-        # A cluster unreachable when its client is made raises RedisClusterException, which
-        # is not a RedisError; ValueError and TypeError: a foreign value under our key.
-        self._errors = (redis.RedisError, redis.exceptions.RedisClusterException, ValueError,
-                        TypeError)
+        # ValueError and TypeError: a foreign value under our key.
+        self._errors = (*redis_url.failures(), ValueError, TypeError)
         self._redis = client if client is not None else redis_client(url, timeout)[0]
         self._ttl_ms = int(ttl * 1000)
         # Each D's budget, across every host sharing the store (gateway.engines.d_budget).
@@ -947,6 +843,6 @@ def create_store(settings) -> ConversationStore:
     (`store.budget`, gateway.engines.d_budget)."""
     if settings.store == "local":
         return LocalStore(settings.store_size, settings.store_ttl)
-    cluster = settings.store.startswith(tuple(s + "://" for s in CLUSTER_SCHEMES))
+    cluster = redis_url.parse(settings.store).kind == "cluster"
     return (RedisClusterStore if cluster else RedisStore)(
         settings.store, settings.store_ttl, settings.store_timeout)
