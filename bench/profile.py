@@ -42,7 +42,7 @@ SPECIFIC: list[tuple[str, tuple[str, ...]]] = [
     ("relay: D read", ("Stream.chunks (gateway/engines/upstream.py",)),
     ("parse", ("gateway/parse.py", "_read_body (gateway/views.py")),
     ("identity", ("gateway/reuse/conversation.py",)),
-    ("store", ("gateway/reuse/store.py",)),
+    ("store", ("gateway/reuse/store/",)),
     ("exactness", ("gateway/reuse/exactness.py",)),
     ("P call", ("prefill_call (gateway/flow/disagg.py",)),
     ("D call (open)", ("Upstream.open_stream (",)),
