@@ -11,6 +11,7 @@ from responses import matchers
 from gateway.reuse.conversation import identify
 from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, MISS, P_URL, REFUSED, chat_events, client_events,
                                     d_params, p_params, p_reply, sse)
+from tests.helpers.stores import take
 
 @responses.activate
 @pytest.mark.parametrize("placement", ["final", "separate"])
@@ -235,7 +236,7 @@ def test_only_allowlisted_params_are_stored(client, store):
                    content_type="text/event-stream")
     client.post(CHAT, json={"messages": MESSAGES, "stream": True, "conversation_id": "c"})
     (key,) = list(store._cache)          # a digest, kept as its 16 bytes
-    entry = store.take(key.hex())
+    entry = take(store, key.hex())
     assert "evil" not in entry.params and entry.params["remote_host"] == "10.9.0.2"
 
 

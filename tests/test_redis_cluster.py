@@ -17,6 +17,7 @@ from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.d_budget import Limit
 from gateway.reuse.store import Entry, RedisClusterStore, RedisStore, redis_client
 from tests.helpers.servers import MODEL, starts_processes
+from tests.helpers.stores import take
 from tests.helpers.tenant_shares import one_tenants_long_turn_releases_nothing_of_anothers
 
 
@@ -60,7 +61,7 @@ def test_each_ds_pinned_budget_holds_across_conversations_in_other_slots(cluster
     for n, root in enumerate(roots):
         store.put("k", entry(n, blocks=4, decode_url=d), root)     # 4 blocks each, budget 10
     assert dropped == [("r0", "budget"), ("r1", "budget")]
-    assert store.take("k", roots[0]) is None and store.take("k", roots[3]) is not None
+    assert take(store, "k", roots[0]) is None and take(store, "k", roots[3]) is not None
     # The take unpinned r3's blocks on its D: two more fit without dropping r2.
     store.put("k", entry(4, blocks=4, decode_url=d), roots[0])
     assert dropped[2:] == []
@@ -91,7 +92,7 @@ def test_a_ds_budget_that_shrank_is_met_at_the_next_sweep(cluster):
     budget["blocks"] = 10                      # D filled with running requests
     store.sweep()
     assert dropped == [("r0", "budget"), ("r1", "budget")]
-    assert store.take("k", roots[1]) is None and store.take("k", roots[2]) is not None
+    assert take(store, "k", roots[1]) is None and take(store, "k", roots[2]) is not None
 
 
 def test_a_cluster_down_when_the_gateway_starts_is_a_miss_not_a_crash():
@@ -111,10 +112,10 @@ def test_a_slow_store_gives_misses_not_waits(redis_server):
     store.put("slow", entry(1))
     redis_server.client.execute_command("CLIENT", "PAUSE", "2000")
     started = time.monotonic()
-    assert store.take("slow") is None
+    assert take(store, "slow") is None
     print(f"\na take against a store paused for 2 s gave up after "
           f"{time.monotonic() - started:.2f} s")
-    wait_until(lambda: store.take("slow") is not None, 10, "the pause to end")
+    wait_until(lambda: take(store, "slow") is not None, 10, "the pause to end")
 
 
 def test_store_urls_name_their_kind():
@@ -138,9 +139,9 @@ def test_an_acl_user_in_the_url(redis_server):
     host, port = redis_server.url.split("//")[1].split("/")[0].split(":")
     store = RedisStore(f"redis://gateway:s3cret@{host}:{port}/0", ttl=60, timeout=2)
     store.put("acl", entry(1))
-    assert store.take("acl") is not None
+    assert take(store, "acl") is not None
     wrong = RedisStore(f"redis://gateway:nope@{host}:{port}/0", ttl=60, timeout=2)
-    assert wrong.take("acl") is None and wrong.report()["reachable"] is False
+    assert take(wrong, "acl") is None and wrong.report()["reachable"] is False
 
 
 # --- three gateways, one store, a primary killed mid-run ----------------------------------

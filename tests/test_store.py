@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from gateway.engines.d_budget import Limit
 from gateway.reuse.store import Entry, LocalStore, RedisStore
+from tests.helpers.stores import take
 from tests.helpers.tenant_shares import one_tenants_long_turn_releases_nothing_of_anothers
 
 
@@ -32,18 +33,18 @@ def entry(n=0):
 
 def test_take_is_single_use(store):
     store.put("k", entry())
-    assert bare(store.take("k")) == entry()
-    assert store.take("k") is None
+    assert bare(take(store, "k")) == entry()
+    assert take(store, "k") is None
 
 
 def test_entries_expire_at_ttl(store, clock):
     store.put("k", entry())
     clock.advance(449.9)
     store.put("k2", entry())
-    assert store.take("k") is not None
+    assert take(store, "k") is not None
     store.put("k", entry())
     clock.advance(450)
-    assert store.take("k") is None
+    assert take(store, "k") is None
 
 
 def test_size_bound_evicts_least_recently_used(clock):
@@ -51,13 +52,13 @@ def test_size_bound_evicts_least_recently_used(clock):
     for n in range(5):
         small.put(f"k{n}", entry(n))
     assert len(small) == 3
-    assert small.take("k0") is None and bare(small.take("k4")) == entry(4)
+    assert take(small, "k0") is None and bare(take(small, "k4")) == entry(4)
 
 
 def test_put_replaces(store):
     store.put("k", entry(1))
     store.put("k", entry(2))
-    assert bare(store.take("k")) == entry(2) and len(store) == 0
+    assert bare(take(store, "k")) == entry(2) and len(store) == 0
 
 
 def test_a_put_back_entry_keeps_its_expiry_locally(clock):
@@ -65,10 +66,10 @@ def test_a_put_back_entry_keeps_its_expiry_locally(clock):
     store = LocalStore(maxsize=10, ttl=450, timer=clock)
     store.put("k", Entry({"a": 1}, "http://d", "h", 1))
     clock.advance(400)
-    entry = store.take("k")
+    entry = take(store, "k")
     store.put("k", entry)                    # e.g. another history under the same id
     clock.advance(60)                        # 460 s after D kept the blocks: they are gone
-    assert store.take("k") is None
+    assert take(store, "k") is None
 
 
 # --- RedisStore, against a real redis-server ------------------------------------------------
@@ -82,8 +83,8 @@ def test_redis_take_is_single_use_and_put_replaces(redis_server):
     store = redis_store(redis_server)
     store.put("k", entry(1))
     store.put("k", entry(2))
-    assert bare(store.take("k")) == entry(2)
-    assert store.take("k") is None
+    assert bare(take(store, "k")) == entry(2)
+    assert take(store, "k") is None
 
 
 def test_redis_entries_expire_at_ttl(redis_server):
@@ -98,7 +99,7 @@ def test_a_put_back_entry_keeps_its_expiry_in_redis(redis_server):
     store = RedisStore(redis_server.url, ttl=450, timeout=2)
     key = uuid.uuid4().hex
     store.put(key, Entry({"a": 1}, "http://d", "h", 1))
-    entry = store.take(key)
+    entry = take(store, key)
     entry = type(entry)(**{**entry.__dict__, "expires_at": time.time() + 5})   # 445 s later
     store.put(key, entry)
     assert 0 < redis_server.client.pttl(RedisStore.PREFIX + key) <= 5000
@@ -109,12 +110,12 @@ def test_redis_concurrent_takes_get_the_entry_once(redis_server):
     store.put("race", entry())
     barrier = threading.Barrier(8)
 
-    def take(_):
+    def race(_):
         barrier.wait()
-        return store.take("race")
+        return take(store, "race")
 
     with ThreadPoolExecutor(8) as pool:
-        taken = [e for e in pool.map(take, range(8)) if e is not None]
+        taken = [e for e in pool.map(race, range(8)) if e is not None]
     assert [bare(e) for e in taken] == [entry()]
 
 
@@ -124,7 +125,7 @@ def test_redis_failures_are_misses_not_errors():
     failed = metrics.STORE_ERRORS.labels("take")._value.get()
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", ttl=450, timeout=0.5)   # nobody there
     store.put("k", entry())
-    assert store.take("k") is None
+    assert take(store, "k") is None
     assert store.report() == {"store": "redis", "reachable": False}
     assert metrics.STORE_ERRORS.labels("take")._value.get() == failed + 1
 
@@ -133,7 +134,7 @@ def test_a_foreign_value_under_a_key_is_a_miss(redis_server):
     store = redis_store(redis_server)
     for value in (b"not json", b"[1, 2]", b"7", b'[{}, "u", "d", "two"]'):
         redis_server.client.set(RedisStore.PREFIX + "foreign", value)
-        assert store.take("foreign") is None
+        assert take(store, "foreign") is None
 
 
 # redis_server is asked for only here: its tests are marked by hand.
@@ -152,7 +153,7 @@ def test_take_first_takes_only_the_first_key_that_has_an_entry(either_store):
     assert bare(either_store.take_first(["a", "b", "c"])) == ("b", entry(2))
     assert either_store.take_first(["a", "b"]) is None
     assert either_store.take_first([]) is None
-    assert bare(either_store.take("c")) == entry(3)
+    assert bare(take(either_store, "c")) == entry(3)
 
 
 # --- what an entry becomes in the store (gateway.reuse.packing) -------------------------------------
@@ -250,7 +251,7 @@ def test_entries_that_leave_unread_are_dropped_with_why(clock):
     store.put("b", on("http://d", 3))
     store.put("c", on("http://d", 4))                  # full: the least recently used goes
     assert dropped == [("r1", "http://d", "replaced"), ("r2", "http://d", "evicted")]
-    assert store.take("b") is not None                 # taken: not a drop
+    assert take(store, "b") is not None                 # taken: not a drop
     clock.advance(451)
     store.sweep()
     assert dropped[-1] == ("r4", "http://d", "expired") and len(dropped) == 3
@@ -265,7 +266,7 @@ def test_a_ds_pinned_budget_drops_its_least_recently_put_entries(clock):
     store.put("other", on("http://d2", 9, blocks=8))          # another D: its own budget
     assert dropped == [("r0", "http://d1", "budget")]
     assert store.pinned() == {"http://d1": 8, "http://d2": 8}
-    assert store.take("k0") is None and store.take("k2") is not None
+    assert take(store, "k0") is None and take(store, "k2") is not None
     assert store.pinned() == {"http://d1": 4, "http://d2": 8}
     store.put("big", on("http://d2", 10, blocks=11))          # over the budget alone: it stays
     assert dropped[-1] == ("r9", "http://d2", "budget")
@@ -286,7 +287,7 @@ def test_a_redis_put_that_replaces_an_entry_drops_it(redis_server):
     store.put("regenerated", on("http://d", 1))
     store.put("regenerated", on("http://d", 2))
     assert dropped == [("r1", "http://d", "replaced")]
-    assert store.take("regenerated").params["remote_request_id"] == "r2"
+    assert take(store, "regenerated").params["remote_request_id"] == "r2"
 
 
 def test_a_put_back_entry_leaves_the_ledger_at_its_own_expiry(clock):
@@ -296,11 +297,11 @@ def test_a_put_back_entry_leaves_the_ledger_at_its_own_expiry(clock):
     dropped = dropping(store)
     store.put("k", on("http://d", 1, blocks=60))
     clock.advance(400)
-    store.put("k", store.take("k"))
+    store.put("k", take(store, "k"))
     clock.advance(51)
     store.put("other", on("http://d", 2, blocks=60))        # 120 > 100 if the first still counted
     assert dropped == [("r1", "http://d", "expired")]
-    assert store.pinned() == {"http://d": 60} and store.take("k") is None
+    assert store.pinned() == {"http://d": 60} and take(store, "k") is None
 
 
 def test_metrics_and_reports_never_show_an_engine_urls_credentials(clock):
@@ -321,7 +322,7 @@ def test_a_shared_store_counts_each_ds_blocks_for_every_host_within_one_budget(r
     one.put("k2", on("http://d1", 2, blocks=4))          # 12 > 10: the oldest, put by the other host
     two.put("x", on("http://d2", 9, blocks=8))           # another D: its own budget
     assert dropped == [("r0", "http://d1", "budget")]
-    assert two.take("k0") is None and one.take("k1") is not None
+    assert take(two, "k0") is None and take(one, "k1") is not None
     one.put("big", on("http://d2", 10, blocks=11))       # over the budget alone: it stays
     assert dropped[-1] == ("r9", "http://d2", "budget")
     pinned = {k.decode(): int(v) for k, v in (
@@ -345,9 +346,9 @@ def test_a_shared_store_releases_beyond_a_ds_budget_that_shrank_at_its_next_swee
     one.sweep()
     assert dropped == [("r0", "http://d1", "budget"), ("r1", "http://d1", "budget"),
                        ("r2", "http://d1", "budget")]
-    assert two.take("k2") is None and two.take("k3") is not None
+    assert take(two, "k2") is None and take(two, "k3") is not None
     one.sweep()                                           # within it now: nothing more
-    assert len(dropped) == 3 and one.take("x") is not None
+    assert len(dropped) == 3 and take(one, "x") is not None
 
 
 def test_a_cut_is_made_against_the_count_redis_holds_not_the_workers(redis_server):
@@ -364,7 +365,7 @@ def test_a_cut_is_made_against_the_count_redis_holds_not_the_workers(redis_serve
     fresh.put("k9", on("http://d1", 9, blocks=20))  # 120 pinned: 90 may stay
     assert dropped == [("r0", "http://d1", "budget"), ("r1", "http://d1", "budget")]
     fresh.put("k10", on("http://d1", 10, blocks=20))     # the cut was once: the cap again
-    assert len(dropped) == 2 and fresh.take("k9") is not None
+    assert len(dropped) == 2 and take(fresh, "k9") is not None
 
 
 def test_a_shared_store_uncounts_entries_redis_expired_or_that_moved(redis_server):
@@ -438,6 +439,6 @@ def test_a_full_store_makes_room_with_the_tenant_that_holds_the_most(clock):
         store.put(f"quiet{n}", on("http://d", n, blocks=1), tenant="quiet")
     for n in range(10, 30):
         store.put(f"noisy{n}", on("http://d", n, blocks=1), tenant="noisy")
-    assert all(store.take(f"quiet{n}") is not None for n in range(4))
+    assert all(take(store, f"quiet{n}") is not None for n in range(4))
     assert dropped == [(f"r{n}", "http://d", "evicted") for n in range(10, 24)]
     assert len(store) == 6

@@ -38,13 +38,13 @@ def fixed(budget: int) -> Budget:
 
 
 class ConversationStore(Protocol):
+    """What the gateway asks of a store, whichever its backend."""
+
     def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
         """Remove and return the entry under the first of `keys` that has one (keys are tried
         in order, longest history first). D hands its blocks over once: entries are single use.
         `tag` is the same for every key of one conversation (its root): a Redis Cluster keeps
         them in one hash slot."""
-
-    def take(self, key: str, tag: str = "") -> Entry | None: ...
 
     def put(self, key: str, entry: Entry, tag: str = "", tenant: str = "") -> None:
         """Store the entry, replacing any older one for the key. `tenant` (the client key's
@@ -63,12 +63,6 @@ class ConversationStore(Protocol):
     def sweep(self) -> None:
         """Expire what is due now, and release what is beyond a D's budget that shrank (each
         entry goes to `on_drop`)."""
-
-
-class _Takes:
-    def take(self, key: str, tag: str = "") -> Entry | None:
-        found = self.take_first([key], tag)
-        return None if found is None else found[1]
 
 
 def encode(entry: Entry) -> bytes:

@@ -12,7 +12,7 @@ from cachetools import TLRUCache
 
 from gateway.engines.instances import public_url
 from gateway.reuse.packing import digest_bytes, expiry
-from gateway.reuse.store.base import (Budget, Entry, _Takes, decode, encode, fixed, ignore,
+from gateway.reuse.store.base import (Budget, Entry, decode, encode, fixed, ignore,
                                       pinned_blocks, stamped)
 from gateway.support import metrics
 
@@ -155,7 +155,7 @@ class Pinned:
         return dict(self._totals)
 
 
-class LocalStore(_Takes):
+class LocalStore:
     """A per-process store: a TTL-bounded LRU cache behind one lock, entries kept encoded
     (the store holds up to `store_size` of them in every worker), and the blocks each D keeps
     for them, within `pinned_budget` blocks per D when one is set."""

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from gateway import redis_url
 from gateway.engines.d_budget import Limit
 from gateway.engines.instances import public_url
-from gateway.reuse.store.base import (Budget, Entry, _Takes, decode, encode, fixed, ignore,
+from gateway.reuse.store.base import (Budget, Entry, decode, encode, fixed, ignore,
                                       pinned_blocks, stamped)
 from gateway.reuse.store.ledger import LEDGER
 from gateway.support import metrics
@@ -100,7 +100,7 @@ def id_in_redis(decode_url: str) -> str:
     return hashlib.blake2b(decode_url.encode(), digest_size=8).hexdigest()
 
 
-class RedisStore(_Takes):
+class RedisStore:
     """Entries in Redis (SET with expiry, GETDEL: Redis 6.2+ or Valkey), shared by every worker
     and gateway host, so any of them can serve any turn: one primary (or one Sentinel follows);
     a Redis Cluster is `RedisClusterStore`.
