@@ -4,16 +4,17 @@ the settings name (`create_store`)."""
 from __future__ import annotations
 
 from gateway import redis_url
-from gateway.redis_url import redis_client
+from gateway.redis_url import CLUSTER_SCHEMES, SENTINEL_SCHEMES, redis_client
 from gateway.reuse.store.base import (Budget, ConversationStore, Entry, decode, encode, fixed,
                                       pinned_blocks, stamped)
 from gateway.reuse.store.local import LocalStore, Pinned
 from gateway.reuse.store.redis_cluster import RedisClusterStore
 from gateway.reuse.store.redis_primary import RedisStore
 
-__all__ = ["Budget", "ConversationStore", "Entry", "LocalStore", "Pinned", "RedisClusterStore",
-           "RedisStore", "create_store", "decode", "encode", "fixed", "pinned_blocks",
-           "redis_client", "stamped"]
+# Every name gateway/reuse/store.py had before it became this package.
+__all__ = ["CLUSTER_SCHEMES", "SENTINEL_SCHEMES", "Budget", "ConversationStore", "Entry",
+           "LocalStore", "Pinned", "RedisClusterStore", "RedisStore", "create_store", "decode",
+           "encode", "fixed", "pinned_blocks", "redis_client", "stamped"]
 
 
 def create_store(settings) -> ConversationStore:
