@@ -71,8 +71,8 @@ def run_turn(conn: http.client.HTTPConnection, conv: Conversation) -> dict:
     conv.add_reply(reply, cache, prompt)
     return {"sent": sent, "first": timing.first, "last": timing.last,
             "content_events": timing.content_events, "events": len(events),
-            "max_gap": timing.max_gap, "gaps": timing.gaps, "prompt_tokens": prompt, "ideal_computed": ideal,
-            "hit": cache == "hit"}
+            "max_gap": timing.max_gap, "gaps": timing.gaps, "prompt_tokens": prompt,
+            "ideal_computed": ideal, "hit": cache == "hit"}
 
 
 def conversation(url: str, conv: Conversation, turns: int, deadline: float, results: list,

@@ -184,6 +184,10 @@ def start_delay(scenario: Scenario, index: int) -> float:
     return scenario.think * (index - scenario.long) / (scenario.live - scenario.long)
 
 
+# The client's process: bench.loadgen first, its import patches the standard library for gevent.
+CLIENT = "import bench.loadgen, bench.reuse, sys; bench.reuse.client(sys.argv[1:])"
+
+
 def client(argv: list[str] | None = None) -> None:
     """The load: every conversation of a scenario, one greenlet and keep-alive connection each,
     TURNS turns, `think` seconds between a reply and the next question; each turn tagged with
@@ -279,9 +283,7 @@ def run(system: System, scenario: Scenario, reply: int, out_dir: str, seed: int 
         out = os.path.join(out_dir, f"reuse-{slug(system.label)}-{tag}.json")
         spec = {"url": url, "out": out, "reply": reply, "ids": system.ids,
                 "salt": f"s{seed}-{tag}", "scenario": dataclasses.asdict(scenario)}
-        # bench.loadgen first: its import patches the standard library for gevent.
-        argv = [sys.executable, "-c", "import bench.loadgen, bench.reuse, sys; "
-                "bench.reuse.client(sys.argv[1:])", json.dumps(spec)]
+        argv = [sys.executable, "-c", CLIENT, json.dumps(spec)]
         sampler = Sampler(decodes)
         subprocess.run(argv, check=True, timeout=DURATION + 300)
         pinned = sampler.stop()
