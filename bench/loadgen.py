@@ -21,11 +21,15 @@ REQUEST_TIMEOUT = 120.0  # as vLLM's benchmark: --request-timeout-sec 120
 
 
 class Timing:
-    """When the reply's text arrived, per read: the first and last content, the largest gap."""
+    """When the reply's text arrived, per read: the first and last content, the gaps between
+    content events (inter-token latency as vLLM's benchmark client takes it: one gap per
+    content event after the first, vllm/benchmarks/lib/endpoint_request_func.py:463-486 in
+    vLLM 0.33.0; events that came in one read are 0 apart)."""
 
     def __init__(self) -> None:
         self.first = self.last = 0.0
         self.max_gap = 0.0
+        self.gaps: list[float] = []
         self.content_events = 0
 
     def add(self, event: sse.Event, now: float) -> None:
@@ -33,6 +37,7 @@ class Timing:
             return
         if self.content_events:
             self.max_gap = max(self.max_gap, now - self.last)
+            self.gaps.append(round(now - self.last, 6))
         else:
             self.first = now
         self.last = now
@@ -66,8 +71,8 @@ def run_turn(conn: http.client.HTTPConnection, conv: Conversation) -> dict:
     conv.add_reply(reply, cache, prompt)
     return {"sent": sent, "first": timing.first, "last": timing.last,
             "content_events": timing.content_events, "events": len(events),
-            "max_gap": timing.max_gap, "prompt_tokens": prompt, "ideal_computed": ideal,
-            "hit": cache == "hit"}
+            "max_gap": timing.max_gap, "gaps": timing.gaps, "prompt_tokens": prompt,
+            "ideal_computed": ideal, "hit": cache == "hit"}
 
 
 def conversation(url: str, conv: Conversation, turns: int, deadline: float, results: list,

@@ -13,18 +13,28 @@ keeps nothing after a turn). The axes that decide the answer:
   conversations take turns: vLLM evicts by use, not by time, so a think time turns P's cache
   over only through the other conversations' turns meanwhile);
 - P's KV cache against the live conversations' histories: room for twice them (`fits`), or a
-  quarter of them (`4x over`).
+  quarter of them (`4x over`);
+- the workload's shape: every conversation alike, or skewed, a few long-context conversations
+  (histories growing to some 10,000 tokens) beside many short ones, all at once, where a router
+  that pins a conversation to one P can pile the long ones onto the same P.
 
-Per row: prompt tokens computed (P + D, and the turns whose P read D's blocks), TTFT p50/p99,
-D's pinned blocks at their peak (kept for a next turn), D's wait for KV memory, errors.
+Per row: prompt tokens computed (P + D, and the turns whose P read D's blocks), TTFT p50/p99
+(all turns, and the short conversations' of a skewed workload: the victims), inter-token
+latency p50/p99, D's pinned blocks at their peak (kept for a next turn), D's wait for KV memory,
+errors. TTFT and ITL are the client's, the same for every system: TTFT from sending the request
+to the first content event, ITL the gaps between a stream's content events (bench.loadgen).
+After the table, a line per scenario and reply length checks issue 44's goal (printed, never
+asserted): the gateway's TTFT p99 at most 0.7x vllm-router cache_aware's where the gateway
+computes at least 2x fewer prompt tokens, and never above round_robin's.
 
     python -m bench.reuse [--quick] [--systems gateway,vllm-router] [--replies 32,256]
-                          [--scenarios 1,2]
+                          [--scenarios 1,3] [--seed 0]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -41,7 +51,7 @@ from bench import venvs
 from bench.metrics import percentile
 from bench.systems import slug, stop_process, _spawn
 from devtools.processes import GatewayProcess
-from devtools.workload import FIRST_WORDS, TURN_WORDS
+from devtools.workload import FIRST_WORDS, TURN_WORDS, Conversation, benchmark_conversation
 from emulator.process import EmulatorProcess, free_port
 
 HOSTS = ("127.0.0.80", "127.0.0.81", "127.0.0.82", "127.0.0.83")   # P, P, D, D
@@ -83,27 +93,121 @@ class Scenario:
     live: int                  # conversations in flight at once
     think: float               # seconds between a reply and the next question
     p_cache: float             # P's cache as a share of the live conversations' histories
+    long: int = 0              # of the live ones, long-context conversations (a skewed workload)
 
 
 SCENARIOS = (Scenario("16 live, no think, P cache fits", 16, 0.0, 2.0),
              Scenario("64 live, think 2 s, P cache fits", 64, 2.0, 2.0),
-             Scenario("64 live, think 2 s, P cache 4x over", 64, 2.0, 0.25))
+             Scenario("64 live, think 2 s, P cache 4x over", 64, 2.0, 0.25),
+             # Three long ones over two Ps: any router that pins conversations to a P puts two
+             # of them on the same P.
+             Scenario("skewed: 3 long + 32 short, think 1 s, P cache fits", 35, 1.0, 2.0, long=3))
 REPLIES = (32, 256, 1024)
 # What `make bench` runs; gateway-static on ask (docs/d-memory.md compares the two budgets).
 DEFAULT_SYSTEMS = ("gateway", "vllm-router", "vllm-router-rr", "seed")
+# The skewed workload at 256-token replies, where reading D's blocks pays (the goal's first
+# part applies): four runs, about two minutes.
+QUICK_SCENARIOS = (3,)
+QUICK_REPLIES = (256,)
+
+# The skewed workload in words (= emulator tokens). A long conversation's first message is sized
+# so that its last prompt is about LONG_PROMPT tokens whatever the reply length; a short one
+# starts at 150 + i words and adds 30-60 a turn (a few hundred tokens at 32-token replies).
+LONG_PROMPT = 10_000
+LONG_TURN_WORDS = (600, 800)
+SHORT_FIRST_WORDS = 150
+SHORT_TURN_WORDS = (30, 60)
+DURATION = 300                 # seconds after which no turn starts (a request may take 120 more)
+
+
+def _last_prompt(first: int, turn_words: tuple[int, int], reply: int) -> int:
+    """Tokens of a conversation's longest prompt (its last turn), template tokens included."""
+    return first + 64 + (TURNS - 1) * (max(turn_words) + 16) + (TURNS - 1) * (reply + 4)
 
 
 def history_blocks(reply: int) -> int:
-    """Blocks of a conversation's longest prompt (its last turn), template tokens included."""
-    words = FIRST_WORDS + 64 + (TURNS - 1) * (max(TURN_WORDS) + 16) + (TURNS - 1) * (reply + 4)
-    return math.ceil(words / BLOCK)
+    """Blocks of a uniform conversation's longest prompt (its last turn)."""
+    return math.ceil(_last_prompt(FIRST_WORDS, TURN_WORDS, reply) / BLOCK)
+
+
+def long_first_words(reply: int) -> int:
+    """A long conversation's first message: what leaves its last prompt near LONG_PROMPT."""
+    later = (TURNS - 1) * (sum(LONG_TURN_WORDS) // 2 + 16 + reply + 4)
+    return max(1000, LONG_PROMPT - later)
+
+
+def live_blocks(scenario: Scenario, reply: int) -> int:
+    """Blocks of the live conversations' longest prompts, all together."""
+    if not scenario.long:
+        return scenario.live * history_blocks(reply)
+    long = _last_prompt(long_first_words(reply), LONG_TURN_WORDS, reply)
+    short = _last_prompt(SHORT_FIRST_WORDS, SHORT_TURN_WORDS, reply)
+    return math.ceil((scenario.long * long + (scenario.live - scenario.long) * short) / BLOCK)
 
 
 def p_capacity(scenario: Scenario, reply: int) -> int:
     """Each P's cache: its half of the live conversations' histories times the scenario's
     share, and never less than one request of max_model_len (vLLM's own floor)."""
-    wanted = scenario.live * history_blocks(reply) / 2 * scenario.p_cache
+    wanted = live_blocks(scenario, reply) / 2 * scenario.p_cache
     return max(ENGINE["max_model_len"] // BLOCK, math.ceil(wanted))
+
+
+def conversations(scenario: Scenario, reply: int, salt: str, ids: bool) -> list:
+    """The scenario's conversations as (kind, Conversation), their text and ids fixed by `salt`:
+    the same for every system, so that each system sees the same requests (each on engines of
+    its own) and a router that pins by conversation places them the same way in every run."""
+    def sized(conv: Conversation) -> Conversation:
+        conv.max_tokens = reply
+        return conv
+
+    if not scenario.long:
+        return [("uniform", sized(benchmark_conversation(salt, i, ids)))
+                for i in range(scenario.live)]
+    out = []
+    for i in range(scenario.live):
+        kind = "long" if i < scenario.long else "short"
+        first = long_first_words(reply) if kind == "long" else SHORT_FIRST_WORDS
+        out.append((kind, Conversation(
+            cid=f"{kind}-{salt}-{i}", seed=f"{salt}/{i}", first_words=first + i,
+            turn_words=LONG_TURN_WORDS if kind == "long" else SHORT_TURN_WORDS,
+            explicit=ids, session_header=ids, max_tokens=reply,
+            stream_options={"include_usage": False})))
+    return out
+
+
+def start_delay(scenario: Scenario, index: int) -> float:
+    """When conversation `index` starts: all at once, but for a skewed workload's short ones,
+    spread evenly over one think time (the long ones first), so that they arrive throughout
+    the long ones' turns rather than in waves."""
+    if not scenario.long or index < scenario.long:
+        return 0.0
+    return scenario.think * (index - scenario.long) / (scenario.live - scenario.long)
+
+
+# The client's process: bench.loadgen first, its import patches the standard library for gevent.
+CLIENT = "import bench.loadgen, bench.reuse, sys; bench.reuse.client(sys.argv[1:])"
+
+
+def client(argv: list[str] | None = None) -> None:
+    """The load: every conversation of a scenario, one greenlet and keep-alive connection each,
+    TURNS turns, `think` seconds between a reply and the next question; each turn tagged with
+    its conversation's kind. Runs in a process of its own, gevent's monkey patching done first
+    by importing bench.loadgen (see run())."""
+    import gevent
+    from bench import clients, loadgen
+
+    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    scenario = Scenario(**spec["scenario"])
+    convs = conversations(scenario, spec["reply"], spec["salt"], spec["ids"])
+    results: list[list[dict]] = [[] for _ in convs]
+    errors: list[str] = []
+    started = time.monotonic()
+    gevent.joinall([gevent.spawn_later(start_delay(scenario, i), loadgen.conversation,
+                                       spec["url"], conv, TURNS, started + DURATION, done,
+                                       errors, scenario.think)
+                    for i, ((kind, conv), done) in enumerate(zip(convs, results))])
+    turns = [{**turn, "kind": kind} for (kind, _), done in zip(convs, results) for turn in done]
+    clients.write_results(spec["out"], started, turns, errors)
 
 
 @contextlib.contextmanager
@@ -172,45 +276,64 @@ class Sampler:
         return self.peak
 
 
-def run(system: System, scenario: Scenario, reply: int, out_dir: str) -> dict:
+def run(system: System, scenario: Scenario, reply: int, out_dir: str, seed: int = 0) -> dict:
     with cluster(system, scenario, reply) as (prefills, decodes), \
             started(system, prefills, decodes, out_dir) as url:
-        out = os.path.join(out_dir, f"reuse-{slug(system.label)}-{scenario.live}-"
-                                    f"{scenario.p_cache}-{reply}.json")
-        salt = f"{system.kind}-{scenario.live}-{scenario.p_cache}-{reply}-{time.time_ns()}"
-        argv = [sys.executable, "-m", "bench.loadgen", "--url", url, "--salt", salt,
-                "--out", out, "--concurrency", str(scenario.live),
-                "--conversations", str(scenario.live), "--turns", str(TURNS),
-                "--duration", "300", "--think", str(scenario.think)]
+        tag = f"{scenario.live}-{scenario.long}-{scenario.p_cache}-{reply}"
+        out = os.path.join(out_dir, f"reuse-{slug(system.label)}-{tag}.json")
+        spec = {"url": url, "out": out, "reply": reply, "ids": system.ids,
+                "salt": f"s{seed}-{tag}", "scenario": dataclasses.asdict(scenario)}
+        argv = [sys.executable, "-c", CLIENT, json.dumps(spec)]
         sampler = Sampler(decodes)
-        subprocess.run(argv + (["--ids"] if system.ids else []), check=True, timeout=600,
-                       env={**os.environ, "BENCH_REPLY_WORDS": str(reply)})
+        subprocess.run(argv, check=True, timeout=DURATION + 300)
         pinned = sampler.stop()
         stats = [e.stats() for e in (*prefills, *decodes)]
     with open(out) as f:
         load = json.load(f)
     turns = load["turns"]
-    ttft = [t["first"] - t["sent"] for t in turns]
     p_stats, d_stats = stats[:2], stats[2:]
-    computed = sum(s["computed_prompt_tokens"] for s in stats)
-    prompt = sum(t["prompt_tokens"] for t in turns)
+    elapsed = load["ended"] - load["started"]
     return {"scenario": scenario.label, "reply": reply, "system": system.label,
             "turns": len(turns), "errors": len(load["errors"]),
-            "computed": computed, "prompt": prompt,
+            "computed": sum(s["computed_prompt_tokens"] for s in stats),
+            "prompt": sum(t["prompt_tokens"] for t in turns),
             "read_turns": sum(s["hits"] for s in p_stats),
-            "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
-            "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1),
+            **latencies(turns, scenario),
             "d_pinned_peak": pinned,
             "d_wait_s": round(sum(s["kv_wait_seconds"] for s in d_stats), 2),
             "wrong_reuse": sum(s["wrong_reuse"] for s in stats),
-            "p_capacity": p_capacity(scenario, reply)}
+            "p_capacity": p_capacity(scenario, reply),
+            # Near 1 the client, not the system, would set the pace (and the ITL); the machine's
+            # load average (other users included) says how far CPU was contended.
+            "client_core_share": round(load["cpu_s"] / elapsed, 2) if elapsed > 0 else None,
+            "load_avg": round(os.getloadavg()[0], 1),
+            "first_error": (load["errors"] or [None])[0]}
+
+
+def latencies(turns: list[dict], scenario: Scenario) -> dict:
+    """TTFT p50/p99 (all turns; the short conversations' where the workload is skewed) and ITL
+    p50/p99 over every gap of every stream (pooled as vLLM's benchmark pools them,
+    vllm/benchmarks/serve.py:661 and 797-799 in vLLM 0.33.0), in ms."""
+    def ms(values: list[float], q: float) -> float | None:
+        return round(percentile(values, q) * 1000, 1) if values else None
+
+    ttft = [t["first"] - t["sent"] for t in turns]
+    short = [t["first"] - t["sent"] for t in turns if t["kind"] == "short"]
+    gaps = [g for t in turns for g in t["gaps"]]
+    return {"ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
+            "short_ttft_p50_ms": ms(short, 50) if scenario.long else None,
+            "short_ttft_p99_ms": ms(short, 99) if scenario.long else None,
+            "itl_p50_ms": ms(gaps, 50), "itl_p99_ms": ms(gaps, 99)}
 
 
 COLUMNS = ("scenario", "reply", "system", "turns", "errors", "computed", "read_turns",
-           "ttft_p50_ms", "ttft_p99_ms", "d_pinned_peak", "d_wait_s", "wrong_reuse")
+           "ttft_p50_ms", "ttft_p99_ms", "short_ttft_p50_ms", "short_ttft_p99_ms", "itl_p50_ms",
+           "itl_p99_ms", "d_pinned_peak", "d_wait_s", "wrong_reuse")
 HEADINGS = {"reply": "reply tokens", "computed": "prompt tokens computed (P + D)",
             "read_turns": "turns P read D's blocks", "ttft_p50_ms": "TTFT p50 ms",
-            "ttft_p99_ms": "TTFT p99 ms", "d_pinned_peak": "D pinned blocks (peak)",
+            "ttft_p99_ms": "TTFT p99 ms", "short_ttft_p50_ms": "short conv. TTFT p50 ms",
+            "short_ttft_p99_ms": "short conv. TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
+            "itl_p99_ms": "ITL p99 ms", "d_pinned_peak": "D pinned blocks (peak)",
             "d_wait_s": "D memory wait s", "wrong_reuse": "wrong reuse"}
 
 
@@ -218,30 +341,68 @@ def table(rows: list[dict]) -> str:
     head = "| " + " | ".join(HEADINGS.get(c, c) for c in COLUMNS) + " |"
     lines = [head, "|" + "---|" * len(COLUMNS)]
     for row in rows:
-        cells = [f"{row[c]:,}" if isinstance(row[c], int) and c != "reply" else str(row[c])
-                 for c in COLUMNS]
+        cells = [f"{row[c]:,}" if isinstance(row[c], int) and c != "reply"
+                 else "–" if row[c] is None else str(row[c]) for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+GOAL_AGAINST_CACHE_AWARE = 0.7     # issue 44: TTFT p99 at most 0.7x cache_aware's ...
+GOAL_FEWER_TOKENS = 2.0            # ... wherever the gateway computes at least 2x fewer tokens
+
+
+def goal(ours: dict, cache_aware: dict | None, round_robin: dict | None) -> str:
+    """Issue 44's goal for one row: the gateway's TTFT p99 against each bound that applies,
+    PASS or FAIL."""
+    def p99(row: dict) -> float:
+        return row["ttft_p99_ms"] if row["ttft_p99_ms"] is not None else math.inf
+
+    def verdict(bound: float) -> str:
+        return "PASS" if p99(ours) <= bound else "FAIL"
+
+    parts = [f"TTFT p99 {p99(ours)} ms"]
+    if cache_aware is not None:
+        fewer = cache_aware["computed"] / ours["computed"] if ours["computed"] else math.inf
+        bound = GOAL_AGAINST_CACHE_AWARE * p99(cache_aware)
+        parts.append(
+            f"against {GOAL_AGAINST_CACHE_AWARE} x cache_aware's ({bound:.1f} ms; "
+            f"{fewer:.2f}x fewer tokens) {verdict(bound)}" if fewer >= GOAL_FEWER_TOKENS else
+            f"against cache_aware's not checked ({fewer:.2f}x fewer tokens, under "
+            f"{GOAL_FEWER_TOKENS:g}x)")
+    if round_robin is not None:
+        parts.append(f"against round_robin's ({p99(round_robin)} ms) "
+                     f"{verdict(p99(round_robin))}")
+    return ", ".join(parts)
+
+
 def summary(rows: list[dict]) -> str:
-    """One line per scenario and reply length: the gateway against vllm-router's default."""
+    """Two lines per scenario and reply length: the gateway against vllm-router's default, and
+    issue 44's goal (TTFT p99 against cache_aware's and round_robin's, ITL p99 beside them)."""
     by = {(r["scenario"], r["reply"], r["system"]): r for r in rows}
     lines = []
     for (scenario, reply, system), ours in by.items():
         if system != SYSTEMS["gateway"].label:
             continue
         peer = by.get((scenario, reply, SYSTEMS["vllm-router"].label))
-        if peer is None or not ours["computed"]:
-            continue
-        lines.append(
-            f"- {scenario}, {reply}-token replies: the gateway computed "
-            f"{ours['computed']:,} prompt tokens, vllm-router (cache_aware) "
-            f"{peer['computed']:,} ({peer['computed'] / ours['computed']:.2f}x); TTFT p50 "
-            f"{ours['ttft_p50_ms']} against {peer['ttft_p50_ms']} ms, p99 {ours['ttft_p99_ms']} "
-            f"against {peer['ttft_p99_ms']} ms; P read D's blocks on {ours['read_turns']} of "
-            f"{ours['turns']} turns; D's pinned blocks peaked at {ours['d_pinned_peak']:,} "
-            f"(vllm-router: {peer['d_pinned_peak']:,}).")
+        rr = by.get((scenario, reply, SYSTEMS["vllm-router-rr"].label))
+        if peer is not None and ours["computed"]:
+            victims = ("" if ours["short_ttft_p99_ms"] is None else
+                       f", the short conversations' {ours['short_ttft_p99_ms']} against "
+                       f"{peer['short_ttft_p99_ms']} ms")
+            lines.append(
+                f"- {scenario}, {reply}-token replies: the gateway computed "
+                f"{ours['computed']:,} prompt tokens, vllm-router (cache_aware) "
+                f"{peer['computed']:,} ({peer['computed'] / ours['computed']:.2f}x); TTFT p50 "
+                f"{ours['ttft_p50_ms']} against {peer['ttft_p50_ms']} ms, p99 "
+                f"{ours['ttft_p99_ms']} against {peer['ttft_p99_ms']} ms{victims}; ITL p99 "
+                f"{ours['itl_p99_ms']} against {peer['itl_p99_ms']} ms; P read D's blocks on "
+                f"{ours['read_turns']} of {ours['turns']} turns; D's pinned blocks peaked at "
+                f"{ours['d_pinned_peak']:,} (vllm-router: {peer['d_pinned_peak']:,}).")
+        if peer is not None or rr is not None:
+            itl = ", ".join(f"{label} {row['itl_p99_ms']}" for label, row in
+                            (("cache_aware", peer), ("round_robin", rr)) if row is not None)
+            lines.append(f"  - goal, {scenario}, {reply}-token replies: {goal(ours, peer, rr)}; "
+                         f"ITL p99 {ours['itl_p99_ms']} ms ({itl}).")
     return "\n".join(lines)
 
 
@@ -258,7 +419,8 @@ def available(keys: list[str], notes: list[str]) -> list[System]:
     return out
 
 
-def measure(keys: list[str], scenarios, replies, out_dir: str) -> tuple[list[dict], list[str]]:
+def measure(keys: list[str], scenarios, replies, out_dir: str,
+            seed: int = 0) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
     os.makedirs(out_dir, exist_ok=True)
     systems = available(keys, notes)
@@ -266,32 +428,35 @@ def measure(keys: list[str], scenarios, replies, out_dir: str) -> tuple[list[dic
     for scenario in scenarios:
         for reply in replies:
             for system in systems:
-                row = run(system, scenario, reply, out_dir)
+                row = run(system, scenario, reply, out_dir, seed)
                 rows.append(row)
                 print(f"{scenario.label:>36} {reply:>5} {system.label:>26}: "
                       f"{row['computed']:>8,} computed, {row['read_turns']:>3} read, "
-                      f"TTFT p50 {row['ttft_p50_ms']:>7} ms p99 {row['ttft_p99_ms']:>7} ms, "
-                      f"D pinned {row['d_pinned_peak']:>6,}, {row['errors']} errors", flush=True)
+                      f"TTFT p50 {row['ttft_p50_ms']} ms p99 {row['ttft_p99_ms']} ms "
+                      f"(short p99 {row['short_ttft_p99_ms']}), ITL p99 {row['itl_p99_ms']} ms, "
+                      f"D pinned {row['d_pinned_peak']:,}, {row['errors']} errors", flush=True)
     return rows, notes
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="32- and 256-token replies, "
-                        "two scenarios")
+    parser.add_argument("--quick", action="store_true", help="the skewed workload, "
+                        "256-token replies")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help=f"comma separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--replies", help="comma separated reply lengths")
-    parser.add_argument("--scenarios", help="comma separated scenario numbers (0, 1, 2)")
+    parser.add_argument("--scenarios", help="comma separated scenario numbers: "
+                        + ", ".join(f"{i} ({s.label})" for i, s in enumerate(SCENARIOS)))
+    parser.add_argument("--seed", type=int, default=0, help="the conversations' text and ids")
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="bench-reuse-"))
     args = parser.parse_args(argv)
     scenarios = (tuple(SCENARIOS[int(i)] for i in args.scenarios.split(",")) if args.scenarios
-                 else (SCENARIOS[0], SCENARIOS[2]) if args.quick else SCENARIOS)
+                 else tuple(SCENARIOS[i] for i in QUICK_SCENARIOS) if args.quick else SCENARIOS)
     replies = (tuple(int(r) for r in args.replies.split(",")) if args.replies
-               else (32, 256) if args.quick else REPLIES)
+               else QUICK_REPLIES if args.quick else REPLIES)
     os.makedirs(args.out, exist_ok=True)
-    rows, notes = measure(args.systems.split(","), scenarios, replies, args.out)
-    print("\n" + table(rows))
+    rows, notes = measure(args.systems.split(","), scenarios, replies, args.out, args.seed)
+    print("\n" + table(rows) + "\n\n" + summary(rows))
     for note in notes:
         print("note:", note)
     with open(os.path.join(args.out, "reuse.json"), "w") as f:
