@@ -63,11 +63,14 @@ class EngineConfig:
                            "(reading the weights once); a step takes the longer of this and "
                            "its tokens' compute")
     # vLLM 0.33's defaults for `vllm serve` on an 80 GB GPU other than an A100, the emulator's
-    # stated one (engine/arg_utils.py ~L2983-2997); chunked prefill is on for generative models
-    # (~L3043-3048) and the long-prefill cap off (config/scheduler.py ~L79).
-    max_num_batched_tokens: int = option(8192, bounded(int, 1), "token budget of one engine "
-                                         "step, shared by decodes (one token each) and prompt "
-                                         "chunks")
+    # stated one (engine/arg_utils.py ~L2983-2997; without chunked prefill the budget is raised
+    # to max_model_len, ~L3190-3199); chunked prefill is on for generative models (~L3040-3048)
+    # and the long-prefill cap off (config/scheduler.py ~L79).
+    max_num_batched_tokens: int | None = option(None, bounded(int, 1), "token budget of one "
+                                                "engine step, shared by decodes (one token "
+                                                "each) and prompt chunks",
+                                                show="8192; max(8192, --max-model-len) without "
+                                                "chunked prefill")
     max_num_seqs: int = option(1024, bounded(int, 1), "requests running at once; more wait "
                                "(vllm:num_requests_waiting_by_reason capacity)")
     enable_chunked_prefill: bool = option(True, boolean, "split a prompt over steps to fit the "
@@ -147,7 +150,10 @@ class EngineConfig:
         check(self, ("kv_port",))  # --port 65000 leaves no room for the default KV port
         if self.kv_port == self.port:
             raise SettingsError("--kv-port must differ from --port")
-        # config/scheduler.py ~L319-335: vLLM refuses these two.
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (8192 if self.enable_chunked_prefill
+                                           else max(8192, self.max_model_len))
+        # config/scheduler.py ~L316-336: vLLM refuses these two.
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise SettingsError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is "
                                 f"below --max-model-len {self.max_model_len}, and without "

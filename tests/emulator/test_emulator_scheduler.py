@@ -3,10 +3,14 @@ clock: budgets, chunks, max_num_seqs, and what a prefill costs the other request
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import requests
 
 from emulator.config import EngineConfig
 from emulator.engine import Engine
+from emulator.process import EmulatorProcess, wait_until
 from emulator.scheduler import Scheduler, Seq
 
 ITL_MS, PREFILL_MS = 10.0, 0.1    # the emulator's defaults
@@ -37,9 +41,12 @@ def first_token_step(history: list[list[int]], which: int) -> int:
 
 
 def test_defaults_are_vllms_for_an_80_gb_gpu_serving_openai():
+    """engine/arg_utils.py ~L2983-2997, ~L3040-3048, ~L3190-3199; config/scheduler.py ~L79."""
     cfg = EngineConfig(role="decode", port=18200)
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.enable_chunked_prefill,
             cfg.long_prefill_token_threshold) == (8192, 1024, True, 0)
+    whole = EngineConfig(role="decode", port=18200, enable_chunked_prefill=False)
+    assert whole.max_num_batched_tokens == whole.max_model_len == 32768
 
 
 def test_one_request_alone_prefills_in_chunks_at_the_per_token_cost():
@@ -155,3 +162,31 @@ def test_a_decode_engine_counts_what_its_prefills_cost_its_streams():
     sched.advance(sched.step_end)
     # That step computes 8192 tokens (819.2 ms) where the decode alone takes itl (10 ms).
     assert engine.stats.decode_stall_seconds == pytest.approx((8192 * PREFILL_MS - ITL_MS) / 1000)
+
+
+@pytest.mark.processes
+def test_a_request_beyond_max_num_seqs_waits_for_capacity_on_a_real_engine():
+    """With max_num_seqs running, the next request waits unscheduled, counted as waiting for
+    capacity (loggers.py ~L1146-1160); it runs once a running one leaves."""
+    with EmulatorProcess("decode", host="127.0.0.4", max_num_seqs=1, itl_ms=20) as d:
+        def complete(max_tokens: int, **kwargs: object) -> requests.Response:
+            body = {"model": "emulated-model", "prompt": "a b c", "max_tokens": max_tokens}
+            return requests.post(d.url + "/v1/completions", json={**body, **kwargs}, timeout=30,
+                                 stream=kwargs.get("stream", False))
+
+        first = complete(25_000, stream=True)   # runs until its client leaves
+        first.raw.read(1)
+        with ThreadPoolExecutor(1) as pool:
+            second = pool.submit(complete, 3)
+            stats = wait_until(lambda: (s := d.stats())["requests_waiting"] == 1 and s, 10,
+                               "the second request to wait")
+            assert (stats["requests_running"], stats["requests_waiting_capacity"],
+                    stats["requests_waiting_deferred"]) == (1, 1, 0)
+            page = requests.get(d.url + "/metrics", timeout=5).text.splitlines()
+            labels = 'engine="0",model_name="emulated-model"'
+            assert f'vllm:num_requests_running{{{labels}}} 1.0' in page
+            assert f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} 1.0' in page
+            assert not second.done()
+            first.close()       # the client leaves: its request is aborted and frees its slot
+            assert second.result(timeout=30).json()["usage"]["completion_tokens"] == 3
+        assert [r["outcome"] for r in d.recent_requests()] == ["aborted", "completed"]
