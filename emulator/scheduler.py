@@ -136,7 +136,8 @@ class Scheduler:
 
     def _finish(self) -> None:
         """The step's tokens are out: prompts advance, a finished prompt samples its first
-        token, decodes their next; finished requests leave the batch (~L2476-2544)."""
+        token (a partial one's sample is discarded: v1/worker/gpu_model_runner.py ~L2060-2065),
+        decodes their next; finished requests leave the batch (scheduler.py ~L2543-2544)."""
         done = False
         for seq, n in self._batch:
             if seq.removed:
