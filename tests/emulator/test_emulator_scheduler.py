@@ -158,7 +158,8 @@ def test_a_decode_engine_counts_what_its_prefills_cost_its_streams():
     sched = engine.scheduler
     sched.add(Seq(1, 100), now[0])
     sched.advance(sched.step_end)
-    sched.add(Seq(8191, 1), sched.step_end)   # as the stream's next step starts: joins the one after
+    # Added as the stream's next step starts: it joins the one after.
+    sched.add(Seq(8191, 1), sched.step_end)
     sched.advance(sched.step_end)
     # That step computes 8192 tokens (819.2 ms) where the decode alone takes itl (10 ms).
     assert engine.stats.decode_stall_seconds == pytest.approx((8192 * PREFILL_MS - ITL_MS) / 1000)
