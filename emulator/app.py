@@ -135,12 +135,13 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
             yield framer.role(turn.prompt_ids if ids else None)
         last = len(steps) - 1  # the last token rides on the finish chunk
         for i in range(last + 1):
-            if i and itl >= WATCHED_ITL:
-                if _client_gone(environ, engine, engine.token_wait(itl)):
+            # Token i comes out at the end of an engine step: wait step by step until it has.
+            while i and (wait := engine.until_token(turn, i)) > 0:
+                if itl < WATCHED_ITL:
+                    engine.sleep(wait)
+                elif _client_gone(environ, engine, wait):
                     stats.aborted_streams += 1
                     return
-            elif i:
-                engine.sleep(engine.token_wait(itl))
             if turn.fault.mode == "die_after" and i >= turn.fault.tokens:
                 outcome = "died"
                 stats.fault_responses += 1
@@ -197,20 +198,19 @@ def _failed(framer, envelope: dict, cut: Callable[[], None]) -> Iterator[bytes]:
 
 def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cut: Callable[[], None],
           headers: dict) -> Response:
-    itl = engine.config.itl_ms / 1000.0
     fault = turn.fault
     if fault.mode == "error_after" and fault.tokens < turn.completion_tokens:
-        engine.sleep(itl * fault.tokens)
+        engine.wait_token(turn, fault.tokens)
         engine.stats.fault_responses += 1
         engine.record(turn, "errored")
         raise InternalError("emulated fault: error_after")
     if fault.mode == "die_after" and fault.tokens < turn.completion_tokens:
-        engine.sleep(itl * fault.tokens)
+        engine.wait_token(turn, fault.tokens)
         engine.stats.fault_responses += 1
         engine.record(turn, "died")
         cut()
         return Response(b"", status=500)  # never arrives: the connection is already shut
-    engine.sleep(engine.token_wait(0.0) + itl * (turn.completion_tokens - 1))
+    engine.wait_token(turn, turn.completion_tokens - 1)
     params = engine.finish(turn)
     gen = turn.gen
     if not req.include_reasoning:

@@ -54,11 +54,30 @@ class EngineConfig:
                         "served model name; a request naming another model gets 404")
     advertise_host: str = option("localhost", str, "remote_host put into kv_transfer_params "
                                  "(vLLM's side channel says localhost)")
-    prefill_ms_per_token: float = option(0.1, bounded(float, 0), "emulated compute per prompt "
-                                         "token that is neither cached nor pulled")
+    prefill_ms_per_token: float = option(0.1, bounded(float, 0), "emulated compute per token "
+                                         "in a step: a prompt token neither cached nor "
+                                         "pulled, or a decode's one token")
     pull_ms_per_block: float = option(0.05, bounded(float, 0),
                                       "emulated transfer time per pulled block")
-    itl_ms: float = option(10.0, bounded(float, 0), "inter-token latency")
+    itl_ms: float = option(10.0, bounded(float, 0), "inter-token latency: the shortest step "
+                           "(reading the weights once); a step takes the longer of this and "
+                           "its tokens' compute")
+    # vLLM 0.33's defaults for `vllm serve` on an 80 GB GPU other than an A100, the emulator's
+    # stated one (engine/arg_utils.py ~L2983-2997; without chunked prefill the budget is raised
+    # to max_model_len, ~L3190-3199); chunked prefill is on for generative models (~L3040-3048)
+    # and the long-prefill cap off (config/scheduler.py ~L79).
+    max_num_batched_tokens: int | None = option(None, bounded(int, 1), "token budget of one "
+                                                "engine step, shared by decodes (one token "
+                                                "each) and prompt chunks",
+                                                show="8192; max(8192, --max-model-len) without "
+                                                "chunked prefill")
+    max_num_seqs: int = option(1024, bounded(int, 1), "requests running at once; more wait "
+                               "(vllm:num_requests_waiting_by_reason capacity)")
+    enable_chunked_prefill: bool = option(True, boolean, "split a prompt over steps to fit the "
+                                          "token budget; off, a prompt waits until it fits whole")
+    long_prefill_token_threshold: int = option(0, bounded(int, 0), "the most prompt tokens one "
+                                               "request computes in a step when others wait; "
+                                               "0: no cap")
     output_tokens: int = option(32, bounded(int, 1), "reply length in words when a request sets "
                                 "no max_tokens; then EOS (finish_reason stop). max_tokens is "
                                 "always obeyed exactly (finish_reason length)")
@@ -131,6 +150,17 @@ class EngineConfig:
         check(self, ("kv_port",))  # --port 65000 leaves no room for the default KV port
         if self.kv_port == self.port:
             raise SettingsError("--kv-port must differ from --port")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (8192 if self.enable_chunked_prefill
+                                           else max(8192, self.max_model_len))
+        # config/scheduler.py ~L316-336: vLLM refuses these two.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise SettingsError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is "
+                                f"below --max-model-len {self.max_model_len}, and without "
+                                "chunked prefill a longer prompt could never run")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise SettingsError(f"--max-num-batched-tokens {self.max_num_batched_tokens} must "
+                                f"be at least --max-num-seqs {self.max_num_seqs}")
         # vLLM refuses to start when one request of max_model_len tokens cannot fit its cache.
         if self.kv_capacity_blocks * self.block_size < self.max_model_len:
             raise SettingsError(f"--kv-capacity-blocks: {self.kv_capacity_blocks} blocks of "

@@ -19,6 +19,7 @@ from .faults import Fault, FaultState
 from .kvport import PullError, flat_block_ids, make_session, pull, release
 from .kvstore import Blocks, BlockPool, Lease, LeaseStore
 from .protocol import CompletionRequest
+from .scheduler import Scheduler, Seq
 from .stats import Stats
 from .tokens import EOS, Generation, Template, generate_chat, generate_completion, token_ids
 
@@ -52,6 +53,7 @@ class Turn:
     prefill_s: float = 0.0
     waited_s: float = 0.0  # waiting for KV memory before the prefill could start
     blocks: Blocks | None = None  # held from admission until the end, or handed to a lease
+    seq: Seq | None = None  # in the scheduler from the end of its KV load to its last token
     _prompt_ids: list | None = None
 
     @property
@@ -122,16 +124,17 @@ class Engine:
         self.stats = Stats()
         self.faults = FaultState(config.fault)
         self.session = session or make_session()
-        # Prefill is compute-bound: an engine's prompt tokens are computed one request after
-        # another (a throughput model: batching several prompts takes as long in total). On D
-        # they are computed in the same GPU steps as it decodes, so until then no stream of
-        # this engine emits a token (vLLM's chunked prefill interleaves; a full stall is the
-        # upper bound of what a local prefill costs the others).
-        self.busy_until = 0.0
+        # Prompts and decodes share the engine's steps, as on vLLM: a prefill on D slows its
+        # streams, and a request beyond the token budget or max_num_seqs waits its turn.
+        self.scheduler = Scheduler(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, step_s=self._step_s,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            on_step=self._stepped)
         # Requests waiting for KV memory, first come first served: vLLM's scheduler stops at
         # the first waiting request it cannot allocate (v1/core/sched/scheduler.py ~L1454-1461).
         self._waiting: deque[Event] = deque()
-        self.running = 0
         self.deferred = 0        # waiting for a remote KV load (vLLM's "deferred" waiting)
 
     def start(self, req: CompletionRequest, internal_id: str, fault: Fault, arrival: float,
@@ -202,7 +205,6 @@ class Engine:
                 self._wake()
         turn.waited_s = self.clock() - started if waited else 0.0
         self.stats.kv_wait_seconds += turn.waited_s
-        self.running += 1
         return hit
 
     def _until_next_expiry(self) -> float:
@@ -219,11 +221,36 @@ class Engine:
 
     def _release(self, turn: Turn) -> None:
         """The request ended without leaving its blocks to a lease: free them."""
+        if turn.seq is not None:
+            self.scheduler.remove(turn.seq, self.clock())
         if turn.blocks is not None:
             self.pool.free(turn.blocks)
             turn.blocks = None
-            self.running -= 1
             self._wake()
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def _step_s(self, prefill: int, decode: int) -> float:
+        """A step reads the weights once (itl_ms, a decode-only step of a small batch) and
+        computes its tokens (prefill_ms_per_token each, a decode's token as a prompt's): it
+        takes the longer of the two, so one request alone prefills in about prompt tokens x
+        prefill_ms_per_token, and a big batch decodes slower than itl_ms."""
+        cfg = self.config
+        return max(cfg.itl_ms, (prefill + decode) * cfg.prefill_ms_per_token) / 1000.0
+
+    def _stepped(self, prefill: int, decode: int, duration: float) -> None:
+        if prefill and decode and self.config.role == "decode":
+            self.stats.decode_stall_seconds += duration - self._step_s(0, decode)
+
+    def wait_token(self, turn: Turn, index: int) -> None:
+        """Return once the turn's token `index` (0: the first) is out."""
+        while (wait := self.until_token(turn, index)) > 0:
+            self.sleep(wait)
+
+    def until_token(self, turn: Turn, index: int) -> float:
+        """Seconds until the step that may bring the turn's token `index` ends (0: it is out)."""
+        seq = turn.seq
+        return self.scheduler.until(lambda: seq.generated > index, self.clock())
 
     # --- prefill -----------------------------------------------------------------------------
 
@@ -266,14 +293,12 @@ class Engine:
             # While it loads remote KV a request waits in WAITING_FOR_REMOTE_KVS: vLLM counts it
             # as a deferred waiting request, not a running one (v1/core/sched/scheduler.py
             # ~L2705-2712 and ~L3288-3292; v1/metrics/loggers.py ~L1150-1160).
-            self.running -= 1
             self.deferred += 1
             try:
                 read_blocks, ok = self._read(turn, params, groups, local, count)
                 self.sleep(read_blocks * cfg.pull_ms_per_block / 1000.0)
             finally:
                 self.deferred -= 1
-                self.running += 1
             if ok:
                 # A whole prompt loaded still computes its last token (scheduler.py ~L3515).
                 ready = min(local + count, n - 1)
@@ -283,12 +308,9 @@ class Engine:
                     self.stats.hits += 1
                     self.stats.reused_prompt_tokens += turn.pulled
         turn.local, turn.computed = local, n - ready
-        compute_s = turn.computed * cfg.prefill_ms_per_token / 1000.0
-        now = self.clock()
-        self.busy_until = max(now, self.busy_until) + compute_s
-        if cfg.role == "decode":
-            self.stats.decode_stall_seconds += compute_s
-        self.sleep(self.busy_until - now)
+        turn.seq = Seq(max(turn.computed, 1), turn.completion_tokens)
+        self.scheduler.add(turn.seq, self.clock())
+        self.wait_token(turn, 0)
         self._count_path(params, p_node)
         self.pool.commit(turn.blocks, hashes)
         turn.prefill_s = self.clock() - started
@@ -367,11 +389,6 @@ class Engine:
         else:
             self.stats.decode_only_requests += 1
 
-    def token_wait(self, itl: float) -> float:
-        """Seconds until a stream's next token: the inter-token latency, or longer while this
-        engine is busy prefilling another request."""
-        return max(itl, self.busy_until - self.clock())
-
     def _pull_failed(self, turn: Turn, exc: PullError) -> None:
         if exc.stale:
             self.stats.stale_pulls += 1
@@ -411,7 +428,6 @@ class Engine:
         lease = self.leases.put(turn.internal_id, kv_tokens, ttl, turn.salt, turn.blocks,
                                 window=self.window_blocks)
         turn.blocks = None
-        self.running -= 1
         out = {
             "do_remote_prefill": p_node, "do_remote_decode": not p_node,
             "remote_block_ids": lease.groups, "remote_engine_id": self.engine_id,
@@ -452,14 +468,16 @@ class Engine:
             "completion_tokens": turn.completion_tokens, "finish_reason": turn.finish_reason})
 
     def snapshot(self) -> dict:
+        self.scheduler.advance(self.clock())
+        waiting = len(self._waiting) + len(self.scheduler.waiting)
         held = self.leases.held()
         self.stats.leases_expired_unread = held.pop("leases_expired_unread")
         return {"role": self.config.role, "engine_id": self.engine_id, **self.stats.snapshot(),
                 **held, "kv_blocks_used": self.pool.used, "kv_capacity_blocks": self.pool.capacity,
                 "kv_cache_usage": round(self.pool.usage(), 6),
                 "prefix_cache_blocks": self.pool.cached,
-                "requests_running": self.running,
-                "requests_waiting": len(self._waiting) + self.deferred,
-                "requests_waiting_capacity": len(self._waiting),
+                "requests_running": len(self.scheduler.running),
+                "requests_waiting": waiting + self.deferred,
+                "requests_waiting_capacity": waiting,
                 "requests_waiting_deferred": self.deferred,
                 "fault": self.faults.current.mode}

@@ -36,8 +36,8 @@ def test_chat_stream_chunk_order(make_api, sse):
     assert usage["choices"] == [] and usage["usage"] == {
         "prompt_tokens": N_PROMPT, "completion_tokens": 4, "total_tokens": N_PROMPT + 4}
     assert done == "[DONE]"
-    # One sleep for prefill, then one inter-token gap before each chunk after the first.
-    assert api.clock.slept[1:] == [0.002] * 3
+    # One sleep for prefill, then one decode step (itl_ms) before each chunk after the first.
+    assert api.clock.slept[1:] == pytest.approx([0.002] * 3)
     text = "".join(c["choices"][0]["delta"]["content"] for c in content)
     assert text == chat(api).get_json()["choices"][0]["message"]["content"]
     assert len(text.split()) == 3 and not text.startswith(" ")

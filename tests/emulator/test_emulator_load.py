@@ -45,8 +45,11 @@ def run_streams(host: str, port: int, body: bytes, count: int, timeout: float) -
 
 
 def test_500_concurrent_streams_complete():
-    # Streams last ~1 s (20 tokens x 50 ms) so all of them are open at the same time.
-    with EmulatorProcess("decode", itl_ms=50, prefill_ms_per_token=0.01, output_tokens=20) as engine:
+    # Streams last ~5 s (21 steps of 250 ms) so all of them are open at the same time: opening
+    # 500 connections can take seconds on a loaded machine, and a stream keeps to its engine's
+    # steps however late its greenlet runs, so it is not stretched by the load.
+    with EmulatorProcess("decode", itl_ms=250, prefill_ms_per_token=0.01,
+                         output_tokens=20) as engine:
         body = json.dumps({"model": "emulated-model", "stream": True,
                            "messages": [{"role": "user", "content": "hello load test"}]}).encode()
         responses = run_streams(engine.host, engine.port, body, STREAMS, timeout=60)

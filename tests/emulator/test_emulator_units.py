@@ -221,7 +221,10 @@ def test_every_config_field_is_a_flag():
     ({"kv_port": 9000}, "--kv-port"), ({"itl_ms": -1}, "--itl-ms"), ({"role": "router"}, "--role"),
     ({"port": 65000}, "--kv-port"), ({"template_quirks": "nope"}, "--template-quirks"),
     ({"reasoning_share": 1.5}, "--reasoning-share"), ({"log_level": "loud"}, "--log-level"),
-    ({"kv_capacity_blocks": 100}, "--kv-capacity-blocks")])
+    ({"kv_capacity_blocks": 100}, "--kv-capacity-blocks"),
+    ({"max_num_seqs": 9000}, "--max-num-seqs"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 100},
+     "--max-num-batched-tokens")])
 def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         EngineConfig(**{"role": "decode", "port": 9000, **overrides})
