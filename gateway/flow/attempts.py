@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Generic, NamedTuple, TypeVar
 
 from gateway.engines.instances import Instance, Pool
 from gateway.support import metrics
@@ -24,9 +24,16 @@ class Work:
     prompt_tokens: int | None = None     # as P reported them
 
 
+class Answered(NamedTuple, Generic[T]):
+    """The instance that answered, and what `call` returned there."""
+
+    instance: Instance
+    result: T
+
+
 def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None], T],
             attempts: int, prefer: str | None = None, hold: bool = False,
-            only: Instance | None = None, work: Work | None = None) -> tuple[Instance, T]:
+            only: Instance | None = None, work: Work | None = None) -> Answered[T]:
     """`call(instance, last failure)` on instances of `pool` until one answers, `attempts` at
     most (`key` and `prefer` choose them: `Pool.choose`).
 
@@ -63,4 +70,4 @@ def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None]
         pool.succeeded(instance)
         if not hold:
             pool.release(instance)
-        return instance, result
+        return Answered(instance, result)
