@@ -7,11 +7,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, TypeVar
 
+from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool
 from gateway.engines.upstream import Upstream
 from gateway.flow.attempts import Answered, Work, attempt
 from gateway.flow.decoded import Decoded
-from gateway.flow.fast_path import FastPath
+from gateway.flow.fast_path import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, FastPath
 from gateway.flow.release import Releaser
 from gateway.flow.reply import Reply, StreamRelay
 from gateway.parse import ClientRequest
@@ -20,6 +21,7 @@ from gateway.reuse.exactness import Exactness, Reuse, plain_reply
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
 from gateway.support import metrics
+from gateway.support.jsonio import Written
 from gateway.support.errors import GatewayError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,32 @@ def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, s
 
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
+    """What a turn asks of P, for its choice (gateway.engines.cost), estimated from characters
+    (CHARS_PER_TOKEN): its prompt as the engines get it; what D holds of it (the entry's
+    remote_num_tokens); and what the conversation's own P computed for earlier turns: with an
+    entry, taken as all D holds; without one (its last turn went decode-only, or the entry is
+    gone), the chat history before the last message."""
+    prompt = request.wire.get("messages" if request.is_chat else "prompt")
+    if isinstance(prompt, Written):
+        tokens = len(prompt.data) // CHARS_PER_TOKEN + 1
+    elif isinstance(prompt, str):
+        tokens = len(prompt) // CHARS_PER_TOKEN + 1
+    else:       # token ids (or what orjson could not write): as many as it has items
+        tokens = len(prompt) if isinstance(prompt, list) else 1
+    if entry is not None:
+        held = entry.params.get("remote_num_tokens")
+        held = held if isinstance(held, int) and held > 0 else 0
+        return Need(tokens, held, held)
+    messages = request.body.get("messages") if request.is_chat else None
+    if isinstance(messages, list) and len(messages) > 1 and isinstance(messages[-1], dict):
+        content = messages[-1].get("content")
+        last = (len(content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE
+                if isinstance(content, str) else tokens)
+        return Need(tokens, 0, max(tokens - last, 0))
+    return Need(tokens)
 
 
 class Sent:
@@ -228,9 +256,9 @@ class Disagg:
     def _attempt(self, pool: Pool, key: str, prefer: str | None,
                  call: Callable[[Instance, GatewayError | None], T],
                  hold: bool = False, only: Instance | None = None,
-                 work: Work | None = None) -> Answered[T]:
+                 work: Work | None = None, need: Need | None = None) -> Answered[T]:
         """`call` on instances of `pool` until one answers, --attempts at most (`attempt`)."""
-        return attempt(pool, key, call, self.attempts, prefer, hold, only, work)
+        return attempt(pool, key, call, self.attempts, prefer, hold, only, work, need)
 
     def run(self, request: ClientRequest, identity: Identity, headers: dict,
             request_id: str, work: Work | None = None, model: str = "unknown") -> Reply:
@@ -299,7 +327,7 @@ class Disagg:
             answered = self._attempt(
                 self.prefill, turn.identity.root, None,
                 lambda instance, failure: self._prefill(turn, plan, sent, instance, failure),
-                work=turn.work)
+                work=turn.work, need=prefill_need(turn.request, plan.entry))
         except GatewayError as exc:
             sent.failed(exc)
             raise
