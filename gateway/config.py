@@ -314,12 +314,28 @@ class Settings:
                               "sent), kv (what P did with them, as X-Gateway-KV), path "
                               "(two-stage or decode-only) and why, P and D instance names, "
                               "TTFT, reply chunks, finish, outcome.")
-    routing: str = option("affinity", str, "How P and D are chosen: per conversation "
-                          "(rendezvous hash, D that holds the entry first, load fallback) or "
-                          "round robin.", choices=("affinity", "round_robin"))
+    routing: str = option("affinity", str, "How P and D are chosen: per conversation, the "
+                          "cheapest by an explicit cost (the work and pulls a turn brings each, "
+                          "and its queue; rendezvous order of the conversation breaks ties, "
+                          "docs/routing.md), or round robin.",
+                          choices=("affinity", "round_robin"))
     overload_factor: float = option(2.0, positive(float), "An instance is overloaded when its "
                                     "in-flight count exceeds this factor times (the least "
                                     "loaded's + 1); affinity then yields to load.")
+    route_pull_cost: float = option(0.1, bounded(float, 0.0), "Affinity: what pulling one "
+                                    "token's KV from another engine costs against computing "
+                                    "it, in the cost P and D are chosen by (docs/routing.md): "
+                                    "a P that does not hold a conversation's history is chosen "
+                                    "once the one that does has more queued than this times "
+                                    "what D holds of it.")
+    route_request_tokens: int = option(512, bounded(int, 0), "Affinity: the prefill tokens a "
+                                       "request an engine reports waiting or running stands "
+                                       "for in P's queue (vllm:num_requests_waiting, "
+                                       "vllm:num_requests_running; docs/routing.md).")
+    route_move_streams: float = option(4.0, bounded(float, 0.0), "Affinity: streams a D "
+                                       "holding a conversation may run beyond another D's "
+                                       "before a turn decodes on the other (which then pulls "
+                                       "the whole prompt from P; docs/routing.md).")
     engine_metrics_interval: float = option(1.0, bounded(float, 0.0), "Seconds between reads "
                                             "of each engine's /metrics (vLLM's "
                                             "num_requests_waiting and kv_cache_usage_perc), once "

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 from gateway.config import Settings
 from gateway.engines.d_budget import DBudget
+from gateway.engines.cost import CostModel
 from gateway.engines.engine_load import BlockSize, EngineLoad
 from gateway.engines.instances import Instance, Policy, Pool, Prober
 from gateway.engines.membership import Membership
@@ -74,7 +75,9 @@ class Gateway:
                                  + settings.workers + 36)   # room for engines added later
         policy = Policy(routing=settings.routing, overload_factor=settings.overload_factor,
                         breaker_failures=settings.breaker_failures,
-                        breaker_cooldown=settings.breaker_cooldown)
+                        breaker_cooldown=settings.breaker_cooldown,
+                        cost=CostModel(settings.route_pull_cost, settings.route_request_tokens,
+                                       settings.route_move_streams))
         # Each model its own P and D pools (one pool, named "", without --models). Filled from
         # the settings (DNS names resolved), then kept current (gateway.engines.membership).
         specs = settings.model_specs()

@@ -289,7 +289,7 @@ class EngineLoad:
     def start(self) -> None:
         if self.enabled and self._thread is None:
             for pool in self.pools:
-                pool.busy, pool.reported = self.busy, self.report
+                pool.busy, pool.reported, pool.load = self.busy, self.report, self.reported
             self._thread = threading.Thread(target=self._run, name="pd-gateway-engine-load",
                                             daemon=True)
             self._thread.start()

@@ -9,9 +9,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from gateway.engines.cost import CostModel, Need, cheapest
 from gateway.support import metrics
 from gateway.support.errors import ServiceUnavailable
 from gateway.support.fanout import Fanout
@@ -46,8 +47,9 @@ def public_url(url: str) -> str:
 class Policy:
     """How a pool chooses and when it stops choosing an instance."""
 
-    routing: str = "affinity"        # "affinity" (rendezvous + preferred D) or "round_robin"
+    routing: str = "affinity"        # "affinity" (the cheapest by `cost`) or "round_robin"
     overload_factor: float = 2.0     # skip an instance whose in-flight > factor x (least + 1)
+    cost: CostModel = CostModel()    # affinity: how P and D weigh work, pulls and queues
     breaker_failures: int = 3        # consecutive failures that open the breaker
     breaker_cooldown: float = 10.0   # seconds an open breaker skips the instance
 
@@ -72,6 +74,7 @@ class Instance:
     credentials: tuple[str, str] | None = field(init=False)   # user:password in the URL
     salt: bytes = field(init=False)
     inflight: int = 0
+    queued: float = 0.0         # a P: the prefill work (Need, costed) this process has in flight
     down: bool = False          # a connection or a probe failed: skipped until a probe answers
     failures: int = 0           # consecutive failed requests
     open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
@@ -148,6 +151,8 @@ class Pool:
         # reports, in-flight counts alone.
         self.busy: Callable[[Instance], bool] | None = None
         self.reported: Callable[[Instance], object] | None = None     # for report()
+        # Its fresh report (waiting, running), for the cost; None: no reports.
+        self.load: Callable[[Instance], Any] | None = None
         for url in urls:
             self.add(url)
 
@@ -196,11 +201,13 @@ class Pool:
             return self._by_url.get(url) if url else None
 
     def choose(self, key: str, prefer: str | None = None,
-               exclude: Collection[Instance] = ()) -> Instance:
-        """Choose for the conversation `key`; `prefer` is the instance holding its KV.
+               exclude: Collection[Instance] = (), need: Need | None = None) -> Instance:
+        """Choose for the conversation `key`; `prefer` is the D holding its KV, `need` what the
+        turn asks of a P.
 
-        Healthy instances only, unless none is; the preferred one unless it is overloaded;
-        else the first not overloaded in rendezvous order of the key (or round robin).
+        Healthy instances only, unless none is; of those neither overloaded nor busy, the
+        cheapest (`gateway.engines.cost`: P given `need`, or D), equal costs in rendezvous order
+        of the key; else the first not overloaded in that order (or round robin).
         """
         now = self._clock()
         with self._lock:
@@ -229,19 +236,45 @@ class Pool:
                 return candidates[0]
             limit = self._limit(candidates)
             busy = self.busy
-            preferred = self._by_url.get(prefer) if prefer else None
-            if (preferred in candidates and preferred.inflight <= limit
-                    and not (busy and busy(preferred))):
-                return preferred
             raw = key.encode()
             ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
+            eligible = [i for i in ranked if i.inflight <= limit and not (busy and busy(i))]
+            if eligible:
+                preferred = self._by_url.get(prefer) if prefer else None
+                if need is not None:
+                    # The conversation's own P: first in rendezvous order of every instance
+                    # (a retry excludes it, and the next in order computed nothing for it).
+                    own = (ranked[0] if len(candidates) == len(instances)
+                           else max(instances, key=lambda i: _weight(raw, i)))
+                    return cheapest(eligible, lambda i: self._prefill_cost(i, need, i is own))
+                if self.role == "decode":
+                    # The D that holds the entry; without one, the first in rendezvous order,
+                    # whose prefix cache served the conversation's turns before.
+                    home = preferred if preferred is not None else ranked[0]
+                    return cheapest(eligible, lambda i: self._decode_cost(i, i is home))
+                return preferred if preferred in eligible else eligible[0]
             if busy is not None:
-                chosen = next((i for i in ranked if i.inflight <= limit and not busy(i)), None)
-                if chosen is not None:
-                    return chosen
                 # Busy or overloaded, every one: not busy first; all busy, in-flight counts alone.
                 ranked = [i for i in ranked if not busy(i)] or ranked
             return next((i for i in ranked if i.inflight <= limit), ranked[0])
+
+    def work(self, instance: Instance, key: str, need: Need) -> float:
+        """The prefill work `need` brings `instance` (its cost without the queue): what
+        `acquire` counts queued there while the turn's P call runs."""
+        raw = key.encode()
+        own = max(self.instances, key=lambda i: _weight(raw, i), default=None)
+        return self.policy.cost.work(need, instance is own)
+
+    def _prefill_cost(self, instance: Instance, need: Need, own: bool) -> float:
+        report = self.load(instance) if self.load is not None else None
+        reported = (max(report.waiting, 0.0) + report.running) if report is not None else 0.0
+        return self.policy.cost.prefill(need, own, instance.queued, reported)
+
+    def _decode_cost(self, instance: Instance, holds: bool) -> float:
+        report = self.load(instance) if self.load is not None else None
+        streams = (max(instance.inflight, report.running) + max(report.waiting, 0.0)
+                   if report is not None else instance.inflight)
+        return self.policy.cost.decode(streams, holds)
 
     def _limit(self, candidates: list[Instance]) -> float:
         """In flight above this is overloaded: factor x (the least loaded's + 1)."""
@@ -329,14 +362,17 @@ class Pool:
                 return None, "busy"
             return instance, "ready"
 
-    def acquire(self, instance: Instance) -> None:
-        """Count a request in flight on the instance; `release` when it ends."""
+    def acquire(self, instance: Instance, work: float = 0.0) -> None:
+        """Count a request in flight on the instance, and the prefill `work` it brings (a P's
+        cost for it); `release` both when it ends."""
         with self._lock:
             instance.inflight += 1
+            instance.queued += work
 
-    def release(self, instance: Instance) -> None:
+    def release(self, instance: Instance, work: float = 0.0) -> None:
         with self._lock:
             instance.inflight -= 1
+            instance.queued -= work
 
     def succeeded(self, instance: Instance) -> None:
         if instance.failures or instance.down or instance.open_until or instance.answered is False:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Generic, NamedTuple, TypeVar
 
+from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool
 from gateway.support import metrics
 from gateway.support.errors import GatewayError, ServiceUnavailable, UpstreamRejected
@@ -24,11 +25,19 @@ class Work:
     prompt_tokens: int | None = None     # as P reported them
 
 
+class Answered(NamedTuple, Generic[T]):
+    """The instance that answered, and what `call` returned there."""
+
+    instance: Instance
+    result: T
+
+
 def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None], T],
             attempts: int, prefer: str | None = None, hold: bool = False,
-            only: Instance | None = None, work: Work | None = None) -> tuple[Instance, T]:
+            only: Instance | None = None, work: Work | None = None,
+            need: Need | None = None) -> Answered[T]:
     """`call(instance, last failure)` on instances of `pool` until one answers, `attempts` at
-    most (`key` and `prefer` choose them: `Pool.choose`).
+    most (`key`, `prefer` and `need`, a P's estimate of the turn, choose them: `Pool.choose`).
 
     Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
     request's fault and is not retried. With `hold`, the instance stays counted in flight
@@ -39,12 +48,14 @@ def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None]
     tried: list[Instance] = []
     failure = None
     while True:
-        instance = only or pool.choose(key, prefer=prefer, exclude=tried)
-        pool.acquire(instance)
+        instance = only or pool.choose(key, prefer=prefer, exclude=tried, need=need)
+        # A P's queued work, for the next turns' choice (held, the stream is D's: none).
+        queued = pool.work(instance, key, need) if need is not None and not hold else 0.0
+        pool.acquire(instance, queued)
         try:
             result = call(instance, failure)
         except GatewayError as exc:
-            pool.release(instance)
+            pool.release(instance, queued)
             if work is not None and not isinstance(exc, (ServiceUnavailable, UpstreamRejected)):
                 work.done = True
             if not exc.instance_fault:
@@ -58,9 +69,9 @@ def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None]
             failure = exc
             continue
         except BaseException:
-            pool.release(instance)     # a bug, or the worker stopping: never a leaked count
+            pool.release(instance, queued)   # a bug, or the worker stopping: never a leaked count
             raise
         pool.succeeded(instance)
         if not hold:
-            pool.release(instance)
-        return instance, result
+            pool.release(instance, queued)
+        return Answered(instance, result)

@@ -5,13 +5,14 @@ import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
+from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool
 from gateway.engines.upstream import Upstream
-from gateway.flow.attempts import Work, attempt
+from gateway.flow.attempts import Answered, Work, attempt
 from gateway.flow.decoded import Decoded
-from gateway.flow.fast_path import FastPath
+from gateway.flow.fast_path import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, FastPath
 from gateway.flow.release import Releaser
 from gateway.flow.reply import Reply, StreamRelay
 from gateway.parse import ClientRequest
@@ -20,6 +21,7 @@ from gateway.reuse.exactness import Exactness, Reuse, plain_reply
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
 from gateway.support import metrics
+from gateway.support.jsonio import Written
 from gateway.support.errors import GatewayError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,32 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
+    """What a turn asks of P, for its choice (gateway.engines.cost), estimated from characters
+    (CHARS_PER_TOKEN): its prompt as the engines get it; what D holds of it (the entry's
+    remote_num_tokens); and what the conversation's own P computed for earlier turns: with an
+    entry, taken as all D holds; without one (its last turn went decode-only, or the entry is
+    gone), the chat history before the last message."""
+    prompt = request.wire.get("messages" if request.is_chat else "prompt")
+    if isinstance(prompt, Written):
+        tokens = len(prompt.data) // CHARS_PER_TOKEN + 1
+    elif isinstance(prompt, str):
+        tokens = len(prompt) // CHARS_PER_TOKEN + 1
+    else:       # token ids (or what orjson could not write): as many as it has items
+        tokens = len(prompt) if isinstance(prompt, list) else 1
+    if entry is not None:
+        held = entry.params.get("remote_num_tokens")
+        held = held if isinstance(held, int) and held > 0 else 0
+        return Need(tokens, held, held)
+    messages = request.body.get("messages") if request.is_chat else None
+    if isinstance(messages, list) and len(messages) > 1 and isinstance(messages[-1], dict):
+        content = messages[-1].get("content")
+        last = (len(content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE
+                if isinstance(content, str) else tokens)
+        return Need(tokens, 0, max(tokens - last, 0))
+    return Need(tokens)
+
+
 class Sent:
     """Whether a turn's entry went to a P, and its release once no P will read it: refused by
     the proof, or every P the params went to refused the connection (never read them), or the
@@ -140,6 +168,30 @@ class TurnPath:
         """The KV outcome as the X-Gateway-KV header says it: read, recomputed, own-cache,
         none, unreported."""
         return self.kv.replace("_", "-")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How a turn will run, decided before any engine computes for it: why its path, the entry
+    (D's blocks) P may be sent, what exactness already proved of it, and, for a decode-only
+    turn, the D that holds it. P is chosen as it is called (`Pool.choose`), each retry another;
+    a two-stage D prefers the one holding the entry."""
+
+    reason: str                   # why (pd_gateway_turn_paths_total's reasons)
+    entry: Entry | None = None    # the previous turn's, if it is there to read
+    admitted: Reuse | None = None   # what P may read of it, where deciding the path proved it
+    decode: Instance | None = None  # set: decode-only on this D; None: two-stage
+
+    @property
+    def prefer_decode(self) -> str | None:
+        return self.entry.decode_url if self.entry is not None else None
+
+
+class Prefilled(NamedTuple):
+    """What one P attempt got: the entry's reuse it was sent (None: the miss stub), its reply."""
+
+    reuse: Reuse | None
+    reply: dict
 
 
 @dataclass(slots=True)
@@ -204,14 +256,14 @@ class Disagg:
     def _attempt(self, pool: Pool, key: str, prefer: str | None,
                  call: Callable[[Instance, GatewayError | None], T],
                  hold: bool = False, only: Instance | None = None,
-                 work: Work | None = None) -> tuple[Instance, T]:
+                 work: Work | None = None, need: Need | None = None) -> Answered[T]:
         """`call` on instances of `pool` until one answers, --attempts at most (`attempt`)."""
-        return attempt(pool, key, call, self.attempts, prefer, hold, only, work)
+        return attempt(pool, key, call, self.attempts, prefer, hold, only, work, need)
 
     def run(self, request: ClientRequest, identity: Identity, headers: dict,
             request_id: str, work: Work | None = None, model: str = "unknown") -> Reply:
-        """One turn: the entry, P (unless the fast path skips it), D, the relay. `work` hears
-        what the engines did for it as they do it; `model` labels its metrics."""
+        """One turn: planned (`plan`), then run on its path. `work` hears what the engines did
+        for it as they do it; `model` labels its metrics."""
         turn = Turn(request, identity, headers, request_id, time.perf_counter(), work or Work(),
                     model)
         for pool in (self.decode, self.prefill):
@@ -219,89 +271,111 @@ class Disagg:
             # decode, and before the conversation's entry is taken (it stays for a retry).
             if not pool.servable():
                 raise ServiceUnavailable(pool.unservable(), instance_fault=False)
-        entry = self.take_entry(identity)
-        admitted: Reuse | None = None      # what P may read of the entry, once decided
-        if entry is not None and self.decode.get(entry.decode_url) is None:
+        plan = self.plan(turn)
+        if plan.decode is not None:
+            try:
+                return self._decode_only(turn, plan)
+            except GatewayError as exc:
+                if not exc.instance_fault:
+                    self.releaser.drop(plan.entry, "decode_only")
+                    raise
+                # Its D failed before a byte: the two-stage path, as a miss (the blocks that D
+                # held are not to be trusted now).
+                log.info("decode-only turn failed on %s (%s); two-stage", plan.decode.name,
+                         exc.message)
+                self.releaser.drop(plan.entry, "decode_failed")
+                plan = Plan("decode_failed")
+        return self._two_stage(turn, plan)
+
+    def plan(self, turn: Turn) -> Plan:
+        """How `turn` will run: its entry taken from the store, and its path chosen. Calls no
+        engine but D's /tokenize, where the fast path must count a prompt's tokens."""
+        entry = self.take_entry(turn.identity)
+        if entry is None:
+            return Plan("no_entry")
+        if self.decode.get(entry.decode_url) is None:
             # Its D has left the pool (removed, or its address gone from DNS): a miss, so P is
             # never sent to pull blocks from an engine that may no longer be there.
             metrics.ENTRIES.labels("gone").inc()
             # Gone from the pool is not always gone (removed for a drain, say): let it free.
             self.releaser.drop(entry, "decode_gone")
-            entry, reason = None, "decode_gone"
-        elif entry is None or not self.fast_path.max_tokens:
-            reason = "no_entry" if entry is None else "fast_path_off"
-        else:
-            target, reason, admitted = self.fast_path.target(
-                entry, request, identity, self.decode, self.exactness,
-                lambda d, body: self.upstream.tokenize(d, body, headers))
-            if target is not None:
-                # A plain request: D computes the few new tokens, its prefix cache serving the
-                # history, and keeps nothing for later (next turn: a two-stage miss, both
-                # engines' own caches serving most of it). The entry's blocks, now unread, go.
-                d_body = self._decode_body(turn)
-                try:
-                    return self._decode(turn, lambda failure: d_body, None,
-                                        TurnPath("decode-only", reason, "-", "hit", "own_cache"),
-                                        only=target,
-                                        ended=lambda: self.releaser.drop(entry, "decode_only"))
-                except GatewayError as exc:
-                    if not exc.instance_fault:
-                        self.releaser.drop(entry, "decode_only")
-                        raise
-                    # Its D failed before a byte: the two-stage path, as a miss (the blocks
-                    # that D held are not to be trusted now).
-                    log.info("decode-only turn failed on %s (%s); two-stage", target.name,
-                             exc.message)
-                    self.releaser.drop(entry, "decode_failed")
-                    entry, admitted, reason = None, None, "decode_failed"
-        sent = Sent(entry, self.releaser)
+            return Plan("decode_gone")
+        if not self.fast_path.max_tokens:
+            return Plan("fast_path_off", entry)
+        headers = turn.headers
+        target = self.fast_path.target(
+            entry, turn.request, turn.identity, self.decode, self.exactness,
+            lambda d, body: self.upstream.tokenize(d, body, headers))
+        return Plan(target.reason, entry, target.reuse, target.decode)
 
-        def prefill_call(instance: Instance,
-                         failure: GatewayError | None) -> tuple[Reuse | None, dict]:
-            def tokenize(body: dict) -> list:
-                return self.upstream.tokenize(instance, body, headers)
+    def _decode_only(self, turn: Turn, plan: Plan) -> Reply:
+        """A plain request: D computes the few new tokens, its prefix cache serving the history,
+        and keeps nothing for later (next turn: a two-stage miss, both engines' own caches
+        serving most of it). The entry's blocks, now unread, go once the turn is over."""
+        entry = plan.entry
+        d_body = self._body_for_d(turn)
+        return self._decode(turn, lambda failure: d_body, None,
+                            TurnPath("decode-only", plan.reason, "-", "hit", "own_cache"),
+                            only=plan.decode,
+                            ended=lambda: self.releaser.drop(entry, "decode_only"))
 
-            sent.retrying(failure)
-            if identity.reusable and admitted is None:
-                self.exactness.prepare(request, tokenize, identity.tenant)
-            # A retry never replays D's params: the failed P may already have read the blocks.
-            # (After a refused connection it cannot have; one more miss keeps the rule simple.)
-            reuse = None
-            if entry is not None and failure is None:
-                reuse = (admitted if admitted is not None
-                         else self.exactness.admit(entry, request, identity, tokenize))
-            if reuse is not None and reuse.entry is not None:
-                sent.carried = True       # whole or cut, P's notification frees D's request
-            else:
-                reuse = None
-                sent.drop("unproven" if failure is None else "prefill_failed")
-            body = prefill_body(request.wire, reuse.entry.params if reuse else None)
-            return reuse, self.upstream.post_json(instance, request.path, body, headers)
-
+    def _two_stage(self, turn: Turn, plan: Plan) -> Reply:
+        """P prefills (sent the entry's params where they are proven), then D decodes, loading
+        the prompt from P."""
+        sent = Sent(plan.entry, self.releaser)
         try:
-            prefill, (reuse, prefill_reply) = self._attempt(self.prefill, identity.root, None,
-                                                            prefill_call, work=turn.work)
+            answered = self._attempt(
+                self.prefill, turn.identity.root, None,
+                lambda instance, failure: self._prefill(turn, plan, sent, instance, failure),
+                work=turn.work, need=prefill_need(turn.request, plan.entry))
         except GatewayError as exc:
             sent.failed(exc)
             raise
+        prefill, prefilled = answered.instance, answered.result
         metrics.PREFILL_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
+        reuse = prefilled.reuse
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
-        prompt_tokens, kv = count_prefill(prefill_reply, reuse.entry.params if reuse else None,
+        prompt_tokens, kv = count_prefill(prefilled.reply, reuse.entry.params if reuse else None,
                                           turn.model, cache == "partial")
         turn.work.done, turn.work.prompt_tokens = True, prompt_tokens     # P computed it
-        d_body = self._decode_body(turn)
+        d_body = self._body_for_d(turn)
         turn.decoded.prompt_tokens = prompt_tokens
-        with_blocks = decode_body(d_body, prefill_reply, prefill)
+        with_blocks = decode_body(d_body, prefilled.reply, prefill)
 
-        def decode_body_for(failure: GatewayError | None) -> dict:
+        def body_for(failure: GatewayError | None) -> dict:
             turn.params_to_d = replayable(failure)
             return with_blocks if turn.params_to_d else d_body
 
-        return self._decode(turn, decode_body_for, entry.decode_url if entry else None,
-                            TurnPath("two-stage", reason, prefill.name, cache, kv))
+        return self._decode(turn, body_for, plan.prefer_decode,
+                            TurnPath("two-stage", plan.reason, prefill.name, cache, kv))
 
-    def _decode_body(self, turn: Turn) -> dict:
-        """The client's body as D gets it (before params); the turn's `decoded` made ready.
+    def _prefill(self, turn: Turn, plan: Plan, sent: Sent, instance: Instance,
+                 failure: GatewayError | None) -> Prefilled:
+        """One attempt at P: the entry's params offered if proven and this is the first try."""
+        request, identity, headers = turn.request, turn.identity, turn.headers
+
+        def tokenize(body: dict) -> list:
+            return self.upstream.tokenize(instance, body, headers)
+
+        sent.retrying(failure)
+        if identity.reusable and plan.admitted is None:
+            self.exactness.prepare(request, tokenize, identity.tenant)
+        # A retry never replays D's params: the failed P may already have read the blocks.
+        # (After a refused connection it cannot have; one more miss keeps the rule simple.)
+        reuse = None
+        if plan.entry is not None and failure is None:
+            reuse = (plan.admitted if plan.admitted is not None
+                     else self.exactness.admit(plan.entry, request, identity, tokenize))
+        if reuse is not None and reuse.entry is not None:
+            sent.carried = True       # whole or cut, P's notification frees D's request
+        else:
+            reuse = None
+            sent.drop("unproven" if failure is None else "prefill_failed")
+        body = prefill_body(request.wire, reuse.entry.params if reuse else None)
+        return Prefilled(reuse, self.upstream.post_json(instance, request.path, body, headers))
+
+    def _body_for_d(self, turn: Turn) -> dict:
+        """The client's body as D gets it (before P's params); the turn's `decoded` made ready.
 
         D's token ids let the next turn be verified; asked for here (once the template is
         known), they never reach a client that did not ask for them itself."""

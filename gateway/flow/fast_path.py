@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from gateway.engines.instances import Instance, Pool
 from gateway.parse import ClientRequest
@@ -25,19 +25,27 @@ CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 8
 
 
+class Target(NamedTuple):
+    """The fast path's answer for one turn."""
+
+    decode: Instance | None     # the D for a decode-only turn; None: two-stage
+    reason: str                 # why (pd_gateway_turn_paths_total's reasons)
+    reuse: Reuse | None         # the entry's reuse, where deciding the path proved it
+
+
 @dataclass(frozen=True)
 class FastPath:
     max_tokens: int = 0            # new prompt tokens below which a turn skips P; 0: off
 
     def target(self, entry: Entry, request: ClientRequest, identity: Identity, decode: Pool,
                exactness: Exactness, tokenize: Callable[[Instance, dict], list]
-               ) -> tuple[Instance | None, str, Reuse | None]:
-        """The D for a decode-only turn, or None; why; and the entry's reuse if decided."""
+               ) -> Target:
+        """Decode-only on the D that holds `entry`, or two-stage, and why."""
         instance, state = decode.readiness(entry.decode_url)
         if instance is None:
-            return None, f"decode_{state}", None
+            return Target(None, f"decode_{state}", None)
         if self.estimate(request, entry) >= self.max_tokens:
-            return None, "long", None
+            return Target(None, "long", None)
 
         def on_d(body: dict) -> list:
             return tokenize(instance, body)
@@ -47,16 +55,18 @@ class FastPath:
         exactness.prepare(request, on_d, identity.tenant)
         reuse = exactness.admit(entry, request, identity, on_d)
         if reuse.result == "error":
-            return None, "tokenize_failed", None    # D's /tokenize failed: P may still prove it
+            # D's /tokenize failed: P may still prove it.
+            return Target(None, "tokenize_failed", None)
         if reuse.entry is None:
-            return None, "unproven", reuse
+            return Target(None, "unproven", reuse)
         if reuse.result == "partial":
-            return None, "partial", reuse        # P reads what the prompt shares, computes the rest
+            # P reads what the prompt shares, computes the rest.
+            return Target(None, "partial", reuse)
         held = entry.params.get("remote_num_tokens")
         if (reuse.prompt_tokens is not None and isinstance(held, int)
                 and reuse.prompt_tokens - held >= self.max_tokens):
-            return None, "long", reuse           # exact where the tokens were counted
-        return instance, "short", reuse
+            return Target(None, "long", reuse)           # exact where the tokens were counted
+        return Target(instance, "short", reuse)
 
     @staticmethod
     def estimate(request: ClientRequest, entry: Entry) -> int:
