@@ -5,7 +5,7 @@ pool per engine; tests replace the transport (tests/helpers/transport.py) as htt
 
 Every call goes here: P's call, D's stream, releases, /tokenize, the requests passed through
 (gateway.flow.passthrough), probes, /v1/models and /metrics reads. Neither requests nor urllib3
-is on the way: their layers (retries, redirects, proxies, cookies, a second wrapper of every
+is on the way (but urllib3's URL parser): their layers (retries, redirects, proxies, cookies, a second wrapper of every
 header and of the response, a URL parsed again on every call) do nothing for an engine call and
 cost CPU on every one (`python -m bench.engine_call`; docs/BENCHMARKS.md).
 
@@ -27,7 +27,8 @@ import socket
 import ssl
 import threading
 from typing import TYPE_CHECKING, Protocol
-from urllib.parse import urlsplit
+
+from urllib3.util import parse_url
 
 from gateway.engines.watch import current_watch
 
@@ -414,7 +415,9 @@ class Transport:
         return pool.urlopen(method, instance.base_path + path, body, headers, timeout)
 
     def _pool(self, instance: Instance) -> EnginePool:
-        scheme, _, rest = instance.url.partition("://")
+        # urllib3's parser, as the admin API's allowlist reads an added URL (gateway.engines.
+        # membership): the host checked is the host connected to.
+        parsed = parse_url(instance.url)
         with self._lock:
             pool = self._pools.get(instance.url)
             if pool is not None:
@@ -424,11 +427,11 @@ class Transport:
                 for each in list(old.values()):
                     each.close()
             context = None
-            if scheme == "https":
+            if parsed.scheme == "https":
                 context = self._tls = self._tls or tls_context()
             # An IPv6 host without its brackets: http.client keeps them when given a port.
-            port = urlsplit(instance.url).port or (443 if scheme == "https" else 80)
-            pool = self._pools[instance.url] = EnginePool(instance.host.strip("[]"), port,
+            port = parsed.port or (443 if context is not None else 80)
+            pool = self._pools[instance.url] = EnginePool((parsed.host or "").strip("[]"), port,
                                                           self._pool_size, context)
             return pool
 
