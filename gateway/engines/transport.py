@@ -5,9 +5,10 @@ pool per engine; tests replace the transport (tests/helpers/transport.py) as htt
 
 Every call goes here: P's call, D's stream, releases, /tokenize, the requests passed through
 (gateway.flow.passthrough), probes, /v1/models and /metrics reads. Neither requests nor urllib3
-is on the way (but urllib3's URL parser): their layers (retries, redirects, proxies, cookies, a second wrapper of every
-header and of the response, a URL parsed again on every call) do nothing for an engine call and
-cost CPU on every one (`python -m bench.engine_call`; docs/BENCHMARKS.md).
+is on the way (but urllib3's URL parser): their layers (retries, redirects, proxies, cookies, a
+second wrapper of every header and of the response, a URL parsed again on every call) do
+nothing for an engine call and cost CPU on every one (`python -m bench.engine_call`;
+docs/BENCHMARKS.md).
 
 What a call keeps of urllib3's behaviour: a kept-alive connection is checked before reuse
 (nothing to read, no EOF: `still_open`) and used again only after its whole response was read;

@@ -39,7 +39,7 @@ class Stream:
         self.headers = response.headers
         self._watch = current_watch()
         self.content_type = response.headers.get("Content-Type", "text/event-stream")
-        # The request's watch keeps the read timeout from here on, if it can (gateway.engines.watch).
+        # The request's watch keeps the read timeout from here on, if it can (engines.watch).
         sock = response.sock
         timeout = sock.gettimeout() if sock is not None else None
         if timeout and self._watch is not None and self._watch.keep_quiet_limit(timeout,
