@@ -7,6 +7,7 @@ from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
 from gateway.config import Settings
+from gateway.engines.transport import EngineTransport
 from gateway.extension import PDGateway
 from gateway.reuse.store import ConversationStore
 from gateway.support import logs
@@ -14,12 +15,14 @@ from gateway.support.errors import GatewayError
 from gateway.views import unknown_route
 
 
-def create_app(settings: Settings | None = None, store: ConversationStore | None = None) -> Flask:
-    """Build the gateway app; `settings` default to the GATEWAY_* environment."""
+def create_app(settings: Settings | None = None, store: ConversationStore | None = None,
+               transport: EngineTransport | None = None) -> Flask:
+    """Build the gateway app; `settings` default to the GATEWAY_* environment; `store` and
+    `transport` replace the conversation store and the engine calls' transport (tests)."""
     settings = settings if settings is not None else Settings.from_env()
     logs.configure(settings.log_level, settings.log_format)
     app = Flask(__name__)
-    PDGateway(app, conversation_store=store, **asdict(settings))
+    PDGateway(app, conversation_store=store, transport=transport, **asdict(settings))
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:

@@ -18,6 +18,7 @@ from typing import Any
 from flask import Flask
 
 from gateway.config import Settings
+from gateway.engines.transport import EngineTransport
 from gateway.reuse.store import ConversationStore
 from gateway.service import Gateway
 from gateway.slots import SLOT_ENV
@@ -31,11 +32,14 @@ class PDGateway:
     """Mounts the gateway's routes on Flask apps; keeps nothing per app itself."""
 
     def __init__(self, app: Flask | None = None, *, url_prefix: str | None = None,
-                 conversation_store: ConversationStore | None = None, **settings: Any) -> None:
+                 conversation_store: ConversationStore | None = None,
+                 transport: EngineTransport | None = None, **settings: Any) -> None:
         """`settings` are Settings fields, over the app's config; `conversation_store`
-        replaces the store the `store` setting describes (tests)."""
+        replaces the store the `store` setting describes, `transport` the engine calls' own
+        (tests: gateway.engines.transport)."""
         self.url_prefix = url_prefix
         self.conversation_store = conversation_store
+        self.transport = transport
         self.settings = settings
         if app is not None:
             self.init_app(app)
@@ -44,7 +48,7 @@ class PDGateway:
         """Mount the routes on `app` (under `url_prefix`, default the constructor's); the app's
         `app.extensions["pd_gateway"]` is then its `MountedGateway`."""
         mounted = MountedGateway(Settings.from_mapping(app.config, **self.settings),
-                                 self.conversation_store)
+                                 self.conversation_store, self.transport)
         app.extensions[EXTENSION] = mounted
         prefix = url_prefix if url_prefix is not None else self.url_prefix
         # Under a prefix, every path below it is the gateway's to answer, unknown ones too;
@@ -57,9 +61,11 @@ class PDGateway:
 class MountedGateway:
     """One app's settings, and the `Gateway` of the process serving it, built on first use."""
 
-    def __init__(self, settings: Settings, store: ConversationStore | None = None) -> None:
+    def __init__(self, settings: Settings, store: ConversationStore | None = None,
+                 transport: EngineTransport | None = None) -> None:
         self.settings = settings
         self._store = store
+        self._transport = transport
         self._current: tuple[int, Gateway] | None = None   # (pid, its Gateway): read at once
         self._lock = threading.Lock()
 
@@ -83,7 +89,7 @@ class MountedGateway:
                         "(a conversation hits only on the worker it lands on), /metrics of one "
                         "worker, no check against sync workers. Add `install(globals())` from "
                         "gateway.gunicorn_conf to gunicorn.conf.py (docs/embedding.md).")
-        gateway = Gateway(self.settings, self._store)
+        gateway = Gateway(self.settings, self._store, self._transport)
         atexit.register(self._close_at_exit, os.getpid())
         return gateway
 

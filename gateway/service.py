@@ -18,7 +18,8 @@ from gateway.engines.engine_load import BlockSize, EngineLoad
 from gateway.engines.instances import Instance, Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.upstream import Upstream
-from gateway.engines.watch import Watch, still_open
+from gateway.engines.transport import EngineTransport, still_open
+from gateway.engines.watch import Watch
 from gateway.flow.disagg import Disagg, Work
 from gateway.flow.fast_path import FastPath
 from gateway.flow.model_pools import ModelPool, ModelPools
@@ -57,7 +58,10 @@ class Gateway:
 
     MODELS_TIMEOUT = 5.0   # /v1/models is a metadata call: no engine should take longer
 
-    def __init__(self, settings: Settings, store: ConversationStore | None = None) -> None:
+    def __init__(self, settings: Settings, store: ConversationStore | None = None,
+                 transport: EngineTransport | None = None) -> None:
+        """`store`, `transport`: the conversation store and engine transport to use instead of
+        the settings' (tests)."""
         self.settings = settings
         own_store = store is None
         self.store = store if store is not None else create_store(settings)
@@ -71,8 +75,7 @@ class Gateway:
                      "--upstream-api-key or GATEWAY_UPSTREAM_API_KEY sets another")
         self.upstream = Upstream(settings.connect_timeout, settings.read_timeout,
                                  pool_size=concurrency, api_key=settings.upstream_api_key,
-                                 hosts=len(settings.engine_urls())
-                                 + settings.workers + 36)   # room for engines added later
+                                 transport=transport)
         policy = Policy(routing=settings.routing, overload_factor=settings.overload_factor,
                         breaker_failures=settings.breaker_failures,
                         breaker_cooldown=settings.breaker_cooldown,

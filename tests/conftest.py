@@ -22,6 +22,7 @@ from gateway.config import Settings  # noqa: E402
 from gateway.reuse.store import LocalStore  # noqa: E402
 from tests.helpers.payloads import D_URL, P_URL  # noqa: E402
 from tests.helpers.servers import gateway_process, reset, starts_processes  # noqa: E402
+from tests.helpers.transport import ResponsesTransport  # noqa: E402
 
 
 class FakeClock:
@@ -47,7 +48,8 @@ def store(clock: FakeClock) -> LocalStore:
 
 @pytest.fixture
 def app(store: LocalStore):
-    # Unroutable example hosts: only `responses` mocks answer them. Reuse on digests alone
+    # Unroutable example hosts: only `responses` mocks answer them (the engine calls' transport
+    # hands each to `responses`: tests/helpers/transport.py). Reuse on digests alone
     # (no /tokenize calls, no token ids) unless a test asks for verification.
     # Background releases, reads of the engines' /metrics and probes off (release_rate=0,
     # engine_metrics_interval=0, probe_interval=0, here and in every app whose engine calls a
@@ -58,7 +60,7 @@ def app(store: LocalStore):
     settings = Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
                         max_body_bytes=4096, verify_reuse="off", release_rate=0,
                         engine_metrics_interval=0, probe_interval=0)
-    app = create_app(settings, store=store)
+    app = create_app(settings, store=store, transport=ResponsesTransport())
     yield app
     # Its prober would go on probing an instance marked down, into later tests' mocks.
     app.extensions["pd_gateway"].close()

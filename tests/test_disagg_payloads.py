@@ -12,6 +12,7 @@ from gateway.reuse.conversation import identify
 from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, MISS, P_URL, REFUSED, chat_events, client_events,
                                     d_params, p_params, p_reply, sse)
 from tests.helpers.stores import take
+from tests.helpers.transport import ResponsesTransport
 
 @responses.activate
 @pytest.mark.parametrize("placement", ["final", "separate"])
@@ -249,7 +250,8 @@ def two_instance_app(store):
 
     def make(prefill, decode):
         apps.append(create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=prefill, decode=decode, worker_class="gthread",
-                                        verify_reuse="off"), store=store))
+                                        verify_reuse="off"), store=store,
+                               transport=ResponsesTransport()))
         return apps[-1]
 
     yield make
@@ -331,7 +333,8 @@ def test_engine_urls_keep_their_own_path_and_credentials(store):
                    content_type="text/event-stream",
                    match=[matchers.header_matcher({"Authorization": auth})])
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[p_url], decode=[d_url], worker_class="gthread", threads=8,
-                              verify_reuse="off", resolve_interval=0), store=store)
+                              verify_reuse="off", resolve_interval=0), store=store,
+                     transport=ResponsesTransport())
     try:
         reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "stream": True})
         assert reply.status_code == 200 and b"[DONE]" in reply.data
@@ -383,7 +386,7 @@ def streaming_host(store, after_request):
     PDGateway(host, url_prefix="/llm", conversation_store=store, engine_metrics_interval=0,
               probe_interval=0,
               prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
-              verify_reuse="off")
+              verify_reuse="off", transport=ResponsesTransport())
     return host
 
 

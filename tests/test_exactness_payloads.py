@@ -13,6 +13,7 @@ import responses
 from emulator.tokens import EOS, THINK, END_THINK, Template, token_ids
 from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, client_events, d_stream, p_params,
                                     p_reply, sse, tokenizer)
+from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -26,7 +27,8 @@ def make_client(store):
 
     def make(verify_reuse="auto"):
         apps.append(create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
-                                        verify_reuse=verify_reuse), store=store))
+                                        verify_reuse=verify_reuse), store=store,
+                               transport=ResponsesTransport()))
         return apps[-1].test_client()
 
     yield make

@@ -19,6 +19,7 @@ from emulator.process import wait_until
 from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, chat_events, d_params, d_stream,
                                     p_params, p_reply, tokenizer)
 from tests.helpers.servers import MODEL
+from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"
 LONG = " ".join(f"detail{i}" for i in range(300))     # ~2,700 characters: far above 64 tokens
@@ -118,7 +119,8 @@ def fast_app(store, release_rate: float = 0):
     from gateway.config import Settings
     return create_app(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
                                verify_reuse="off", fast_path_tokens=64,
-                               release_rate=release_rate), store=store)
+                               release_rate=release_rate), store=store,
+                      transport=ResponsesTransport())
 
 
 @pytest.fixture
@@ -250,7 +252,8 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     from gateway.config import Settings
     from emulator.tokens import Template
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
-                              verify_reuse="always", fast_path_tokens=64), store=store)
+                              verify_reuse="always", fast_path_tokens=64), store=store,
+                     transport=ResponsesTransport())
     client = app.test_client()
     try:
         responses.add_callback(responses.POST, P_URL + "/tokenize",

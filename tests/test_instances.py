@@ -19,6 +19,7 @@ from gateway.engines.instances import Policy, Pool
 from gateway.engines.membership import ChangeLog, Membership
 from tests.helpers.payloads import D_URL, MISS, P_URL, chat_events, d_params, p_params, p_reply
 from tests.helpers.servers import QuietHandler
+from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -263,7 +264,7 @@ def two_d_client(store):
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL, D2_URL], worker_class="gthread",
                               verify_reuse="off", fast_path_tokens=64, admin_token="t",
                               admin_instance_hosts=["10.9.0.0/24"]),
-                     store=store)
+                     store=store, transport=ResponsesTransport())
     yield app.test_client(), app.extensions["pd_gateway"].gateway
     app.extensions["pd_gateway"].close()
 
@@ -348,7 +349,7 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
     and read answers back through /v1/models; it takes only hosts the settings allow."""
     from gateway.app import create_app
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
-                              admin_instance_hosts=allowed))
+                              admin_instance_hosts=allowed), transport=ResponsesTransport())
     try:
         reply = app.test_client().post("/admin/instances", json={"role": "decode", "url": url},
                                        headers=ADMIN)

@@ -19,6 +19,7 @@ from gateway.front import anthropic as edge
 from gateway.reuse.conversation import identify
 from tests.helpers.payloads import CHAT, D_URL, MISS, P_URL, d_params, p_params, p_reply, sse
 from tests.helpers.servers import MODEL, reset, starts_processes
+from tests.helpers.transport import ResponsesTransport
 
 MESSAGES = "/v1/messages"
 SYSTEM = [{"type": "text", "text": "be brief"},
@@ -403,7 +404,7 @@ def keyed(store):
     app = create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
                               max_body_bytes=4096, verify_reuse="off", release_rate=0,
                               engine_metrics_interval=0, probe_interval=0,
-                              api_keys=["sk-good"]), store=store)
+                              api_keys=["sk-good"]), store=store, transport=ResponsesTransport())
     yield app.test_client()
     app.extensions["pd_gateway"].close()
 

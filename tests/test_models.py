@@ -11,6 +11,7 @@ from devtools.processes import models_toml
 from emulator.process import EmulatorProcess
 from gateway.config import Settings, SettingsError
 from tests.helpers.servers import gateway_process, starts_processes
+from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"
 
@@ -69,7 +70,8 @@ def test_models_asks_healthy_instances_first_with_a_short_timeout():
     from gateway.service import Gateway
     from gateway.config import Settings
     gateway = Gateway(Settings(engine_metrics_interval=0, probe_interval=0, prefill=["http://10.9.0.1:8100"],
-                               decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"]))
+                               decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"]),
+                      transport=ResponsesTransport())
     try:
         gateway.decode.failed(gateway.decode.instances[0], unreachable=True)
         responses.get("http://10.9.0.3:8200/v1/models", json={"object": "list", "data": []})

@@ -22,6 +22,7 @@ from emulator.process import EmulatorProcess, wait_until
 from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, P_URL, chat_events, d_params, p_params,
                                     p_reply)
 from tests.helpers.servers import MODEL, gateway_process, metric
+from tests.helpers.transport import ResponsesTransport
 
 
 def _body(n: int, **extra) -> dict:
@@ -134,7 +135,7 @@ def test_a_gthread_worker_always_keeps_a_thread_beyond_its_turns():
 
     for max_turns, limit in [(0, 6), (20, 7), (3, 3)]:
         app = create_app(Settings(engine_metrics_interval=0, probe_interval=0, worker_class="gthread", threads=8, max_turns=max_turns,
-                                  release_rate=0))
+                                  release_rate=0), transport=ResponsesTransport())
         try:
             assert app.extensions["pd_gateway"].gateway.admission.limit == limit
         finally:
@@ -224,7 +225,7 @@ def test_a_stream_dropped_before_its_first_byte_still_releases_d_and_its_place(s
     from gateway.config import Settings
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               threads=8, verify_reuse="off", max_turns=1, admission_queue=0),
-                     store=store)
+                     store=store, transport=ResponsesTransport())
 
     @app.after_request
     def broken(response):
@@ -256,7 +257,7 @@ def test_a_stream_a_host_rewraps_is_served_whole(store):
     from gateway.config import Settings
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               threads=8, verify_reuse="off", max_turns=1, admission_queue=0),
-                     store=store)
+                     store=store, transport=ResponsesTransport())
 
     @app.after_request
     def rewrap(response):
@@ -311,7 +312,8 @@ def _keys_app(store, **settings):
     from gateway.app import create_app
     from gateway.config import Settings
     return create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
-                               threads=8, verify_reuse="off", **settings), store=store)
+                               threads=8, verify_reuse="off", **settings), store=store,
+                      transport=ResponsesTransport())
 
 
 @responses.activate

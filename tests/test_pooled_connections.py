@@ -1,5 +1,5 @@
-"""A pooled engine connection is checked before each reuse (urllib3's is_connected): under
-gevent by a non-blocking peek of the real socket, elsewhere by urllib3's own poll. Both must
+"""A pooled engine connection is checked before each reuse (`is_connected`, urllib3's name):
+under gevent by a non-blocking peek of the real socket, elsewhere by a poll, as urllib3's. Both must
 say the same: reusable while the engine sent nothing, dropped on EOF or on bytes nobody asked
 for."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import socket
 import gevent.socket
 import pytest
 
-from gateway.engines.watch import ONE_SEND_BYTES, _TrackedHTTPConnection
+from gateway.engines.transport import ONE_SEND_BYTES, EngineConnection
 
 
 @contextlib.contextmanager
@@ -19,7 +19,7 @@ def connected(kind: str):
     """(the pooled connection, the engine's end of it), its socket gevent's or a plain one."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         address = server.getsockname()
-        connection = _TrackedHTTPConnection(*address)
+        connection = EngineConnection(*address)
         connection.sock = (gevent.socket.create_connection(address) if kind == "gevent"
                            else socket.create_connection(address, timeout=30))
         engine, _ = server.accept()
@@ -56,7 +56,7 @@ def test_a_connection_with_bytes_nobody_asked_for_is_dropped(kind):
 
 
 def test_a_connection_never_opened_is_not_connected():
-    assert not _TrackedHTTPConnection("127.0.0.1", 9).is_connected
+    assert not EngineConnection("127.0.0.1", 9).is_connected
 
 
 class _Recording:

@@ -16,6 +16,7 @@ from gateway.engines.instances import Pool, Prober
 from gateway.support.errors import ServiceUnavailable
 from tests.helpers.payloads import CHAT, D_URL, MESSAGES, P_URL
 from tests.helpers.servers import MODEL, gateway_process
+from tests.helpers.transport import ResponsesTransport
 
 
 def _probed(*urls: str) -> Pool:
@@ -118,7 +119,7 @@ def test_a_turn_no_d_answers_for_is_refused_before_p_is_called(store):
     """responses refuses any call not registered: P is never called."""
     app = create_app(Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
                               release_rate=0, engine_metrics_interval=0, probe_interval=0),
-                     store=store)
+                     store=store, transport=ResponsesTransport())
     gateway = app.extensions["pd_gateway"].gateway
     try:
         gateway.decode.probed = True

@@ -12,6 +12,7 @@ from gateway.reuse.conversation import identify
 from gateway.reuse.store import Entry
 from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, MISS, P_URL, REFUSED, chat_events, d_params,
                                     p_params, p_reply)
+from tests.helpers.transport import ResponsesTransport
 
 P2_URL = "http://10.9.0.3:8100"
 
@@ -32,7 +33,8 @@ def gateway(store):
     from gateway.app import create_app
     from gateway.config import Settings
     app = create_app(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL, P2_URL], decode=[D_URL], worker_class="gthread",
-                              verify_reuse="off", release_rate=0), store=store)
+                              verify_reuse="off", release_rate=0), store=store,
+                     transport=ResponsesTransport())
     recorder = Recorder()
     app.extensions["pd_gateway"].gateway.disagg.releaser = recorder
     yield app.test_client(), recorder, store
@@ -108,7 +110,7 @@ def test_an_entry_whose_d_left_the_pool_is_released(store):
     from gateway.config import Settings
     app = create_app(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=["http://10.9.0.9:8200"],
                               worker_class="gthread", verify_reuse="off", release_rate=0),
-                     store=store)
+                     store=store, transport=ResponsesTransport())
     recorder = Recorder()
     app.extensions["pd_gateway"].gateway.disagg.releaser = recorder
     try:

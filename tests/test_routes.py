@@ -26,6 +26,7 @@ from gateway.flow.passthrough import ROUTES, form_field
 from gateway.support import metrics
 from tests.helpers.payloads import D_URL, P_URL
 from tests.helpers.servers import MODEL, gateway_process, starts_processes
+from tests.helpers.transport import ResponsesTransport
 
 P2_URL = "http://10.9.0.5:8100"
 # vLLM 0.33.0's routes the gateway leaves closed (docs/routes.md says where each is).
@@ -42,7 +43,8 @@ CLOSED = [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
 def _app(store, **settings):
     base = dict(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
                 max_body_bytes=4096, release_rate=0, engine_metrics_interval=0, probe_interval=0)
-    return create_app(Settings(**{**base, **settings}), store=store)
+    return create_app(Settings(**{**base, **settings}), store=store,
+                      transport=ResponsesTransport())
 
 
 @pytest.fixture
@@ -277,7 +279,8 @@ def _host(prefix):
         return {"host": "not found"}, 404
 
     PDGateway(host, url_prefix=prefix, engine_metrics_interval=0, probe_interval=0,
-              prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8)
+              prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
+              transport=ResponsesTransport())
     return host
 
 

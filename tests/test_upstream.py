@@ -11,24 +11,30 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
-import requests
 from hypothesis import example, given, settings, strategies as st
 
 from tests.helpers.servers import MODEL, QuietHandler
+from tests.helpers.transport import Replay
 
 
 def test_the_connection_pools_cover_every_engine_and_worker():
-    from gateway.service import Gateway
-    from gateway.config import Settings
-    gateway = Gateway(Settings(engine_metrics_interval=0, probe_interval=0, prefill=[f"http://10.0.0.{i}:8100" for i in range(12)],
-                               decode=[f"http://10.0.1.{i}:8200" for i in range(12)], workers=8))
+    """A pool per engine and per worker listener (forwarding), none dropped while the others are
+    used: fewer pools than hosts would close and reopen connections all the time."""
+    from gateway.engines.instances import Instance
+    from gateway.engines.transport import Transport
+    transport = Transport(pool_size=4)
+    hosts = ([Instance(f"http://10.0.0.{i}:8100", "prefill", i) for i in range(12)]
+             + [Instance(f"http://10.0.1.{i}:8200", "decode", i) for i in range(12)]
+             + [Instance(f"http://127.0.0.1:{9000 + i}", "decode", i) for i in range(8)])
+    pools = [transport._pool(instance) for instance in hosts]
     try:
-        adapter = gateway.upstream.session.get_adapter("http://10.0.0.1:8100")
-        assert adapter._pool_connections >= 12 + 12 + 8
+        assert len(set(map(id, pools))) >= 12 + 12 + 8
+        assert [transport._pool(instance) for instance in hosts] == pools
     finally:
-        gateway.close()
+        transport.close()
 
 
 def test_failures_are_classified_by_type_not_by_message():
@@ -38,7 +44,7 @@ def test_failures_are_classified_by_type_not_by_message():
     instance = Instance("http://10.9.0.1:8100", "prefill", 0)
 
     def caused(message, cause):
-        exc = requests.ConnectionError(message)
+        exc = OSError(message)
         exc.__cause__ = cause
         return exc
 
@@ -49,7 +55,7 @@ def test_failures_are_classified_by_type_not_by_message():
                                  instance), ServiceUnavailable)
     assert isinstance(_translate(caused("it timed out, says the text", OSError("no")), instance),
                       BadGateway)
-    assert isinstance(_translate(requests.ReadTimeout("read"), instance), GatewayTimeout)
+    assert isinstance(_translate(TimeoutError("read"), instance), GatewayTimeout)
 
 
 def test_a_rejected_stream_leaves_no_connection_for_its_watch_to_cut(fresh_engines):
@@ -374,7 +380,7 @@ def test_threads_share_an_engine_pool():
             thread.start()
         for thread in threads:
             thread.join(30)
-        [pool] = upstream._engine_pools.values()
+        [pool] = upstream.transport._pools.values()
         assert not errors and len(pool._idle) <= 4
         upstream.close()
 
@@ -503,17 +509,6 @@ _HEAD_LINES = st.one_of(
 )
 
 
-class _Replay:
-    """A socket whose reads are `data` (what http.client's response reads from)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def makefile(self, mode: str):  # type: ignore[no-untyped-def]
-        import io
-        return io.BytesIO(self.data)
-
-
 @given(st.lists(_HEAD_LINES, max_size=40), st.sampled_from(["HTTP/1.1", "HTTP/1.0"]))
 @example(["Transfer-Encoding: chunked", " "], "HTTP/1.1")    # a fold of blanks only
 @example(["Transfer-Encoding: chunked  "], "HTTP/1.1")       # trailing blanks
@@ -529,8 +524,8 @@ def test_a_reply_head_is_read_as_http_client_reads_it(lines, version):
     from gateway.engines.transport import EngineHTTPResponse
     raw = (f"{version} 200 OK\r\n" + "".join(f"{line}\r\n" for line in lines)).encode("latin-1")
     raw += b"\r\nbody"
-    ours, theirs = EngineHTTPResponse(_Replay(raw), method="POST"), \
-        http.client.HTTPResponse(_Replay(raw), method="POST")
+    ours, theirs = EngineHTTPResponse(Replay(raw), method="POST"), \
+        http.client.HTTPResponse(Replay(raw), method="POST")
     ours.begin()
     theirs.begin()
 
@@ -615,3 +610,73 @@ def test_a_compressed_page_is_read_as_its_text_and_none_is_asked_for():
         upstream.close()
         server.shutdown()
         server.server_close()
+
+
+# A self-signed certificate for 127.0.0.1 and its key, made once for these tests (openssl req
+# -x509 -newkey rsa:2048 -nodes -days 36500 -subj /CN=127.0.0.1 -addext subjectAltName=IP:...).
+TLS = Path(__file__).parent / "helpers" / "tls"
+CERTIFICATE = (TLS / "engine-cert.pem", TLS / "engine-key.pem")
+
+
+class _Page(QuietHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.answer(200, b"page", {"Content-Type": "text/plain"})
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(200, b'{"ok": true}', {"Content-Type": "application/json"})
+
+
+@contextlib.contextmanager
+def tls_engine(certificate=CERTIFICATE):
+    """An `https://` engine on loopback; yields its URL and the sockets it accepted."""
+    import ssl
+    cert, key = certificate
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    accepted: list = []
+
+    class Server(http.server.ThreadingHTTPServer):
+        def get_request(self):  # type: ignore[no-untyped-def]
+            sock, address = super().get_request()
+            accepted.append(sock)
+            return context.wrap_socket(sock, server_side=True), address
+
+    server = Server(("127.0.0.1", 0), _Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}", accepted
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_https_engine_is_called_over_verified_tls():
+    """Every kind of engine call over TLS on the one transport, its connection kept alive; an
+    engine whose certificate is not trusted (here: not in certifi's bundle, as with requests)
+    is never called: 502 for a POST, down for a probe."""
+    import ssl
+    from gateway.engines.instances import Instance
+    from gateway.engines.transport import Transport
+    from gateway.engines.upstream import Upstream
+    from gateway.support.errors import BadGateway
+    trusting = ssl.create_default_context(cafile=str(CERTIFICATE[0]))
+    with tls_engine() as (url, accepted):
+        engine = Instance(url, "prefill", 0)
+        upstream = Upstream(2, 5, pool_size=2, transport=Transport(2, tls=trusting))
+        try:
+            assert upstream.post_json(engine, "/v1/completions", {}, {}) == {"ok": True}
+            assert upstream.get_bytes(engine, "/metrics", 2.0) == b"page"
+            assert upstream.probe(engine, 2.0)
+            assert len(accepted) == 1
+        finally:
+            upstream.close()
+        default = Upstream(2, 5, pool_size=2)
+        try:
+            with pytest.raises(BadGateway):
+                default.post_json(engine, "/v1/completions", {}, {})
+            assert not default.probe(engine, 2.0)
+        finally:
+            default.close()

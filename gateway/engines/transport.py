@@ -1,35 +1,52 @@
-"""The engine POSTs' connections over plain HTTP: http.client's, kept alive in a pool of our own.
+"""The one transport for every engine call: `Transport.send` a request to an engine, get its
+response once the head has arrived, over http.client connections (plain or TLS) kept alive in a
+pool per engine; tests replace the transport (tests/helpers/transport.py) as httpx's
+`MockTransport` replaces its.
 
-The gateway's POSTs to an `http://` engine (P's call, D's stream, releases, /tokenize), and the
-requests it passes through (gateway.flow.passthrough, a GET among them), are made here without
-requests (gateway.engines.upstream: `Upstream._send`). Measured with one process
-calling an emulated P, 8 calls at once under gevent, client CPU a call (`python -m
-bench.engine_call`): 234 us through requests and urllib3's pool, 150 through requests' adapter
-on this pool, 105 here (bare http.client: 116). urllib3 and requests spend the difference on
-what an engine call never needs: retries, redirects, proxies, cookies, content decoding, a
-second wrapper of every header and of the response, a URL parsed again on every call; and
-http.client reads a reply's head through the email package (17.6 us for an engine's five
-fields; `read_fields`, 3.7).
+Every call goes here: P's call, D's stream, releases, /tokenize, the requests passed through
+(gateway.flow.passthrough), probes, /v1/models and /metrics reads. Neither requests nor urllib3
+is on the way (but urllib3's URL parser): their layers (retries, redirects, proxies, cookies, a
+second wrapper of every header and of the response, a URL parsed again on every call) do
+nothing for an engine call and cost CPU on every one (`python -m bench.engine_call`;
+docs/BENCHMARKS.md).
 
 What a call keeps of urllib3's behaviour: a kept-alive connection is checked before reuse
-(nothing to read, no EOF: `watch.still_open`) and used again only after its whole response was
-read; separate connect and read timeouts; a connection not made raised as urllib3 raises it
-(`ConnectTimeoutError`, `NewConnectionError`, `NameResolutionError`: 503), other failures as the
-OS's or http.client's errors, which upstream translates as before; TCP_NODELAY; every
-connection tracked by the request's watch while in use (gateway.engines.watch), head and body
-in one write. HTTPS engines, GETs (probes, /metrics, /v1/models), and every call while
-something patches requests' `HTTPAdapter.send` (`responses` in the payload tests), go through
-requests and urllib3's pools.
+(nothing to read, no EOF: `still_open`) and used again only after its whole response was read;
+separate connect and read timeouts; a connection not made raised as `ConnectFailed` (the engine
+never saw the request: 503), other failures as the OS's, ssl's or http.client's errors, which
+gateway.engines.upstream translates; TCP_NODELAY; every connection tracked by the request's
+watch while in use (gateway.engines.watch); head and body in one write. An `https://` engine's
+certificate is verified against certifi's bundle and the engine's host name, as requests
+verified it.
 """
 from __future__ import annotations
 
 import collections
 import http.client
+import select
 import socket
+import ssl
+import threading
+from typing import TYPE_CHECKING, Protocol
 
-from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConnectionError
+from urllib3.util import parse_url
 
-from gateway.engines.watch import Tracked, still_open, untrack
+from gateway.engines.watch import current_watch
+
+if TYPE_CHECKING:
+    from gateway.engines.instances import Instance
+
+
+class ConnectFailed(OSError):
+    """No connection to the engine was made (no route, no such name): it never saw the
+    request. The OS's error is the `__cause__` (a refusal: ConnectionRefusedError)."""
+
+
+class ConnectTimedOut(ConnectFailed):
+    """The engine did not accept a connection within the connect timeout."""
+
+
+# --- a reply's head ---------------------------------------------------------------------------
 
 
 class Fields(dict):
@@ -55,9 +72,11 @@ def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
     (its limits on a line and on the number of lines; the email package's rules: the fields
     end at the first line that is not one, a field name holds no space, a folded line continues
     the field before it, a value keeps its trailing blanks) but for folded lines, joined by a
-    space instead of kept with their line break. http.client hands the lines to the email
-    package's parser: 17.6 us for an engine's five fields here, 3.7 us so (two or three
-    responses a turn)."""
+    space instead of kept with their line break.
+
+    Not http.client's own `parse_headers`: it hands the lines to the email package's parser,
+    which costs several times this on every reply (two or three a turn; docs/BENCHMARKS.md),
+    and `HTTPResponse.begin` takes the parser from its module, with no hook for another."""
     fields = Fields()
     name = ""               # the field a folded line continues ("": none, or one not kept)
     ended = False           # a line that is not a field was read: the rest is not read as any
@@ -137,21 +156,39 @@ class EngineHTTPResponse(http.client.HTTPResponse):
             self.will_close = True
 
 
-class EngineConnection(Tracked, http.client.HTTPConnection):
-    """http.client's connection, connected with its own timeout and TCP_NODELAY."""
+# --- connections ------------------------------------------------------------------------------
+
+ONE_SEND_BYTES = 1 << 20    # a request's head and body go out together up to this size
+
+
+class EngineConnection(http.client.HTTPConnection):
+    """http.client's connection to an engine: connected with its own timeout and TCP_NODELAY,
+    registered with the current request's watch while in use (gateway.engines.watch), and
+    sending a request's head and body in one write.
+
+    http.client writes the head, then the body: two sends on a socket with TCP_NODELAY, two
+    segments, two wake-ups of the engine. On loopback each send runs the receiver's side of TCP
+    too, for every P and D call."""
 
     connect_timeout: float | None = None
     response_class = EngineHTTPResponse
+    pd_watch = None                 # the Watch this connection is registered with
+    _head: bytes | None = None      # held until the body comes, while `_one_send`
+    _one_send = False
+
+    @property
+    def is_connected(self) -> bool:
+        """May this kept-alive connection serve another call (urllib3's name): see
+        `still_open`."""
+        return self.sock is not None and still_open(self.sock)
 
     def connect(self) -> None:
         try:
             sock = socket.create_connection((self.host, self.port), self.connect_timeout)
         except TimeoutError as exc:
-            raise ConnectTimeoutError(f"connecting to {self.host}:{self.port} timed out") from exc
-        except socket.gaierror as exc:
-            raise NameResolutionError(self.host, self, exc) from exc
-        except OSError as exc:
-            raise NewConnectionError(self, f"Failed to establish a new connection: {exc}") from exc
+            raise ConnectTimedOut(f"connecting to {self.host}:{self.port} timed out") from exc
+        except OSError as exc:        # a refusal among them: its cause says so
+            raise ConnectFailed(f"no connection to {self.host}:{self.port}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout)
@@ -160,22 +197,102 @@ class EngineConnection(Tracked, http.client.HTTPConnection):
             raise
         self.sock = sock
 
+    def request(self, method, url, body=None, headers=None, **kwargs):  # type: ignore[no-untyped-def]  # noqa: E501
+        watch = current_watch()
+        if watch is not None:
+            self.pd_watch = watch
+            watch.track(self)
+        self._one_send = type(body) is bytes and 0 < len(body) <= ONE_SEND_BYTES
+        try:
+            return super().request(method, url, body=body, headers=headers or {}, **kwargs)
+        finally:
+            self._one_send, self._head = False, None
+
+    def send(self, data):  # type: ignore[no-untyped-def]
+        if self._one_send:
+            if self._head is None:           # the head (http.client's _send_output)
+                self._head = data
+                return
+            data, self._one_send, self._head = self._head + data, False, None
+        super().send(data)
+
+
+class EngineTLSConnection(EngineConnection):
+    """An `https://` engine's connection: TCP as any, then TLS within the connect timeout."""
+
+    def __init__(self, host: str, port: int, context: ssl.SSLContext) -> None:
+        super().__init__(host, port)
+        self._context = context
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock.settimeout(self.connect_timeout)
+        try:
+            self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host)
+        except BaseException:
+            self.sock.close()
+            self.sock = None
+            raise
+        self.sock.settimeout(self.timeout)
+
+
+def still_open(sock: socket.socket) -> bool:
+    """May a kept-alive engine connection be used again: nothing to read, no EOF? Under gevent
+    one non-blocking peek of the real socket gevent's wraps (kept non-blocking); a plain
+    socket, or a TLS one (whose bytes are records, not replies, and which takes no flags), is
+    polled, as urllib3 does (a peek on a socket with a timeout would wait for it)."""
+    raw = getattr(sock, "_sock", None)
+    if raw is None or isinstance(sock, ssl.SSLSocket) or hasattr(sock, "cipher"):
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return not poller.poll(0)
+        except (OSError, ValueError):    # closed meanwhile
+            return False
+    try:
+        raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True         # nothing to read: still connected
+    except OSError:
+        return False        # reset, or closed meanwhile
+    return False            # EOF, or bytes nobody asked for: urllib3 drops it too
+
+
+def untrack(connection) -> None:  # type: ignore[no-untyped-def]
+    """Before a connection goes back to its pool, where another request may take it."""
+    watch = getattr(connection, "pd_watch", None)
+    if watch is not None:
+        watch.untrack(connection)
+        connection.pd_watch = None
+
+
+# --- responses and pools ----------------------------------------------------------------------
+
 
 class EngineResponse:
-    """An engine's response, as much of urllib3's HTTPResponse as requests and the gateway
-    use: status, reason, headers, `read`, `release_conn`, `close`, and http.client's response
-    (`_fp`) and the `connection` for a stream's reads (gateway.engines.upstream.Stream)."""
+    """An engine's response: status, reason, headers (`Fields`), the body's bytes (`read`,
+    `read1`), and the connection it came on, which goes back to its pool once the body was read
+    to its end (`release_conn`) and is closed if not (`close`)."""
 
-    def __init__(self, pool: EnginePool, connection: EngineConnection,
+    def __init__(self, pool: EnginePool | None, connection: EngineConnection | None,
                  response: http.client.HTTPResponse) -> None:
         self._pool = pool
-        self.connection: EngineConnection | None = connection
+        self.connection = connection
         self._fp = response
         self.status = response.status
         self.reason = response.reason
         self.headers = response.msg          # Fields
+        self.content: bytes | None = None    # the whole body, once upstream has read it
+        # What has come of the body, up to n bytes, waiting only if nothing has (a stream's
+        # tokens as they come): http.client's own, no call around it on every token.
+        self.read1 = response.read1
 
-    def read(self, amt: int | None = None, decode_content: bool = True) -> bytes:
+    @property
+    def sock(self) -> socket.socket | None:
+        """The connection's socket (a stream's read timeout is taken off it: watch)."""
+        return self.connection.sock if self.connection is not None else None
+
+    def read(self, amt: int | None = None) -> bytes:
         """Up to `amt` bytes of the body (all of it with None); the connection goes back to the
         pool once the body has been read to its end. (No content decoding: the engines are
         asked for `identity`.)"""
@@ -188,9 +305,17 @@ class EngineResponse:
             self.release_conn()
         return data
 
+    def finish(self) -> None:
+        """The body's last `read1` gave nothing: short of its Content-Length, that is an error
+        (http.client's IncompleteRead); whole, its connection goes back to the pool."""
+        if self._fp.length:                 # bytes still owed
+            raise http.client.IncompleteRead(b"", self._fp.length)
+        self._fp.close()                    # http.client's end of a response
+        self.release_conn()
+
     def release_conn(self) -> None:
-        """The body was read to its end (`read`, or a stream's last read): the connection may
-        serve another call. http.client closes a response read to its end."""
+        """The body was read to its end (`read`, `finish`): the connection may serve another
+        call. http.client closes a response read to its end."""
         self._let_go(self._fp.isclosed())
 
     def close(self) -> None:
@@ -202,7 +327,7 @@ class EngineResponse:
 
     def _let_go(self, whole: bool) -> None:
         connection, self.connection = self.connection, None
-        if connection is not None:
+        if connection is not None and self._pool is not None:
             self._pool.put(connection, reusable=whole and not self._fp.will_close)
 
 
@@ -210,26 +335,22 @@ class EnginePool:
     """Kept-alive connections to one engine: the last given back is the first taken, at most
     `maxsize` kept (more are opened when more calls run at once, and closed after)."""
 
-    def __init__(self, host: str, port: int, maxsize: int) -> None:
+    def __init__(self, host: str, port: int, maxsize: int,
+                 context: ssl.SSLContext | None = None) -> None:
         self.host, self.port, self.maxsize = host, port, maxsize
+        self._context = context
         self._idle: collections.deque[EngineConnection] = collections.deque()
-        # What requests' adapter sets on a pool before each call (HTTPAdapter.cert_verify);
-        # nothing reads them over plain HTTP.
-        self.cert_reqs = self.ca_certs = self.ca_cert_dir = None
         self.closed = False
 
-    def urlopen(self, method: str, url: str, body: bytes | None = None, headers=None,  # type: ignore[no-untyped-def]  # noqa: E501
-                timeout=None, **ignored) -> EngineResponse:
-        """The call as requests' adapter makes it (`timeout`: urllib3's Timeout); the response
-        once its head has arrived."""
+    def urlopen(self, method: str, url: str, body: bytes | None, headers: dict,
+                timeout: tuple[float | None, float | None]) -> EngineResponse:
+        """The response to `method url` once its head has arrived (`timeout`: connect, read)."""
         connection = self._take()
-        read_timeout = timeout.read_timeout if timeout is not None else None
-        connection.connect_timeout = timeout.connect_timeout if timeout is not None else None
-        connection.timeout = read_timeout
+        connection.connect_timeout, connection.timeout = timeout
         try:
             if connection.sock is not None:
-                connection.sock.settimeout(read_timeout)     # a stream may have taken it off
-            connection.request(method, url, body=body, headers=headers or {})
+                connection.sock.settimeout(timeout[1])     # a stream may have taken it off
+            connection.request(method, url, body=body, headers=headers)
             response = connection.getresponse()
         except BaseException:
             self.put(connection, reusable=False)
@@ -241,8 +362,10 @@ class EnginePool:
             try:
                 connection = self._idle.pop()
             except IndexError:
+                if self._context is not None:
+                    return EngineTLSConnection(self.host, self.port, self._context)
                 return EngineConnection(self.host, self.port)
-            if connection.sock is not None and still_open(connection.sock):
+            if connection.is_connected:
                 return connection
             connection.close()
 
@@ -257,3 +380,69 @@ class EnginePool:
         self.closed = True
         while self._idle:
             self._idle.pop().close()
+
+
+Timeouts = tuple[float | None, float | None]     # (connect, read) seconds
+
+
+class EngineTransport(Protocol):
+    """What `Upstream` needs of a transport (tests give it another: tests/helpers/transport)."""
+
+    def send(self, instance: Instance, method: str, path: str, body: bytes | None,
+             headers: dict[str, str], timeout: Timeouts) -> EngineResponse: ...
+
+    def close(self) -> None: ...
+
+
+class Transport:
+    """The engine calls' transport: one pool of kept-alive connections per engine (its URL),
+    `pool_size` connections kept in each; `tls` verifies `https://` engines (default: as
+    requests did, `tls_context()`)."""
+
+    def __init__(self, pool_size: int, tls: ssl.SSLContext | None = None) -> None:
+        self._pool_size = pool_size
+        self._pools: dict[str, EnginePool] = {}
+        self._tls = tls
+        self._lock = threading.Lock()
+
+    def send(self, instance: Instance, method: str, path: str, body: bytes | None,
+             headers: dict[str, str], timeout: Timeouts) -> EngineResponse:
+        """`method` `path` (after the instance URL's own path) with `body` and `headers` (all
+        of them: Host and, with a body, Content-Length are the only ones added); the response
+        once its head has arrived, whatever its status."""
+        pool = self._pools.get(instance.url)
+        if pool is None:
+            pool = self._pool(instance)
+        return pool.urlopen(method, instance.base_path + path, body, headers, timeout)
+
+    def _pool(self, instance: Instance) -> EnginePool:
+        # urllib3's parser, as the admin API's allowlist reads an added URL (gateway.engines.
+        # membership): the host checked is the host connected to.
+        parsed = parse_url(instance.url)
+        with self._lock:
+            pool = self._pools.get(instance.url)
+            if pool is not None:
+                return pool
+            if len(self._pools) >= 1024:   # engines come and go: keep it bounded
+                old, self._pools = self._pools, {}   # (other threads read it)
+                for each in list(old.values()):
+                    each.close()
+            context = None
+            if parsed.scheme == "https":
+                context = self._tls = self._tls or tls_context()
+            # An IPv6 host without its brackets: http.client keeps them when given a port.
+            port = parsed.port or (443 if context is not None else 80)
+            pool = self._pools[instance.url] = EnginePool((parsed.host or "").strip("[]"), port,
+                                                          self._pool_size, context)
+            return pool
+
+    def close(self) -> None:
+        """Close every kept connection."""
+        for pool in list(self._pools.values()):
+            pool.close()
+
+
+def tls_context() -> ssl.SSLContext:
+    """What requests verified an `https://` engine with: certifi's CA bundle, the host name."""
+    import certifi
+    return ssl.create_default_context(cafile=certifi.where())

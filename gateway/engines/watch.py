@@ -1,5 +1,5 @@
-"""Cancelling one request's engine calls: a watcher of its client socket and deadline, and the
-urllib3 connection and pool classes that register each engine connection with it."""
+"""Cancelling one request's engine calls: a watcher of its client socket and deadline, which
+each engine connection registers with while in use (gateway.engines.transport)."""
 from __future__ import annotations
 
 import contextvars
@@ -7,12 +7,10 @@ import select
 import socket
 import threading
 import time
+from typing import Any
 
 import gevent
 from gevent import monkey
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-from urllib3.util.wait import wait_for_read
 
 from gateway.support.errors import ClientGone, GatewayError, GatewayTimeout
 
@@ -51,7 +49,7 @@ class Watch:
         self.heard_at = 0.0
         self.silent = False
         self._running = client is not None or deadline is not None
-        self._connections: list[HTTPConnection] = []
+        self._connections: list[Any] = []
         self._lock = threading.Lock()
         self._done = False
         self._io = self._timer = None       # the event loop's watchers, under gevent
@@ -73,7 +71,7 @@ class Watch:
                                  daemon=True).start()
         self._token = _WATCH.set(self)
 
-    def track(self, connection: HTTPConnection) -> None:
+    def track(self, connection: Any) -> None:
         """Register a connection this request is about to use; refuse if the request is
         already cut (its client left, or its deadline passed, before this call began)."""
         with self._lock:
@@ -81,7 +79,7 @@ class Watch:
                 raise ConnectionAbortedError("the request was cut before this engine call")
             self._connections.append(connection)
 
-    def untrack(self, connection: HTTPConnection | None = None) -> None:
+    def untrack(self, connection: Any = None) -> None:
         with self._lock:
             if connection is None:
                 self._connections.clear()
@@ -245,7 +243,7 @@ class Watch:
 
     def _cut(self) -> None:
         # Under the lock: a connection given back to the pool is untracked under it first
-        # (`TrackedPool._put_conn`), so one that another request may reuse is never cut; and
+        # (`EnginePool.put`), so one that another request may reuse is never cut; and
         # a call that starts after this finds `gone`/`expired` set in `track` and never sends.
         with self._lock:
             for connection in self._connections:
@@ -262,96 +260,3 @@ class Watch:
 def current_watch() -> Watch | None:
     """The watch of the request this thread (or greenlet) is serving, if any."""
     return _WATCH.get()
-
-
-ONE_SEND_BYTES = 1 << 20    # a request's head and body go out together up to this size
-
-
-class Tracked:
-    """An engine connection (urllib3's, or gateway.engines.transport's) that registers with the current request's Watch when used, and
-    sends a request's head and body in one write.
-
-    urllib3 (like http.client) writes the head, then the body: two sends on a socket with
-    TCP_NODELAY, two segments, two wake-ups of the engine. On loopback each send runs the
-    receiver's side of TCP too; the head's send cost about 95 us and the body's 20 (py-spy, 16
-    turns at once), for every P and D call."""
-
-    pd_watch: Watch | None = None
-    _head: bytes | None = None      # held until the body comes, while `_one_send`
-    _one_send = False
-
-    def request(self, method, url, body=None, headers=None, **kwargs):  # type: ignore[no-untyped-def]  # noqa: E501
-        watch = _WATCH.get()
-        if watch is not None:
-            self.pd_watch = watch
-            watch.track(self)
-        self._one_send = type(body) is bytes and 0 < len(body) <= ONE_SEND_BYTES
-        try:
-            return super().request(method, url, body=body, headers=headers, **kwargs)
-        finally:
-            self._one_send, self._head = False, None
-
-    def send(self, data):  # type: ignore[no-untyped-def]
-        if self._one_send:
-            if self._head is None:           # the head (http.client's _send_output)
-                self._head = data
-                return
-            data, self._one_send, self._head = self._head + data, False, None
-        super().send(data)
-
-
-class _TrackedHTTPConnection(Tracked, HTTPConnection):
-    @property
-    def is_connected(self) -> bool:
-        """urllib3's check of a pooled connection before each reuse (nothing to read, no EOF),
-        under gevent with one non-blocking peek: urllib3 polls the socket, which under gevent
-        builds and starts a poll object's watchers (measured: 35 us a call, two calls a turn).
-        Plain TCP only: a TLS socket takes no flags, and its bytes are records, not replies."""
-        if self.sock is None:
-            return False
-        return still_open(self.sock)
-
-
-def still_open(sock: socket.socket) -> bool:
-    """May a kept-alive engine connection be used again: nothing to read, no EOF? Under gevent
-    one non-blocking peek of the real socket gevent's wraps (kept non-blocking); a plain socket
-    is polled, as urllib3 does (a peek on a socket with a timeout would wait for it)."""
-    raw = getattr(sock, "_sock", None)
-    if raw is None:
-        return not wait_for_read(sock, timeout=0.0)
-    try:
-        raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return True         # nothing to read: still connected
-    except OSError:
-        return False        # reset, or closed meanwhile
-    return False            # EOF, or bytes nobody asked for: urllib3 drops it too
-
-
-def untrack(connection) -> None:  # type: ignore[no-untyped-def]
-    """Before a connection goes back to its pool, where another request may take it."""
-    watch = getattr(connection, "pd_watch", None)
-    if watch is not None:
-        watch.untrack(connection)
-        connection.pd_watch = None
-
-
-class _TrackedHTTPSConnection(Tracked, HTTPSConnection):
-    pass
-
-
-class TrackedPool:
-    """Untracks a connection before it goes back to the pool, where another request may take it
-    (a response closed, fully read, or a rejected reply: every release comes through here)."""
-
-    def _put_conn(self, conn):  # type: ignore[no-untyped-def]
-        untrack(conn)
-        return super()._put_conn(conn)
-
-
-class TrackedHTTPPool(TrackedPool, HTTPConnectionPool):
-    ConnectionCls = _TrackedHTTPConnection
-
-
-class TrackedHTTPSPool(TrackedPool, HTTPSConnectionPool):
-    ConnectionCls = _TrackedHTTPSConnection
