@@ -13,8 +13,17 @@ import time
 import uuid
 
 from .errors import EngineError, Unavailable
-from .protocol import (Call, CompletionRequest, ValidationError, check_model, dumps, json_body, optional,
-                       render_body, request_from_body)
+from .protocol import (
+    Call,
+    CompletionRequest,
+    ValidationError,
+    check_model,
+    dumps,
+    json_body,
+    optional,
+    render_body,
+    request_from_body,
+)
 from .tokens import Template
 
 # vLLM's default VLLM_MAX_STOP_STRINGS (vllm/envs.py:1157), protocol.py:249-251.

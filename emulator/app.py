@@ -12,22 +12,39 @@ import secrets
 import socket
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator
 
 import gevent.select
 from flask import Flask, Response, request
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
-from .engine import Engine, Turn
 from .anthropic import MessagesError, count_tokens, messages_call
-from .errors import (BadRequest, ClientGone, EngineError, InternalError, KVLoadError, MethodNotAllowed,
-                     NotFound, NotImplementedByEmulator, Unavailable)
+from .engine import Engine, Turn
+from .errors import (
+    BadRequest,
+    ClientGone,
+    EngineError,
+    InternalError,
+    KVLoadError,
+    MethodNotAllowed,
+    NotFound,
+    NotImplementedByEmulator,
+    Unavailable,
+)
 from .faults import Fault
 from .metrics import exposition
 from .other_routes import add_routes
-from .protocol import Call, CompletionRequest, Framer, ValidationError, chat_call, dumps, parse_tokenize
+from .protocol import (
+    Call,
+    CompletionRequest,
+    Framer,
+    ValidationError,
+    chat_call,
+    dumps,
+    parse_tokenize,
+)
 from .responses import ResponseStore, responses_call
 from .tokens import EOS, token_id, token_ids
 

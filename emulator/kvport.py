@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import requests
 from requests.adapters import HTTPAdapter

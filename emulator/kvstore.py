@@ -21,8 +21,8 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cachetools import TLRUCache
 

@@ -18,6 +18,7 @@ import time
 import requests
 
 from gateway.options import options
+
 from .config import EngineConfig
 
 # Every port free_port has handed out in this process. A picked port is free only until someone

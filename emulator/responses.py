@@ -12,8 +12,17 @@ import time
 import uuid
 
 from .errors import BadRequest, NotFound, NotImplementedByEmulator
-from .protocol import (Call, CompletionRequest, ValidationError, check_model, dumps, json_body, optional,
-                       render_body, request_from_body)
+from .protocol import (
+    Call,
+    CompletionRequest,
+    ValidationError,
+    check_model,
+    dumps,
+    json_body,
+    optional,
+    render_body,
+    request_from_body,
+)
 from .tokens import END_THINK, THINK, Template
 
 

@@ -223,7 +223,7 @@ def generate_chat(prompt: list[str], count: int, stopped: bool, *, reasoning_sha
     words = generate(prompt, count)
     tokens: list[str] = []
     deltas: list[dict | None] = []
-    reasoning = tool_calls = None
+    reasoning = None
     if reasoning_share and _unit(prompt, "reasoning") < reasoning_share:
         thought = generate(prompt + ["<|reasoning|>"], max(2, count // 2))
         tokens += [THINK, *thought, END_THINK]

@@ -10,8 +10,9 @@ import argparse
 import difflib
 import functools
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 _KEY = "option"
 

@@ -7,9 +7,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from gateway.config import Settings
 from gateway.engines.d_budget import DBudget
@@ -147,7 +148,7 @@ class Gateway:
                              releaser=self.releaser, attempts=settings.attempts,
                              exactness=self._exactness(pools.values()), fast_path=fast_path,
                              access_log=settings.access_log))
-            for spec, pools in zip(specs, roles.values())])
+            for spec, pools in zip(specs, roles.values(), strict=True)])
         # vLLM's other client routes, passed to an engine of the request's model.
         self.passthrough = PassThrough(self.upstream, self.pools, settings.attempts)
         # The first model's (the only one's, without --models): for embedders and tests.

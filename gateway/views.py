@@ -9,9 +9,9 @@ import functools
 import logging
 import re
 import uuid
-from urllib.parse import quote
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
-from typing import Callable, Iterator, Mapping
+from urllib.parse import quote
 
 from flask import Blueprint, Response, current_app, request
 from werkzeug.exceptions import HTTPException
@@ -26,8 +26,16 @@ from gateway.responses.items import RESPONSES
 from gateway.responses.route import Responses, responses_of
 from gateway.service import Arrival, Gateway
 from gateway.support import logs, metrics
-from gateway.support.errors import (BadRequest, ClientGone, GatewayError, MethodNotAllowed,
-                                    NotFound, Overloaded, PayloadTooLarge, json_response)
+from gateway.support.errors import (
+    BadRequest,
+    ClientGone,
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    json_response,
+)
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

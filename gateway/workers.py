@@ -72,7 +72,7 @@ _REQUEST_TIMEOUT = 60.0                        # this worker's --request-timeout
 _LOOP_BYTES = 64 * 1024 * 1024                 # this worker's --max-bodies-bytes
 _CLIENT_TIMEOUT = 60.0                         # this worker's --client-timeout
 # What each client socket was sent and when it last took some of it (`_taking`).
-_TAKEN: "weakref.WeakKeyDictionary[socket.socket, list]" = weakref.WeakKeyDictionary()
+_TAKEN: weakref.WeakKeyDictionary[socket.socket, list] = weakref.WeakKeyDictionary()
 TAKING_CHECK_SECONDS = 1.0
 _OUTQ = getattr(termios, "TIOCOUTQ", None)     # a socket's bytes not yet acknowledged (Linux)
 # What a gthread worker's loop reads of a request before a pool thread takes it: its head, and a
@@ -90,7 +90,7 @@ _EXPECT = re.compile(rb"\nexpect[ \t]*:[ \t]*100-continue[ \t]*\r?(?=\n)", re.IG
 # Each client socket's deadline for the request it is receiving: set by that request's first
 # bytes, forgotten when its connection waits for a next request. Kept beside the sockets, whose
 # class is swapped in place (a class that may add no slot).
-_DEADLINES: "weakref.WeakKeyDictionary[socket.socket, float]" = weakref.WeakKeyDictionary()
+_DEADLINES: weakref.WeakKeyDictionary[socket.socket, float] = weakref.WeakKeyDictionary()
 
 
 def _client_timeout() -> float:
@@ -237,7 +237,7 @@ class GeventWorker(_GeventWorker):
         finally:
             _DEADLINES.pop(sock, None)       # served: a drain after it is not its head
 
-    def timeout_ctx(self) -> "_IdleWait":
+    def timeout_ctx(self) -> _IdleWait:
         # gunicorn calls this around reading each next request on a connection, only there:
         # the keep-alive wait, bounded by itself (the request's headers with it); the client
         # timeout holds from the headers on.

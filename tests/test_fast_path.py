@@ -16,8 +16,18 @@ from openai import OpenAI
 from responses import matchers
 
 from emulator.process import wait_until
-from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, chat_events, d_params, d_stream,
-                                    p_params, p_reply, tokenizer)
+from tests.helpers.payloads import (
+    D_URL,
+    MISS,
+    P_URL,
+    PLAIN,
+    chat_events,
+    d_params,
+    d_stream,
+    p_params,
+    p_reply,
+    tokenizer,
+)
 from tests.helpers.servers import MODEL
 
 CHAT = "/v1/chat/completions"
@@ -246,9 +256,9 @@ def test_an_entry_the_two_stage_path_would_not_read_is_not_read_by_the_fast_path
 def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     # verify_reuse always: the decode-only check tokenizes on D; when that fails, the two-stage
     # path proves the entry on P instead of taking the refusal as final.
+    from emulator.tokens import Template
     from gateway.app import create_app
     from gateway.config import Settings
-    from emulator.tokens import Template
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               verify_reuse="always", fast_path_tokens=64), store=store)
     client = app.test_client()

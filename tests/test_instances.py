@@ -155,7 +155,7 @@ def test_admin_changes_reach_every_member_of_the_file_in_order(tmp_path):
         pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
         return Membership(settings, {"": pools}, environ={"PD_GATEWAY_CHANGES": str(path)}), pools
 
-    (one, one_pools), (two, two_pools) = worker(), worker()
+    (one, _), (two, two_pools) = worker(), worker()
     try:
         report, new = one.add("decode", "10.9.0.4:8200")          # host:port is enough
         assert new and report["url"] == D2_URL and report["name"] == "decode[1]"
@@ -229,8 +229,8 @@ def test_unreachable_marks_down_until_success(clock):
 
 
 def test_closing_a_gateway_stops_its_prober():
-    from gateway.service import Gateway
     from gateway.config import Settings
+    from gateway.service import Gateway
     gateway = Gateway(Settings(engine_metrics_interval=0, prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                probe_interval=0.05))
     gateway.prefill.failed(gateway.prefill.instances[0], unreachable=True)   # wakes the prober
@@ -241,9 +241,9 @@ def test_closing_a_gateway_stops_its_prober():
 
 
 def test_an_unexpected_exception_never_leaks_an_in_flight_count():
+    from gateway.engines.instances import Pool
     from gateway.flow.disagg import Disagg
     from gateway.reuse.store import LocalStore
-    from gateway.engines.instances import Pool
     pool = Pool("prefill", ["http://10.9.0.1:8100"])
     disagg = Disagg(LocalStore(10, 450), None, pool, pool)
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.flow.sse import EventFilter
 from gateway.flow.decoded import Decoded
+from gateway.flow.sse import EventFilter
 from gateway.support.errors import ClientGone
 
 content = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from werkzeug.datastructures import Headers
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 # Blocks before the end of turn N's prompt that each get a checkpoint: the divergence of every
 # template behaviour above lies there, or at the start of the last user message before it.

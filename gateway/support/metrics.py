@@ -16,8 +16,13 @@ import logging
 import os
 
 import prometheus_client
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest,
-                               multiprocess)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+)
 
 log = logging.getLogger(__name__)
 STRICT_ENV = "PD_GATEWAY_STRICT_METRICS"
@@ -57,7 +62,7 @@ class _Children:
         return child
 
     def _undeclared(self, values: tuple[str, ...]) -> None:
-        for name, value in zip(self._labelnames, values):  # type: ignore[attr-defined]
+        for name, value in zip(self._labelnames, values, strict=False):  # type: ignore[attr-defined]
             allowed = self.values.get(name)
             if isinstance(allowed, tuple) and value not in allowed:
                 message = f"{self._name}: {name}={value!r} is not declared"  # type: ignore[attr-defined]
@@ -81,7 +86,7 @@ class Histogram(_Children, prometheus_client.Histogram):
         token in multiprocess mode (a locked write to the mmap per value, twice); one write per
         bucket a turn costs a few. prometheus_client has no batch observe: this writes its
         histogram's own values as `observe` does (pinned by tests/test_metrics.py)."""
-        for bucket, count in zip(self._buckets, counts):  # type: ignore[attr-defined]
+        for bucket, count in zip(self._buckets, counts, strict=True):  # type: ignore[attr-defined]
             if count:
                 bucket.inc(count)
         self._sum.inc(total)  # type: ignore[attr-defined]
