@@ -360,8 +360,13 @@ class MessagesFramer:
     def _delta(self, delta: dict) -> bytes:
         return _event({"type": "content_block_delta", "delta": delta, "index": self.index})
 
-    def chunk(self, delta: dict, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              extra: dict | None = None) -> bytes:
+    def chunk(
+        self,
+        delta: dict,
+        token_ids: list[int] | None = None,
+        finish_reason: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes:
         """One chat chunk's events (serving.py:1085-1221); a chunk's kv_transfer_params are
         dropped, as the converter never reads them."""
         out = b""
@@ -379,25 +384,51 @@ class MessagesFramer:
             out += self._delta({"type": "text_delta", "text": delta["content"]})
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
-            if call.get("id") is not None and self.tool_use_id != call["id"] and function.get("name"):
+            if (
+                call.get("id") is not None
+                and self.tool_use_id != call["id"]
+                and function.get("name")
+            ):
                 out += self._stop()
                 self.tool_used, self.last_tool_args = True, []
-                out += self._start({"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}})
+                out += self._start(
+                    {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
+                )
             if function.get("arguments") and self.tool_use_id == call.get("id"):
                 self.last_tool_args.append(function["arguments"])
-                out += self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
+                out += self._delta(
+                    {"type": "input_json_delta", "partial_json": function["arguments"]}
+                )
         return out
 
-    def tail(self, gen, include_usage: bool, prompt_tokens: int, cached: int | None, params: dict | None,
-             placement: str) -> bytes:
+    def tail(
+        self,
+        gen,
+        include_usage: bool,
+        prompt_tokens: int,
+        cached: int | None,
+        params: dict | None,
+        placement: str,
+    ) -> bytes:
         """The usage chunk becomes message_delta (the converter forces include_usage,
         serving.py:701-714, 1057-1083), then message_stop; no [DONE], no params."""
-        reason, sequence = stop_reason(self.finish_reason or "stop", None, self.tool_used,
-                                       self.tool_used and _is_json("".join(self.last_tool_args)))
-        return (self._stop()
-                + _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                          "usage": _usage(prompt_tokens, gen.completion_tokens, cached)})
-                + _event({"type": "message_stop"}))
+        reason, sequence = stop_reason(
+            self.finish_reason or "stop",
+            None,
+            self.tool_used,
+            self.tool_used and _is_json("".join(self.last_tool_args)),
+        )
+        return (
+            self._stop()
+            + _event(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": _usage(prompt_tokens, gen.completion_tokens, cached),
+                }
+            )
+            + _event({"type": "message_stop"})
+        )
 
     def fail(self, envelope: dict) -> bytes:
         """A failure after the headers: the open block closed, then an `error` event in
@@ -405,41 +436,71 @@ class MessagesFramer:
         reads the engine's first output, so message_start comes first."""
         error = envelope["error"]
         opening = b"" if self.started else self.role()
-        return opening + self._stop() + _event(
-            {"type": "error", "error": {"type": error_type(error["code"]), "message": error["message"]}})
+        return (
+            opening
+            + self._stop()
+            + _event(
+                {
+                    "type": "error",
+                    "error": {"type": error_type(error["code"]), "message": error["message"]},
+                }
+            )
+        )
 
     # --- body -------------------------------------------------------------------------------
 
-    def body(self, gen, prompt_tokens: int, params: dict | None, prompt_token_ids: list[int] | None = None,
-             output_token_ids: list[int] | None = None, cached: int | None = None) -> bytes:
+    def body(
+        self,
+        gen,
+        prompt_tokens: int,
+        params: dict | None,
+        prompt_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | None = None,
+        cached: int | None = None,
+    ) -> bytes:
         """The message, serialised without nulls (api_router.py:82-85): kv_transfer_params only
         when the chat response had them."""
         content: list[dict] = []
         if gen.reasoning:
-            content.append({"type": "thinking", "thinking": gen.reasoning, "signature": uuid.uuid4().hex})
+            content.append(
+                {"type": "thinking", "thinking": gen.reasoning, "signature": uuid.uuid4().hex}
+            )
         if gen.content:
             content.append({"type": "text", "text": gen.content})
         for call in gen.tool_calls or ():
-            content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                            "input": json.loads(call["function"]["arguments"])})
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": call["id"],
+                    "name": call["function"]["name"],
+                    "input": json.loads(call["function"]["arguments"]),
+                }
+            )
         calls = bool(gen.tool_calls)
         reason, sequence = stop_reason(gen.finish_reason, None, calls, calls)
-        message = {"id": self.response_id, "type": "message", "role": "assistant",
-                   "content": content or [{"type": "text", "text": ""}], "model": self.model,
-                   "stop_reason": reason, "stop_sequence": sequence,
-                   "usage": _usage(prompt_tokens, gen.completion_tokens, cached),
-                   "kv_transfer_params": params}
+        message = {
+            "id": self.response_id,
+            "type": "message",
+            "role": "assistant",
+            "content": content or [{"type": "text", "text": ""}],
+            "model": self.model,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(prompt_tokens, gen.completion_tokens, cached),
+            "kv_transfer_params": params,
+        }
         return dumps({k: v for k, v in message.items() if v is not None})
 
 
 # --- the routes ---------------------------------------------------------------------------------
+
 
 def _anthropic_body(raw: bytes, count: bool) -> dict:
     try:
         return to_chat_body(json_body(raw), count_tokens=count)
     except ValidationError:
         raise
-    except EngineError as exc:      # not JSON, or not an object: FastAPI's validation says so
+    except EngineError as exc:  # not JSON, or not an object: FastAPI's validation says so
         raise ValidationError("", exc.message) from exc
 
 

@@ -249,8 +249,12 @@ class Framer:
                  reasoning_field: str = "reasoning") -> None:
         self.chat = kind == "chat"
         self.reasoning_field = reasoning_field
-        self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                     "created": created, "model": model}
+        self.head = {
+            "id": response_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
         open_head = dumps(self.head)[:-1]  # '{"id":...,"model":"..."' awaiting more keys
         if self.chat:
             self._pre = b"data: " + open_head + b',"choices":[{"index":0,"delta":{"content":'
@@ -279,13 +283,28 @@ class Framer:
             out["reasoning"] = text
         return out
 
-    def chunk(self, delta: dict, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              extra: dict | None = None) -> bytes:
+    def chunk(
+        self,
+        delta: dict,
+        token_ids: list[int] | None = None,
+        finish_reason: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes:
         """One streamed chunk: a chat delta ({} for a token a parser swallowed) or a completions text."""
         if self.chat:
-            choice = {"index": 0, "delta": self._reasoning(delta), "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": self._reasoning(delta),
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": delta.get("text", ""),
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         if finish_reason is not None or not self.chat:
             choice["stop_reason"] = None
         if self.chat or token_ids is not None:
@@ -301,24 +320,42 @@ class Framer:
         return b"data: " + dumps({**self.head, **extra}) + b"\n\n"
 
     def role(self, prompt_token_ids: list[int] | None = None) -> bytes:
-        return self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}],
-                            "prompt_token_ids": prompt_token_ids})
+        return self._event(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                "prompt_token_ids": prompt_token_ids,
+            }
+        )
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> bytes:
         """The trailing usage chunk (serialised without nulls); `cached` with
         --enable-prompt-tokens-details."""
         details = {} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}}
-        return self._event({"choices": [], "usage": {**usage(prompt_tokens, completion_tokens),
-                                                     **details}})
+        return self._event(
+            {"choices": [], "usage": {**usage(prompt_tokens, completion_tokens), **details}}
+        )
 
     @staticmethod
     def params_only(params: dict) -> bytes:
         # Shaped like the fake D chunk in vLLM's test_disagg_proxy_multiturn.py.
         return b"data: " + dumps({"kv_transfer_params": params}) + b"\n\n"
 
-    def tail(self, gen, include_usage: bool, prompt_tokens: int, cached: int | None, params: dict | None,
-             placement: str) -> bytes:
+    def tail(
+        self,
+        gen,
+        include_usage: bool,
+        prompt_tokens: int,
+        cached: int | None,
+        params: dict | None,
+        placement: str,
+    ) -> bytes:
         """What follows the finish chunk: [usage chunk], [params chunk under `separate`], [DONE]."""
         out = self.usage(prompt_tokens, gen.completion_tokens, cached) if include_usage else b""
         if params is not None and placement == "separate":
@@ -335,29 +372,63 @@ class Framer:
     def fail(self, envelope: dict) -> bytes:
         return self.error(envelope) + DONE
 
-    def body(self, gen, prompt_tokens: int, params: dict | None,
-             prompt_token_ids: list[int] | None = None, output_token_ids: list[int] | None = None,
-             cached: int | None = None) -> bytes:
+    def body(
+        self,
+        gen,
+        prompt_tokens: int,
+        params: dict | None,
+        prompt_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | None = None,
+        cached: int | None = None,
+    ) -> bytes:
         """The non-streaming response: one line, null fields included, top-level kv_transfer_params."""
         if self.chat:
-            message = {"role": "assistant", "content": gen.content, "refusal": None, "annotations": None,
-                       "audio": None, "function_call": None,
-                       **self._reasoning({"reasoning": gen.reasoning})}
+            message = {
+                "role": "assistant",
+                "content": gen.content,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                **self._reasoning({"reasoning": gen.reasoning}),
+            }
             if gen.tool_calls:
                 message["tool_calls"] = gen.tool_calls
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": gen.finish_reason,
-                      "stop_reason": None, "token_ids": output_token_ids}
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": None,
+                "token_ids": output_token_ids,
+            }
             obj = "chat.completion"
             top_prompt_ids = prompt_token_ids
         else:
-            choice = {"index": 0, "text": gen.content, "logprobs": None, "finish_reason": gen.finish_reason,
-                      "stop_reason": None, "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids,
-                      "token_ids": output_token_ids}
+            choice = {
+                "index": 0,
+                "text": gen.content,
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_token_ids,
+                "token_ids": output_token_ids,
+            }
             obj = "text_completion"
             top_prompt_ids = None
-        body = {**self.head, "object": obj, "choices": [choice], "service_tier": None,
-                "system_fingerprint": None,
-                "usage": {**usage(prompt_tokens, gen.completion_tokens), "prompt_tokens_details":
-                          None if cached is None else {"cached_tokens": cached}},
-                "prompt_logprobs": None, "prompt_token_ids": top_prompt_ids, "kv_transfer_params": params}
+        body = {
+            **self.head,
+            "object": obj,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {
+                **usage(prompt_tokens, gen.completion_tokens),
+                "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": top_prompt_ids,
+            "kv_transfer_params": params,
+        }
         return dumps(body)

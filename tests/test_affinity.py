@@ -187,9 +187,11 @@ def test_conversation_affine_choice_cuts_decode_pulls(two_by_two, gateway_factor
 
 
 def test_failed_connection_marks_down_and_probe_brings_back(gateway_factory):
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.8", itl_ms=1) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.9", itl_ms=1) as d1, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.10", itl_ms=1) as d2:
+    with (
+        EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.8", itl_ms=1) as p,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.9", itl_ms=1) as d1,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.10", itl_ms=1) as d2,
+    ):
         gateway = gateway_process([p.url], [d1.url, d2.url], probe_interval=0.2)
         try:
             health = gateway.status

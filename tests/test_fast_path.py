@@ -259,20 +259,37 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     from emulator.tokens import Template
     from gateway.app import create_app
     from gateway.config import Settings
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
-                              verify_reuse="always", fast_path_tokens=64), store=store)
+    app = create_app(
+        Settings(
+            release_rate=0,
+            engine_metrics_interval=0,
+            probe_interval=0,
+            prefill=[P_URL],
+            decode=[D_URL],
+            worker_class="gthread",
+            verify_reuse="always",
+            fast_path_tokens=64,
+        ),
+        store=store,
+    )
     client = app.test_client()
     try:
-        responses.add_callback(responses.POST, P_URL + "/tokenize",
-                               callback=tokenizer(Template(), []))
+        responses.add_callback(
+            responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), [])
+        )
         responses.post(D_URL + "/tokenize", status=500, json={"error": {"message": "busy"}})
         responses.post(P_URL + CHAT, json=p_reply(p_params(1)))
         first = [{"role": "user", "content": "hi there"}]
-        responses.post(D_URL + CHAT, body=d_stream(Template().render(first), PLAIN, True),
-                       content_type="text/event-stream")
+        responses.post(
+            D_URL + CHAT,
+            body=d_stream(Template().render(first), PLAIN, True),
+            content_type="text/event-stream",
+        )
         client.post(CHAT, json={"model": "m", "messages": first, "stream": True})
-        follow = first + [{"role": "assistant", "content": "fine thanks"},
-                          {"role": "user", "content": "more"}]
+        follow = first + [
+            {"role": "assistant", "content": "fine thanks"},
+            {"role": "user", "content": "more"},
+        ]
         reply = client.post(CHAT, json={"model": "m", "messages": follow, "stream": True})
         assert reply.headers["X-Gateway-Path"] == "two-stage; reason=tokenize_failed"
         assert reply.headers["X-Gateway-Cache"] == "hit"

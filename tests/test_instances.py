@@ -347,11 +347,21 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
     """With the admin token, /admin/instances could point the gateway at any address it reaches
     and read answers back through /v1/models; it takes only hosts the settings allow."""
     from gateway.app import create_app
-    app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
-                              admin_instance_hosts=allowed))
+    app = create_app(
+        Settings(
+            release_rate=0,
+            engine_metrics_interval=0,
+            probe_interval=0,
+            prefill=[P_URL],
+            decode=[D_URL],
+            admin_token="t",
+            admin_instance_hosts=allowed,
+        )
+    )
     try:
-        reply = app.test_client().post("/admin/instances", json={"role": "decode", "url": url},
-                                       headers=ADMIN)
+        reply = app.test_client().post(
+            "/admin/instances", json={"role": "decode", "url": url}, headers=ADMIN
+        )
         assert reply.status_code == status, reply.get_json()
         if status in (400, 403):
             assert reply.get_json()["error"]["param"] == "url"
@@ -362,6 +372,7 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
 def test_engine_credentials_never_reach_reports_or_logs(caplog):
     """user:password in an engine URL is sent to the engine (Basic auth), and shown nowhere."""
     from gateway.engines.instances import Pool
+
     pool = Pool("decode", ["http://bob:s3cret@10.9.0.3:8200"])
     instance = pool.instances[0]
     assert instance.credentials == ("bob", "s3cret")
@@ -374,6 +385,7 @@ def test_engine_credentials_never_reach_reports_or_logs(caplog):
 
 
 # --- on real sockets: added URLs parsed once, and no redirect followed ------------------------
+
 
 class _Engine(QuietHandler):
     """An engine that answers /health and sends everything else elsewhere (a 302)."""
@@ -394,14 +406,18 @@ class _Trap(QuietHandler):
 
     def do_GET(self):  # noqa: N802
         type(self).visits.append(self.path)
-        self.answer(200, json.dumps({"object": "list", "data": [{"id": "secret-model"}]}).encode(),
-                    {"Content-Type": "application/json"})
+        self.answer(
+            200,
+            json.dumps({"object": "list", "data": [{"id": "secret-model"}]}).encode(),
+            {"Content-Type": "application/json"},
+        )
 
 
 @pytest.mark.processes
 def test_an_added_engine_url_is_parsed_once_and_no_redirect_is_followed():
     from emulator.process import EmulatorProcess, free_port
     from tests.helpers.servers import gateway_process
+
     with contextlib.ExitStack() as stack:
         servers = []
         for host, handler in (("127.0.0.191", _Trap), ("127.0.0.192", _Engine)):
@@ -412,8 +428,9 @@ def test_an_added_engine_url_is_parsed_once_and_no_redirect_is_followed():
             servers.append(server)
         trap, engine = (f"http://{s.server_address[0]}:{s.server_address[1]}" for s in servers)
         _Engine.elsewhere = trap
-        p = stack.enter_context(EmulatorProcess("prefill", host="127.0.0.193",
-                                                bidirectional_kv_xfer=True))
+        p = stack.enter_context(
+            EmulatorProcess("prefill", host="127.0.0.193", bidirectional_kv_xfer=True)
+        )
         gateway = stack.enter_context(gateway_process([p.url], [engine], admin_token="t"))
         # The gateway's /v1/models asks its D, which redirects: not followed.
         assert requests.get(gateway.url + "/v1/models", timeout=10).status_code == 502
@@ -421,8 +438,12 @@ def test_an_added_engine_url_is_parsed_once_and_no_redirect_is_followed():
         # The allowlist is the settings' hosts (127.0.0.192, 127.0.0.193): a URL urlsplit
         # reads as one of them and urllib3 as another is refused, not added.
         bypass = f"http://127.0.0.191:{servers[0].server_address[1]}\\\\@127.0.0.192:1"
-        reply = requests.post(gateway.url + "/admin/instances", headers=ADMIN, timeout=10,
-                              json={"role": "decode", "url": bypass})
+        reply = requests.post(
+            gateway.url + "/admin/instances",
+            headers=ADMIN,
+            timeout=10,
+            json={"role": "decode", "url": bypass},
+        )
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "url"
         listed = requests.get(gateway.url + "/admin/instances", headers=ADMIN, timeout=10)
         assert [i["url"] for i in listed.json()["decode"]] == [engine]
