@@ -90,23 +90,23 @@ def _check(body: dict, count_tokens: bool) -> None:
         _content(message.get("content"), f"messages.{i}.content")
     if body.get("system") is not None:
         _content(body["system"], "system")
-    for i, tool in enumerate(optional(body, "tools", list, [])):  # type: ignore[union-attr]
+    for i, tool in enumerate(optional(body, "tools", list, [])):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise ValidationError(f"tools.{i}.name", "Field required")
         if not isinstance(tool.get("input_schema"), dict):
             raise ValidationError(f"tools.{i}.input_schema", "Input should be a valid dictionary")
     choice = optional(body, "tool_choice", dict)
     if choice is not None:
-        if choice.get("type") not in ("auto", "any", "tool", "none"):  # type: ignore[union-attr]
+        if choice.get("type") not in ("auto", "any", "tool", "none"):
             raise ValidationError("tool_choice.type", "Input should be 'auto', 'any', 'tool' or 'none'")
-        if choice["type"] == "tool" and not choice.get("name"):  # type: ignore[index]
+        if choice["type"] == "tool" and not choice.get("name"):
             raise ValidationError("tool_choice", "tool_choice.name is required when type is 'tool'")
     thinking = optional(body, "thinking", dict)
     if thinking is not None:
-        if thinking.get("type") not in ("enabled", "disabled", "adaptive"):  # type: ignore[union-attr]
+        if thinking.get("type") not in ("enabled", "disabled", "adaptive"):
             raise ValidationError("thinking.type", "Input tag does not match 'enabled', 'disabled', 'adaptive'")
-        budget = thinking.get("budget_tokens")  # type: ignore[union-attr]
-        if thinking["type"] == "enabled" and not (isinstance(budget, int) and budget >= 1024):  # type: ignore[index]
+        budget = thinking.get("budget_tokens")
+        if thinking["type"] == "enabled" and not (isinstance(budget, int) and budget >= 1024):
             raise ValidationError("thinking.enabled.budget_tokens", "Input should be greater than or equal to 1024")
     if count_tokens:
         return
@@ -127,9 +127,9 @@ def _check(body: dict, count_tokens: bool) -> None:
         raise ValidationError("cache_salt", "String should have 1 to 1024 characters")
     # protocol.py:351-362: "P/D prefill legs are sent with max_tokens=1 and never decode; the
     # decode leg carries the client's max_tokens and is still checked."
-    if params and params.get("do_remote_decode"):  # type: ignore[union-attr]
+    if params and params.get("do_remote_decode"):
         return
-    if thinking is not None and thinking["type"] == "enabled" and thinking["budget_tokens"] >= max_tokens:  # type: ignore[index]
+    if thinking is not None and thinking["type"] == "enabled" and thinking["budget_tokens"] >= max_tokens:
         raise ValidationError("", "Value error, thinking.budget_tokens must be less than max_tokens")
 
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import gevent.select
 from flask import Flask, Response, request
+from flask.json.provider import DefaultJSONProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
@@ -37,9 +38,9 @@ from .faults import Fault
 from .metrics import exposition
 from .other_routes import add_routes
 from .protocol import (
+    AnyFramer,
     Call,
     CompletionRequest,
-    Framer,
     ValidationError,
     chat_call,
     dumps,
@@ -134,7 +135,7 @@ def _cached(engine: Engine, turn: Turn, framer) -> int | None:
     return None
 
 
-def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
+def _stream(engine: Engine, turn: Turn, framer: AnyFramer, req: CompletionRequest,
             cut: Callable[[], None], environ: dict) -> Iterator[bytes]:
     """SSE in vLLM's order: role chunk, content chunks, finish chunk, [usage], [params], [DONE]."""
     stats, placement = engine.stats, engine.config.stream_params
@@ -221,7 +222,7 @@ def _failed(framer, envelope: dict, cut: Callable[[], None]) -> Iterator[bytes]:
 def _body(
     engine: Engine,
     turn: Turn,
-    framer: Framer,
+    framer: AnyFramer,
     req: CompletionRequest,
     cut: Callable[[], None],
     headers: dict,
@@ -261,7 +262,9 @@ def _body(
 def create_app(engine: Engine) -> Flask:
     """The Flask app of one engine; every error leaves as vLLM's envelope."""
     app = Flask(__name__)
-    app.json.compact = True  # vLLM bodies are one line; line-based clients depend on it
+    json_provider = DefaultJSONProvider(app)
+    json_provider.compact = True  # vLLM bodies are one line; line-based clients depend on it
+    app.json = json_provider
     cfg, stats = engine.config, engine.stats
     responses_store = ResponseStore(cfg.responses_api_store)
 

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {config.role}:{config.port} %(levelname)s %(name)s: %(message)s",
     )
     engine = Engine(config)
+    assert config.kv_port is not None, "Config.__post_init__ sets the KV port"
     access = "default" if config.access_log else None
     api = WSGIServer(
         (config.host, config.port),

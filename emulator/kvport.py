@@ -34,9 +34,10 @@ def flat_block_ids(remote_block_ids: object) -> tuple[int, ...]:
     flat: list[object] = []
     for item in remote_block_ids:
         flat.extend(item if isinstance(item, list) else [item])
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in flat):
+    ids = [i for i in flat if isinstance(i, int) and not isinstance(i, bool)]
+    if len(ids) != len(flat):
         raise ValueError("remote_block_ids must hold integers")
-    return tuple(flat)
+    return tuple(ids)
 
 
 def _reply(start_response: Callable, status: str, payload: dict) -> Iterable[bytes]:

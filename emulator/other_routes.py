@@ -17,6 +17,7 @@ import struct
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from operator import itemgetter
 
 from flask import Flask, Response, request
 
@@ -187,7 +188,7 @@ def add_routes(app: Flask, engine: Engine) -> None:
         results = sorted(({"index": i, "document": {"text": d, "multi_modal": None},
                            "relevance_score": _similarity(query, d)}
                           for i, d in enumerate(documents)),
-                         key=lambda r: r["relevance_score"], reverse=True)
+                         key=itemgetter("relevance_score"), reverse=True)
         tokens = _tokens(query) * len(documents) + sum(map(_tokens, documents))
         return _json({"id": f"rerank-{uuid.uuid4().hex}", "model": cfg.model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens},

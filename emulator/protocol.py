@@ -9,9 +9,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, overload
 
 from .errors import BadRequest, NotFound
 from .tokens import BARE_JSON, SPACED_JSON, TEXT_PARTS, Template, render_completion
+
+if TYPE_CHECKING:  # they import this module
+    from .anthropic import MessagesFramer
+    from .responses import ResponsesFramer
+
+T = TypeVar("T")
+# The routes' framers, one shape by duck typing: chat and completions, Messages, Responses.
+AnyFramer: TypeAlias = "Framer | MessagesFramer | ResponsesFramer"
 
 DONE = b"data: [DONE]\n\n"
 
@@ -50,7 +59,11 @@ class CompletionRequest:
     cache_salt: str | None = None
 
 
-def optional(body: dict, name: str, kind: type, default: object = None) -> object:
+@overload
+def optional(body: dict, name: str, kind: type[T]) -> T | None: ...
+@overload
+def optional(body: dict, name: str, kind: type[T], default: T) -> T: ...
+def optional(body: dict, name: str, kind: type[T], default: T | None = None) -> T | None:
     value = body.get(name)
     if value is None:
         return default
@@ -63,7 +76,7 @@ def _count(body: dict, name: str, minimum: int) -> int | None:
     value = optional(body, name, int)
     if value is not None and value < minimum:
         raise ValidationError(name, f"must be >= {minimum}, got {value}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _check_messages(body: dict) -> list[dict]:
@@ -134,8 +147,8 @@ def render_body(kind: str, body: dict, template: Template) -> list[str]:
     kwargs = optional(body, "chat_template_kwargs", dict, {})
     effort = optional(body, "reasoning_effort", str)
     return template.render(_check_messages(body), body.get("tools"), add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, kwargs=kwargs,  # type: ignore[arg-type]
-                           reasoning_effort=effort)  # type: ignore[arg-type]
+                           continue_final_message=continue_final_message, kwargs=kwargs,
+                           reasoning_effort=effort)
 
 
 def _truncate(body: dict, tokens: list[str], max_model_len: int) -> list[str]:
@@ -176,7 +189,7 @@ def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
     if _count(body, "n", 1) not in (None, 1):
         raise BadRequest("n > 1 is not supported by the emulator.", "n")
     stream_options = optional(body, "stream_options", dict, {})
-    include_usage = stream_options.get("include_usage")  # type: ignore[union-attr]
+    include_usage = stream_options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise ValidationError("stream_options.include_usage", "must be bool")
     if len(tokens) + (max_tokens or 1) > max_model_len:
@@ -192,12 +205,12 @@ def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
         min_tokens=_count(body, "min_tokens", 0) or 0,
         ignore_eos=bool(optional(body, "ignore_eos", bool, False)),
         include_usage=bool(include_usage),
-        kv_transfer_params=optional(body, "kv_transfer_params", dict),  # type: ignore[arg-type]
+        kv_transfer_params=optional(body, "kv_transfer_params", dict),
         return_token_ids=bool(optional(body, "return_token_ids", bool, False)),
         tool_names=_tool_names(body) if kind == "chat" else [],
-        thinking=kwargs.get("enable_thinking") is not False,  # type: ignore[union-attr]
+        thinking=kwargs.get("enable_thinking") is not False,
         include_reasoning=bool(optional(body, "include_reasoning", bool, True)),
-        cache_salt=optional(body, "cache_salt", str),  # type: ignore[arg-type]
+        cache_salt=optional(body, "cache_salt", str),
     )
 
 
@@ -208,7 +221,7 @@ class Call:
 
     req: CompletionRequest
     request_id: str
-    framer: object
+    framer: AnyFramer
 
 
 def chat_call(kind: str, raw: bytes, xid: str, model: str, max_model_len: int, template: Template,

@@ -153,7 +153,7 @@ def _tool_choice(body: dict) -> object:
     choice = body.get("tool_choice", "auto")
     named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
     if body.get("tools"):
-        if named and choice.get("name") not in {t.get("name") for t in body["tools"]}:  # type: ignore[union-attr]
+        if named and choice.get("name") not in {t.get("name") for t in body["tools"]}:
             raise ValidationError("tool_choice", "Tool choice 'function' not found in 'tools' parameter.")
         return choice
     if choice in ("auto", "none"):
@@ -207,7 +207,7 @@ class Parsed:
         prev_id = body.get("previous_response_id")
         prev = store.get(prev_id) if prev_id is not None else None            # serving.py:364-372
         self.messages = input_messages(body.get("instructions"), body["input"],
-                                       store.messages.get(prev_id) if prev else None,
+                                       store.messages.get(prev_id) if prev and prev_id is not None else None,
                                        prev["output"] if prev else None)
 
     def chat_body(self, max_tokens: int | None) -> dict:
@@ -412,8 +412,9 @@ class ResponsesFramer:
                     "type": "response.content_part.added",
                 }
             )
+        assert call is not None, "a tool_call state opens with its call"
         self.item_id = f"fc_{random_uuid()}"
-        self.call = {"call_id": call["id"], "name": call["function"]["name"]}  # type: ignore[index]
+        self.call = {"call_id": call["id"], "name": call["function"]["name"]}
         return self._emit(
             {
                 "item": _call(
@@ -431,7 +432,7 @@ class ResponsesFramer:
         if self.state is None:
             return b""
         if self.state == "content":
-            part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+            part: dict = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
             item = {**_message(item_id, text, status), "content": [part] if text else []}
             out = self._emit(
                 {

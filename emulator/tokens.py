@@ -61,7 +61,7 @@ def token_ids(tokens) -> list[int]:
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def content_words(content: object) -> list[str]:
+def content_words(content: str | list[dict] | None) -> list[str]:
     """Words of a message's content: a string, or a list of parts (text parts give their words)."""
     if content is None:
         return []

@@ -104,18 +104,18 @@ class _StreamResponse(Response):
     served = False
     _host_closes = False        # a host app asked to be called on close
 
-    def call_on_close(self, func):  # type: ignore[no-untyped-def]
+    def call_on_close(self, func):
         self._host_closes = True
         return super().call_on_close(func)
 
-    def get_data(self, as_text: bool = False):  # type: ignore[no-untyped-def]
+    def get_data(self, as_text: bool = False):
         # A host reads the body (`data` and `json` come here too): werkzeug then iterates it,
         # which it refuses to do for a body passed through. Until then a host that asks
         # `direct_passthrough` is told the truth: a stream, better left unread.
         self.direct_passthrough = False
         return super().get_data(as_text)
 
-    def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
+    def __call__(self, environ, start_response):
         # Decided when served: a host's after_request may have read the body (get_data makes
         # it a list) or asked to be called on close, which werkzeug's wrapper does.
         self.direct_passthrough = not self._host_closes and type(self.response) is _Chunks

@@ -106,7 +106,7 @@ class _CutAfter:
         self._chunks = chunks
         self.closed = False
 
-    def chunks(self):  # type: ignore[no-untyped-def]
+    def chunks(self):
         yield from self._chunks
         raise ClientGone("the client left")
 

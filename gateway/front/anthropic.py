@@ -65,7 +65,7 @@ def _int(value: Any) -> bool:
 def _blocks(value: Any, where: str, system_role: bool) -> list[dict]:
     """A content's blocks as AnthropicContentBlock validates them (protocol.py L65-117)."""
     if isinstance(value, str):
-        return value            # type: ignore[return-value]
+        return value
     if not isinstance(value, list):
         raise _bad(where, "must be a string or a list of content blocks")
     for i, block in enumerate(value):
