@@ -217,10 +217,11 @@ class Checker:
                             f"channel: start P with VLLM_NIXL_SIDE_CHANNEL_HOST={p.host} (the "
                             "gateway tells D the host of P's URL)")
             return
-        d_params = d_reply.get("kv_transfer_params")
+        given = d_reply.get("kv_transfer_params")
+        d_params: dict = given if isinstance(given, dict) else {}
         choice = (d_reply.get("choices") or [{}])[0]
         choice = choice if isinstance(choice, dict) else {}
-        kept = isinstance(d_params, dict) and bool(d_params.get("do_remote_decode"))
+        kept = bool(d_params.get("do_remote_decode"))
         if kept:
             self.report.add("ok", subject, "D keeps its blocks for the next turn "
                             "(kv_transfer_params with do_remote_decode, "
