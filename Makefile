@@ -11,7 +11,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 PREFILL ?=
 DECODE ?=
 
-.PHONY: install run test test-fast bench bench-quick prometheus-tools
+.PHONY: install run lint format test test-fast bench bench-quick prometheus-tools
 
 $(VENV_STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,17 @@ prometheus-tools:
 	    $(SUDO) apt-get update -q >/dev/null && \
 	    $(SUDO) apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
 
-test: $(STAMP) $(LOWEST_STAMP) prometheus-tools
+# The checks that keep the code within its style and types (ruff.toml, setup.cfg's [mypy]): lint,
+# the format check, mypy on gateway/ emulator/ devtools/. make format applies ruff's format.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+
+test: $(STAMP) $(LOWEST_STAMP) prometheus-tools lint
 	$(BIN)/python -m pytest
 	$(LOWEST)/bin/python -m pytest tests/embedding
 

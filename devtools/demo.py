@@ -13,7 +13,6 @@ from openai import OpenAI
 # A development entry point, run from a checkout (`make run`), like the tooling it uses:
 # nothing in the gateway package imports devtools or the emulator.
 from devtools.processes import GatewayProcess
-
 from emulator.process import EmulatorProcess
 
 QUESTIONS = [

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from itertools import pairwise
 
 DONE = "[DONE]"
 Event = dict | str
@@ -91,7 +92,7 @@ def timed_turn(session, url: str, body: dict, timeout: float = 300) -> TimedTurn
         timed = timed_events(response)
     arrivals = [t for t, event in timed if event != DONE]
     return TimedTurn(response.headers, timed[0][0] - started,
-                     [b - a for a, b in zip(arrivals, arrivals[1:])],
+                     [b - a for a, b in pairwise(arrivals)],
                      reply(event for _, event in timed))
 
 

@@ -13,8 +13,17 @@ import time
 import uuid
 
 from .errors import EngineError, Unavailable
-from .protocol import (Call, CompletionRequest, ValidationError, check_model, dumps, json_body, optional,
-                       render_body, request_from_body)
+from .protocol import (
+    Call,
+    CompletionRequest,
+    ValidationError,
+    check_model,
+    dumps,
+    json_body,
+    optional,
+    render_body,
+    request_from_body,
+)
 from .tokens import Template
 
 # vLLM's default VLLM_MAX_STOP_STRINGS (vllm/envs.py:1157), protocol.py:249-251.
@@ -81,23 +90,23 @@ def _check(body: dict, count_tokens: bool) -> None:
         _content(message.get("content"), f"messages.{i}.content")
     if body.get("system") is not None:
         _content(body["system"], "system")
-    for i, tool in enumerate(optional(body, "tools", list, [])):  # type: ignore[union-attr]
+    for i, tool in enumerate(optional(body, "tools", list, [])):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise ValidationError(f"tools.{i}.name", "Field required")
         if not isinstance(tool.get("input_schema"), dict):
             raise ValidationError(f"tools.{i}.input_schema", "Input should be a valid dictionary")
     choice = optional(body, "tool_choice", dict)
     if choice is not None:
-        if choice.get("type") not in ("auto", "any", "tool", "none"):  # type: ignore[union-attr]
+        if choice.get("type") not in ("auto", "any", "tool", "none"):
             raise ValidationError("tool_choice.type", "Input should be 'auto', 'any', 'tool' or 'none'")
-        if choice["type"] == "tool" and not choice.get("name"):  # type: ignore[index]
+        if choice["type"] == "tool" and not choice.get("name"):
             raise ValidationError("tool_choice", "tool_choice.name is required when type is 'tool'")
     thinking = optional(body, "thinking", dict)
     if thinking is not None:
-        if thinking.get("type") not in ("enabled", "disabled", "adaptive"):  # type: ignore[union-attr]
+        if thinking.get("type") not in ("enabled", "disabled", "adaptive"):
             raise ValidationError("thinking.type", "Input tag does not match 'enabled', 'disabled', 'adaptive'")
-        budget = thinking.get("budget_tokens")  # type: ignore[union-attr]
-        if thinking["type"] == "enabled" and not (isinstance(budget, int) and budget >= 1024):  # type: ignore[index]
+        budget = thinking.get("budget_tokens")
+        if thinking["type"] == "enabled" and not (isinstance(budget, int) and budget >= 1024):
             raise ValidationError("thinking.enabled.budget_tokens", "Input should be greater than or equal to 1024")
     if count_tokens:
         return
@@ -118,9 +127,9 @@ def _check(body: dict, count_tokens: bool) -> None:
         raise ValidationError("cache_salt", "String should have 1 to 1024 characters")
     # protocol.py:351-362: "P/D prefill legs are sent with max_tokens=1 and never decode; the
     # decode leg carries the client's max_tokens and is still checked."
-    if params and params.get("do_remote_decode"):  # type: ignore[union-attr]
+    if params and params.get("do_remote_decode"):
         return
-    if thinking is not None and thinking["type"] == "enabled" and thinking["budget_tokens"] >= max_tokens:  # type: ignore[index]
+    if thinking is not None and thinking["type"] == "enabled" and thinking["budget_tokens"] >= max_tokens:
         raise ValidationError("", "Value error, thinking.budget_tokens must be less than max_tokens")
 
 
@@ -351,8 +360,13 @@ class MessagesFramer:
     def _delta(self, delta: dict) -> bytes:
         return _event({"type": "content_block_delta", "delta": delta, "index": self.index})
 
-    def chunk(self, delta: dict, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              extra: dict | None = None) -> bytes:
+    def chunk(
+        self,
+        delta: dict,
+        token_ids: list[int] | None = None,
+        finish_reason: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes:
         """One chat chunk's events (serving.py:1085-1221); a chunk's kv_transfer_params are
         dropped, as the converter never reads them."""
         out = b""
@@ -370,25 +384,51 @@ class MessagesFramer:
             out += self._delta({"type": "text_delta", "text": delta["content"]})
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
-            if call.get("id") is not None and self.tool_use_id != call["id"] and function.get("name"):
+            if (
+                call.get("id") is not None
+                and self.tool_use_id != call["id"]
+                and function.get("name")
+            ):
                 out += self._stop()
                 self.tool_used, self.last_tool_args = True, []
-                out += self._start({"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}})
+                out += self._start(
+                    {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
+                )
             if function.get("arguments") and self.tool_use_id == call.get("id"):
                 self.last_tool_args.append(function["arguments"])
-                out += self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
+                out += self._delta(
+                    {"type": "input_json_delta", "partial_json": function["arguments"]}
+                )
         return out
 
-    def tail(self, gen, include_usage: bool, prompt_tokens: int, cached: int | None, params: dict | None,
-             placement: str) -> bytes:
+    def tail(
+        self,
+        gen,
+        include_usage: bool,
+        prompt_tokens: int,
+        cached: int | None,
+        params: dict | None,
+        placement: str,
+    ) -> bytes:
         """The usage chunk becomes message_delta (the converter forces include_usage,
         serving.py:701-714, 1057-1083), then message_stop; no [DONE], no params."""
-        reason, sequence = stop_reason(self.finish_reason or "stop", None, self.tool_used,
-                                       self.tool_used and _is_json("".join(self.last_tool_args)))
-        return (self._stop()
-                + _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                          "usage": _usage(prompt_tokens, gen.completion_tokens, cached)})
-                + _event({"type": "message_stop"}))
+        reason, sequence = stop_reason(
+            self.finish_reason or "stop",
+            None,
+            self.tool_used,
+            self.tool_used and _is_json("".join(self.last_tool_args)),
+        )
+        return (
+            self._stop()
+            + _event(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": _usage(prompt_tokens, gen.completion_tokens, cached),
+                }
+            )
+            + _event({"type": "message_stop"})
+        )
 
     def fail(self, envelope: dict) -> bytes:
         """A failure after the headers: the open block closed, then an `error` event in
@@ -396,41 +436,71 @@ class MessagesFramer:
         reads the engine's first output, so message_start comes first."""
         error = envelope["error"]
         opening = b"" if self.started else self.role()
-        return opening + self._stop() + _event(
-            {"type": "error", "error": {"type": error_type(error["code"]), "message": error["message"]}})
+        return (
+            opening
+            + self._stop()
+            + _event(
+                {
+                    "type": "error",
+                    "error": {"type": error_type(error["code"]), "message": error["message"]},
+                }
+            )
+        )
 
     # --- body -------------------------------------------------------------------------------
 
-    def body(self, gen, prompt_tokens: int, params: dict | None, prompt_token_ids: list[int] | None = None,
-             output_token_ids: list[int] | None = None, cached: int | None = None) -> bytes:
+    def body(
+        self,
+        gen,
+        prompt_tokens: int,
+        params: dict | None,
+        prompt_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | None = None,
+        cached: int | None = None,
+    ) -> bytes:
         """The message, serialised without nulls (api_router.py:82-85): kv_transfer_params only
         when the chat response had them."""
         content: list[dict] = []
         if gen.reasoning:
-            content.append({"type": "thinking", "thinking": gen.reasoning, "signature": uuid.uuid4().hex})
+            content.append(
+                {"type": "thinking", "thinking": gen.reasoning, "signature": uuid.uuid4().hex}
+            )
         if gen.content:
             content.append({"type": "text", "text": gen.content})
         for call in gen.tool_calls or ():
-            content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                            "input": json.loads(call["function"]["arguments"])})
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": call["id"],
+                    "name": call["function"]["name"],
+                    "input": json.loads(call["function"]["arguments"]),
+                }
+            )
         calls = bool(gen.tool_calls)
         reason, sequence = stop_reason(gen.finish_reason, None, calls, calls)
-        message = {"id": self.response_id, "type": "message", "role": "assistant",
-                   "content": content or [{"type": "text", "text": ""}], "model": self.model,
-                   "stop_reason": reason, "stop_sequence": sequence,
-                   "usage": _usage(prompt_tokens, gen.completion_tokens, cached),
-                   "kv_transfer_params": params}
+        message = {
+            "id": self.response_id,
+            "type": "message",
+            "role": "assistant",
+            "content": content or [{"type": "text", "text": ""}],
+            "model": self.model,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(prompt_tokens, gen.completion_tokens, cached),
+            "kv_transfer_params": params,
+        }
         return dumps({k: v for k, v in message.items() if v is not None})
 
 
 # --- the routes ---------------------------------------------------------------------------------
+
 
 def _anthropic_body(raw: bytes, count: bool) -> dict:
     try:
         return to_chat_body(json_body(raw), count_tokens=count)
     except ValidationError:
         raise
-    except EngineError as exc:      # not JSON, or not an object: FastAPI's validation says so
+    except EngineError as exc:  # not JSON, or not an object: FastAPI's validation says so
         raise ValidationError("", exc.message) from exc
 
 

@@ -12,22 +12,40 @@ import secrets
 import socket
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator
 
 import gevent.select
 from flask import Flask, Response, request
+from flask.json.provider import DefaultJSONProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
-from .engine import Engine, Turn
 from .anthropic import MessagesError, count_tokens, messages_call
-from .errors import (BadRequest, ClientGone, EngineError, InternalError, KVLoadError, MethodNotAllowed,
-                     NotFound, NotImplementedByEmulator, Unavailable)
+from .engine import Engine, Turn
+from .errors import (
+    BadRequest,
+    ClientGone,
+    EngineError,
+    InternalError,
+    KVLoadError,
+    MethodNotAllowed,
+    NotFound,
+    NotImplementedByEmulator,
+    Unavailable,
+)
 from .faults import Fault
 from .metrics import exposition
 from .other_routes import add_routes
-from .protocol import Call, CompletionRequest, Framer, ValidationError, chat_call, dumps, parse_tokenize
+from .protocol import (
+    AnyFramer,
+    Call,
+    CompletionRequest,
+    ValidationError,
+    chat_call,
+    dumps,
+    parse_tokenize,
+)
 from .responses import ResponseStore, responses_call
 from .tokens import EOS, token_id, token_ids
 
@@ -117,7 +135,7 @@ def _cached(engine: Engine, turn: Turn, framer) -> int | None:
     return None
 
 
-def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
+def _stream(engine: Engine, turn: Turn, framer: AnyFramer, req: CompletionRequest,
             cut: Callable[[], None], environ: dict) -> Iterator[bytes]:
     """SSE in vLLM's order: role chunk, content chunks, finish chunk, [usage], [params], [DONE]."""
     stats, placement = engine.stats, engine.config.stream_params
@@ -176,8 +194,14 @@ def _stream(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest,
             final = _shown(req, gen.deltas[last]) or {}
         extra = {**(prompt_ids or {}), **({"params": params} if placement == "final" and params is not None else {})}
         yield framer.chunk(final, [token_id(steps[last])] if ids else None, gen.finish_reason, extra)
-        yield framer.tail(gen, req.include_usage, len(turn.tokens), _cached(engine, turn, framer), params,
-                          placement)
+        yield framer.tail(
+            gen,
+            req.include_usage,
+            len(turn.tokens),
+            _cached(engine, turn, framer),
+            params,
+            placement,
+        )
         outcome = "completed"
     except GeneratorExit:  # the server closes us after a failed write: the client went away
         stats.aborted_streams += 1
@@ -216,10 +240,14 @@ def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cu
     if not req.include_reasoning:
         gen = replace(gen, reasoning=None)
     ids = _token_ids(req)
-    body = framer.body(gen, len(turn.tokens), params,
-                       turn.prompt_ids if ids else None,
-                       token_ids(turn.sequence[len(turn.tokens):]) if ids else None,
-                       _cached(engine, turn, framer))
+    body = framer.body(
+        gen,
+        len(turn.tokens),
+        params,
+        turn.prompt_ids if ids else None,
+        token_ids(turn.sequence[len(turn.tokens) :]) if ids else None,
+        _cached(engine, turn, framer),
+    )
     engine.stats.completed += 1
     engine.record(turn, "completed")
     return Response(body, headers=headers, content_type="application/json")
@@ -228,7 +256,9 @@ def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cu
 def create_app(engine: Engine) -> Flask:
     """The Flask app of one engine; every error leaves as vLLM's envelope."""
     app = Flask(__name__)
-    app.json.compact = True  # vLLM bodies are one line; line-based clients depend on it
+    json_provider = DefaultJSONProvider(app)
+    json_provider.compact = True  # vLLM bodies are one line; line-based clients depend on it
+    app.json = json_provider
     cfg, stats = engine.config, engine.stats
     responses_store = ResponseStore(cfg.responses_api_store)
 
@@ -260,18 +290,43 @@ def create_app(engine: Engine) -> Flask:
         if engine.faults.down:
             raise Unavailable("emulated fault: down")
         created = int(time.time())
-        permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
-                      "created": created, "allow_create_engine": False, "allow_sampling": True,
-                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
-        return _json({"object": "list", "data": [
-            {"id": cfg.model, "object": "model", "created": created, "owned_by": "vllm", "root": cfg.model,
-             "parent": None, "max_model_len": cfg.max_model_len, "permission": [permission]}]})
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.model,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "vllm",
+                        "root": cfg.model,
+                        "parent": None,
+                        "max_model_len": cfg.max_model_len,
+                        "permission": [permission],
+                    }
+                ],
+            }
+        )
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(exposition(engine.snapshot, cfg.model, cfg),
-                        content_type=CONTENT_TYPE_LATEST)
+        return Response(
+            exposition(engine.snapshot, cfg.model, cfg), content_type=CONTENT_TYPE_LATEST
+        )
 
     @app.get("/stats")
     def get_stats() -> Response:
@@ -312,7 +367,9 @@ def create_app(engine: Engine) -> Flask:
             return _hang(engine, fault)
         if fault.mode in ("down", "error500"):
             stats.fault_responses += 1
-            raise (Unavailable if fault.mode == "down" else InternalError)(f"emulated fault: {fault.mode}")
+            raise (Unavailable if fault.mode == "down" else InternalError)(
+                f"emulated fault: {fault.mode}"
+            )
         if fault.mode == "slow":
             engine.sleep(fault.delay_s)
         xid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -328,10 +385,11 @@ def create_app(engine: Engine) -> Flask:
         environ = request.environ
         cut = _cutter(environ)
         try:
-            turn = engine.start(req, internal_id, fault, arrival,
-                                gone=lambda: _client_gone(environ, engine, 0))
+            turn = engine.start(
+                req, internal_id, fault, arrival, gone=lambda: _client_gone(environ, engine, 0)
+            )
         except ClientGone:
-            return Response(b"", status=499)     # nobody reads this; the client is gone
+            return Response(b"", status=499)  # nobody reads this; the client is gone
         except KVLoadError as exc:
             if not req.stream:
                 raise
@@ -342,8 +400,9 @@ def create_app(engine: Engine) -> Flask:
         stats.first_token_seconds += ready
         headers["X-Engine-Prefill-Ms"] = f"{ready * 1000:.3f}"
         if req.stream:
-            return Response(_stream(engine, turn, framer, req, cut, environ),
-                            headers=headers, content_type=SSE)
+            return Response(
+                _stream(engine, turn, framer, req, cut, environ), headers=headers, content_type=SSE
+            )
         return _body(engine, turn, framer, req, cut, headers)
 
     @app.post("/tokenize")
@@ -354,13 +413,20 @@ def create_app(engine: Engine) -> Flask:
         stats.tokenize_requests += 1
         body = request.get_data()
         tokens = parse_tokenize(body, cfg.model, cfg.max_model_len, engine.template)
-        reply = {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": token_ids(tokens),
-                 "token_strs": tokens if b'"return_token_strs":true' in body.replace(b" ", b"") else None}
+        reply = {
+            "count": len(tokens),
+            "max_model_len": cfg.max_model_len,
+            "tokens": token_ids(tokens),
+            "token_strs": tokens
+            if b'"return_token_strs":true' in body.replace(b" ", b"")
+            else None,
+        }
         return _json(reply)
 
     def openai_call(kind: str) -> Callable[[bytes, str], Call]:
-        return lambda raw, xid: chat_call(kind, raw, xid, cfg.model, cfg.max_model_len, engine.template,
-                                          cfg.reasoning_field)
+        return lambda raw, xid: chat_call(
+            kind, raw, xid, cfg.model, cfg.max_model_len, engine.template, cfg.reasoning_field
+        )
 
     @app.post("/v1/chat/completions")
     def chat_completions() -> Response:
@@ -375,7 +441,11 @@ def create_app(engine: Engine) -> Flask:
         """vLLM's errors on this route are Anthropic's envelope, but for the route's own request
         validation (FastAPI's handler: vLLM's envelope)."""
         try:
-            return serve(lambda raw, xid: messages_call(raw, xid, cfg.model, cfg.max_model_len, engine.template))
+            return serve(
+                lambda raw, xid: messages_call(
+                    raw, xid, cfg.model, cfg.max_model_len, engine.template
+                )
+            )
         except (MessagesError, ValidationError):
             raise
         except EngineError as exc:
@@ -383,12 +453,17 @@ def create_app(engine: Engine) -> Flask:
 
     @app.post("/v1/messages/count_tokens")
     def messages_count_tokens() -> Response:
-        return _json(count_tokens(request.get_data(), cfg.model, engine.template, engine.faults.down))
+        return _json(
+            count_tokens(request.get_data(), cfg.model, engine.template, engine.faults.down)
+        )
 
     @app.post("/v1/responses")
     def create_response() -> Response:
-        return serve(lambda raw, xid: responses_call(raw, responses_store, cfg.model, cfg.max_model_len,
-                                                     engine.template))
+        return serve(
+            lambda raw, xid: responses_call(
+                raw, responses_store, cfg.model, cfg.max_model_len, engine.template
+            )
+        )
 
     @app.get("/v1/responses/<response_id>")
     def retrieve_response(response_id: str) -> Response:
@@ -402,5 +477,5 @@ def create_app(engine: Engine) -> Flask:
     def cancel_response(response_id: str) -> Response:
         return _json(responses_store.cancel(response_id))
 
-    add_routes(app, engine)      # detokenize, ping, pooling, scoring, audio
+    add_routes(app, engine)  # detokenize, ping, pooling, scoring, audio
     return app

@@ -38,17 +38,38 @@ class _SocketHandler(WSGIHandler):
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(argv)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format=f"%(asctime)s {config.role}:{config.port} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s {config.role}:{config.port} %(levelname)s %(name)s: %(message)s",
+    )
     engine = Engine(config)
+    assert config.kv_port is not None, "Config.__post_init__ sets the KV port"
     access = "default" if config.access_log else None
-    api = WSGIServer((config.host, config.port), create_app(engine), handler_class=_SocketHandler,
-                     backlog=BACKLOG, log=access)
-    kv = WSGIServer((config.host, config.kv_port), create_kv_app(engine.engine_id, engine.leases),
-                    backlog=BACKLOG, log=access)
-    log.info("%s engine %s serving %s on http://%s:%d, KV port %d (advertised as %s:%d), fault %s",
-             config.role, engine.engine_id, config.model, config.host, config.port, config.kv_port,
-             config.advertise_host, config.kv_port, config.fault.mode)
+    api = WSGIServer(
+        (config.host, config.port),
+        create_app(engine),
+        handler_class=_SocketHandler,
+        backlog=BACKLOG,
+        log=access,
+    )
+    kv = WSGIServer(
+        (config.host, config.kv_port),
+        create_kv_app(engine.engine_id, engine.leases),
+        backlog=BACKLOG,
+        log=access,
+    )
+    log.info(
+        "%s engine %s serving %s on http://%s:%d, KV port %d (advertised as %s:%d), fault %s",
+        config.role,
+        engine.engine_id,
+        config.model,
+        config.host,
+        config.port,
+        config.kv_port,
+        config.advertise_host,
+        config.kv_port,
+        config.fault.mode,
+    )
     for server in (api, kv):
         server.start()  # binding errors (port taken) surface here and end the process
         # vLLM serves through uvicorn, whose sockets send small writes at once. Without this a

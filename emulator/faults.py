@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 MODES = ("none", "down", "error500", "slow", "hang", "die_after", "error_after", "no_params")
 
@@ -28,7 +29,7 @@ class Fault:
             raise ValueError(f"unknown fault option(s) {unknown}; known: {sorted(known)}")
         if data.get("mode", "none") not in MODES:
             raise ValueError(f"fault mode must be one of {list(MODES)}, got {data.get('mode')!r}")
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # each checked against its field below
         for key, value in data.items():
             if key == "mode":
                 values[key] = value
@@ -46,7 +47,7 @@ class Fault:
             if number < 0:
                 raise ValueError(f"fault option {key} must be >= 0, got {value!r}")
             values[key] = number
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
 
     def to_dict(self) -> dict:
         return asdict(self)

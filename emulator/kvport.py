@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -34,14 +34,17 @@ def flat_block_ids(remote_block_ids: object) -> tuple[int, ...]:
     flat: list[object] = []
     for item in remote_block_ids:
         flat.extend(item if isinstance(item, list) else [item])
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in flat):
+    ids = [i for i in flat if isinstance(i, int) and not isinstance(i, bool)]
+    if len(ids) != len(flat):
         raise ValueError("remote_block_ids must hold integers")
-    return tuple(flat)
+    return tuple(ids)
 
 
 def _reply(start_response: Callable, status: str, payload: dict) -> Iterable[bytes]:
     body = json.dumps(payload, separators=(",", ":")).encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    start_response(
+        status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    )
     return [body]
 
 
@@ -62,27 +65,45 @@ def create_kv_app(engine_id: str, leases: LeaseStore) -> Callable:
             if not isinstance(request_id, str):
                 raise ValueError("bad remote_request_id")
         except (ValueError, KeyError, TypeError) as exc:
-            return _reply(start_response, "400 Bad Request", {"error": f"malformed KV request: {exc}"})
+            return _reply(
+                start_response, "400 Bad Request", {"error": f"malformed KV request: {exc}"}
+            )
         if wanted_engine != engine_id:
             # A reader that reached the wrong engine (e.g. remote_host not rewritten) must not free
             # blocks that belong to someone else's request.
-            return _reply(start_response, "409 Conflict",
-                          {"error": f"engine {engine_id} is not {wanted_engine}"})
+            return _reply(
+                start_response,
+                "409 Conflict",
+                {"error": f"engine {engine_id} is not {wanted_engine}"},
+            )
         try:
             lease = leases.get(request_id)
             blocks = lease.read_blocks(list(block_ids), bs)
         except LeaseGone:
-            return _reply(start_response, "404 Not Found",
-                          {"error": f"blocks of {request_id} were already read, released or expired"})
+            return _reply(
+                start_response,
+                "404 Not Found",
+                {"error": f"blocks of {request_id} were already read, released or expired"},
+            )
         except LeaseMismatch as exc:
             return _reply(start_response, "409 Conflict", {"error": str(exc)})
         freed = leases.notify(request_id)
         if path == "/kv/release":
-            return _reply(start_response, "200 OK", {"released": 0 if freed is None else len(freed.blocks)})
-        return _reply(start_response, "200 OK", {
-            "engine_id": engine_id, "request_id": request_id, "blocks": blocks,
-            "tokens": [t for block in blocks for t in block],
-            "cache_salt": lease.salt, "num_blocks": len(block_ids)})
+            return _reply(
+                start_response, "200 OK", {"released": 0 if freed is None else len(freed.blocks)}
+            )
+        return _reply(
+            start_response,
+            "200 OK",
+            {
+                "engine_id": engine_id,
+                "request_id": request_id,
+                "blocks": blocks,
+                "tokens": [t for block in blocks for t in block],
+                "cache_salt": lease.salt,
+                "num_blocks": len(block_ids),
+            },
+        )
 
     return app
 
@@ -110,12 +131,16 @@ def _url(params: dict, path: str) -> str:
     return f"http://{host}:{int(params['remote_port'])}{path}"
 
 
-def pull(session: requests.Session, params: dict,
-         block_ids: list[int]) -> tuple[list[list[str]], str | None]:
+def pull(
+    session: requests.Session, params: dict, block_ids: list[int]
+) -> tuple[list[list[str]], str | None]:
     """Read the given blocks of the lease named by kv_transfer_params (then the owner frees it):
     the tokens each holds, in order, and the cache_salt they were computed under."""
-    body = {"remote_engine_id": params["remote_engine_id"],
-            "remote_request_id": params["remote_request_id"], "block_ids": block_ids}
+    body = {
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_request_id": params["remote_request_id"],
+        "block_ids": block_ids,
+    }
     url = _url(params, "/kv/pull")
     try:
         response = session.post(url, json=body, timeout=PULL_TIMEOUT)
@@ -135,8 +160,10 @@ def pull(session: requests.Session, params: dict,
 
 def release(session: requests.Session, params: dict) -> None:
     """Tell the owner to free blocks we decided not to read; best effort, as vLLM's notification is."""
-    body = {"remote_engine_id": params["remote_engine_id"],
-            "remote_request_id": params["remote_request_id"]}
+    body = {
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_request_id": params["remote_request_id"],
+    }
     try:
         session.post(_url(params, "/kv/release"), json=body, timeout=PULL_TIMEOUT).close()
     except requests.RequestException as exc:

@@ -21,8 +21,8 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cachetools import TLRUCache
 
@@ -191,7 +191,7 @@ class _FreeingCache(TLRUCache):
         super().__init__(math.inf, lambda _key, lease, _now: lease.expires_at, timer=timer)
         self._on_expire = on_expire
 
-    def expire(self, time=None):  # type: ignore[no-untyped-def]
+    def expire(self, time=None):
         gone = super().expire(time)
         for _, lease in gone:
             self._on_expire(lease)

@@ -16,7 +16,8 @@ import math
 import struct
 import time
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from operator import itemgetter
 
 from flask import Flask, Response, request
 
@@ -68,7 +69,7 @@ def vector(item: object, size: int = EMBEDDING_SIZE) -> list[float]:
 
 def _similarity(first: object, second: object) -> float:
     """A score in (0, 1): the two inputs' cosine, moved there."""
-    return round((1 + sum(a * b for a, b in zip(vector(first), vector(second)))) / 2, 6)
+    return round((1 + sum(a * b for a, b in zip(vector(first), vector(second), strict=True))) / 2, 6)
 
 
 def add_routes(app: Flask, engine: Engine) -> None:
@@ -169,7 +170,7 @@ def add_routes(app: Flask, engine: Engine) -> None:
         return _json({"id": f"score-{uuid.uuid4().hex}", "object": "list",
                       "created": int(time.time()), "model": cfg.model,
                       "data": [{"index": i, "object": "score", "score": _similarity(a, b)}
-                               for i, (a, b) in enumerate(zip(firsts, seconds))],
+                               for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))],
                       "usage": _usage(sum(map(_tokens, firsts + seconds)))})
 
     def rerank() -> Response:
@@ -187,7 +188,7 @@ def add_routes(app: Flask, engine: Engine) -> None:
         results = sorted(({"index": i, "document": {"text": d, "multi_modal": None},
                            "relevance_score": _similarity(query, d)}
                           for i, d in enumerate(documents)),
-                         key=lambda r: r["relevance_score"], reverse=True)
+                         key=itemgetter("relevance_score"), reverse=True)
         tokens = _tokens(query) * len(documents) + sum(map(_tokens, documents))
         return _json({"id": f"rerank-{uuid.uuid4().hex}", "model": cfg.model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens},

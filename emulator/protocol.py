@@ -9,9 +9,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, overload
 
 from .errors import BadRequest, NotFound
 from .tokens import BARE_JSON, SPACED_JSON, TEXT_PARTS, Template, render_completion
+
+if TYPE_CHECKING:  # they import this module
+    from .anthropic import MessagesFramer
+    from .responses import ResponsesFramer
+
+T = TypeVar("T")
+# The routes' framers, one shape by duck typing: chat and completions, Messages, Responses.
+AnyFramer: TypeAlias = "Framer | MessagesFramer | ResponsesFramer"
 
 DONE = b"data: [DONE]\n\n"
 
@@ -50,7 +59,11 @@ class CompletionRequest:
     cache_salt: str | None = None
 
 
-def optional(body: dict, name: str, kind: type, default: object = None) -> object:
+@overload
+def optional(body: dict, name: str, kind: type[T]) -> T | None: ...
+@overload
+def optional(body: dict, name: str, kind: type[T], default: T) -> T: ...
+def optional(body: dict, name: str, kind: type[T], default: T | None = None) -> T | None:
     value = body.get(name)
     if value is None:
         return default
@@ -63,7 +76,7 @@ def _count(body: dict, name: str, minimum: int) -> int | None:
     value = optional(body, name, int)
     if value is not None and value < minimum:
         raise ValidationError(name, f"must be >= {minimum}, got {value}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _check_messages(body: dict) -> list[dict]:
@@ -134,8 +147,8 @@ def render_body(kind: str, body: dict, template: Template) -> list[str]:
     kwargs = optional(body, "chat_template_kwargs", dict, {})
     effort = optional(body, "reasoning_effort", str)
     return template.render(_check_messages(body), body.get("tools"), add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, kwargs=kwargs,  # type: ignore[arg-type]
-                           reasoning_effort=effort)  # type: ignore[arg-type]
+                           continue_final_message=continue_final_message, kwargs=kwargs,
+                           reasoning_effort=effort)
 
 
 def _truncate(body: dict, tokens: list[str], max_model_len: int) -> list[str]:
@@ -176,7 +189,7 @@ def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
     if _count(body, "n", 1) not in (None, 1):
         raise BadRequest("n > 1 is not supported by the emulator.", "n")
     stream_options = optional(body, "stream_options", dict, {})
-    include_usage = stream_options.get("include_usage")  # type: ignore[union-attr]
+    include_usage = stream_options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise ValidationError("stream_options.include_usage", "must be bool")
     if len(tokens) + (max_tokens or 1) > max_model_len:
@@ -192,12 +205,12 @@ def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
         min_tokens=_count(body, "min_tokens", 0) or 0,
         ignore_eos=bool(optional(body, "ignore_eos", bool, False)),
         include_usage=bool(include_usage),
-        kv_transfer_params=optional(body, "kv_transfer_params", dict),  # type: ignore[arg-type]
+        kv_transfer_params=optional(body, "kv_transfer_params", dict),
         return_token_ids=bool(optional(body, "return_token_ids", bool, False)),
         tool_names=_tool_names(body) if kind == "chat" else [],
-        thinking=kwargs.get("enable_thinking") is not False,  # type: ignore[union-attr]
+        thinking=kwargs.get("enable_thinking") is not False,
         include_reasoning=bool(optional(body, "include_reasoning", bool, True)),
-        cache_salt=optional(body, "cache_salt", str),  # type: ignore[arg-type]
+        cache_salt=optional(body, "cache_salt", str),
     )
 
 
@@ -208,7 +221,7 @@ class Call:
 
     req: CompletionRequest
     request_id: str
-    framer: object
+    framer: AnyFramer
 
 
 def chat_call(kind: str, raw: bytes, xid: str, model: str, max_model_len: int, template: Template,
@@ -249,8 +262,12 @@ class Framer:
                  reasoning_field: str = "reasoning") -> None:
         self.chat = kind == "chat"
         self.reasoning_field = reasoning_field
-        self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                     "created": created, "model": model}
+        self.head = {
+            "id": response_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
         open_head = dumps(self.head)[:-1]  # '{"id":...,"model":"..."' awaiting more keys
         if self.chat:
             self._pre = b"data: " + open_head + b',"choices":[{"index":0,"delta":{"content":'
@@ -279,13 +296,28 @@ class Framer:
             out["reasoning"] = text
         return out
 
-    def chunk(self, delta: dict, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              extra: dict | None = None) -> bytes:
+    def chunk(
+        self,
+        delta: dict,
+        token_ids: list[int] | None = None,
+        finish_reason: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes:
         """One streamed chunk: a chat delta ({} for a token a parser swallowed) or a completions text."""
         if self.chat:
-            choice = {"index": 0, "delta": self._reasoning(delta), "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": self._reasoning(delta),
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": delta.get("text", ""),
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         if finish_reason is not None or not self.chat:
             choice["stop_reason"] = None
         if self.chat or token_ids is not None:
@@ -301,24 +333,42 @@ class Framer:
         return b"data: " + dumps({**self.head, **extra}) + b"\n\n"
 
     def role(self, prompt_token_ids: list[int] | None = None) -> bytes:
-        return self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}],
-                            "prompt_token_ids": prompt_token_ids})
+        return self._event(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                "prompt_token_ids": prompt_token_ids,
+            }
+        )
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> bytes:
         """The trailing usage chunk (serialised without nulls); `cached` with
         --enable-prompt-tokens-details."""
         details = {} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}}
-        return self._event({"choices": [], "usage": {**usage(prompt_tokens, completion_tokens),
-                                                     **details}})
+        return self._event(
+            {"choices": [], "usage": {**usage(prompt_tokens, completion_tokens), **details}}
+        )
 
     @staticmethod
     def params_only(params: dict) -> bytes:
         # Shaped like the fake D chunk in vLLM's test_disagg_proxy_multiturn.py.
         return b"data: " + dumps({"kv_transfer_params": params}) + b"\n\n"
 
-    def tail(self, gen, include_usage: bool, prompt_tokens: int, cached: int | None, params: dict | None,
-             placement: str) -> bytes:
+    def tail(
+        self,
+        gen,
+        include_usage: bool,
+        prompt_tokens: int,
+        cached: int | None,
+        params: dict | None,
+        placement: str,
+    ) -> bytes:
         """What follows the finish chunk: [usage chunk], [params chunk under `separate`], [DONE]."""
         out = self.usage(prompt_tokens, gen.completion_tokens, cached) if include_usage else b""
         if params is not None and placement == "separate":
@@ -335,29 +385,63 @@ class Framer:
     def fail(self, envelope: dict) -> bytes:
         return self.error(envelope) + DONE
 
-    def body(self, gen, prompt_tokens: int, params: dict | None,
-             prompt_token_ids: list[int] | None = None, output_token_ids: list[int] | None = None,
-             cached: int | None = None) -> bytes:
+    def body(
+        self,
+        gen,
+        prompt_tokens: int,
+        params: dict | None,
+        prompt_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | None = None,
+        cached: int | None = None,
+    ) -> bytes:
         """The non-streaming response: one line, null fields included, top-level kv_transfer_params."""
         if self.chat:
-            message = {"role": "assistant", "content": gen.content, "refusal": None, "annotations": None,
-                       "audio": None, "function_call": None,
-                       **self._reasoning({"reasoning": gen.reasoning})}
+            message = {
+                "role": "assistant",
+                "content": gen.content,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                **self._reasoning({"reasoning": gen.reasoning}),
+            }
             if gen.tool_calls:
                 message["tool_calls"] = gen.tool_calls
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": gen.finish_reason,
-                      "stop_reason": None, "token_ids": output_token_ids}
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": None,
+                "token_ids": output_token_ids,
+            }
             obj = "chat.completion"
             top_prompt_ids = prompt_token_ids
         else:
-            choice = {"index": 0, "text": gen.content, "logprobs": None, "finish_reason": gen.finish_reason,
-                      "stop_reason": None, "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids,
-                      "token_ids": output_token_ids}
+            choice = {
+                "index": 0,
+                "text": gen.content,
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_token_ids,
+                "token_ids": output_token_ids,
+            }
             obj = "text_completion"
             top_prompt_ids = None
-        body = {**self.head, "object": obj, "choices": [choice], "service_tier": None,
-                "system_fingerprint": None,
-                "usage": {**usage(prompt_tokens, gen.completion_tokens), "prompt_tokens_details":
-                          None if cached is None else {"cached_tokens": cached}},
-                "prompt_logprobs": None, "prompt_token_ids": top_prompt_ids, "kv_transfer_params": params}
+        body = {
+            **self.head,
+            "object": obj,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {
+                **usage(prompt_tokens, gen.completion_tokens),
+                "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": top_prompt_ids,
+            "kv_transfer_params": params,
+        }
         return dumps(body)

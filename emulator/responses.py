@@ -12,8 +12,17 @@ import time
 import uuid
 
 from .errors import BadRequest, NotFound, NotImplementedByEmulator
-from .protocol import (Call, CompletionRequest, ValidationError, check_model, dumps, json_body, optional,
-                       render_body, request_from_body)
+from .protocol import (
+    Call,
+    CompletionRequest,
+    ValidationError,
+    check_model,
+    dumps,
+    json_body,
+    optional,
+    render_body,
+    request_from_body,
+)
 from .tokens import END_THINK, THINK, Template
 
 
@@ -144,7 +153,7 @@ def _tool_choice(body: dict) -> object:
     choice = body.get("tool_choice", "auto")
     named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
     if body.get("tools"):
-        if named and choice.get("name") not in {t.get("name") for t in body["tools"]}:  # type: ignore[union-attr]
+        if named and choice.get("name") not in {t.get("name") for t in body["tools"]}:
             raise ValidationError("tool_choice", "Tool choice 'function' not found in 'tools' parameter.")
         return choice
     if choice in ("auto", "none"):
@@ -198,7 +207,7 @@ class Parsed:
         prev_id = body.get("previous_response_id")
         prev = store.get(prev_id) if prev_id is not None else None            # serving.py:364-372
         self.messages = input_messages(body.get("instructions"), body["input"],
-                                       store.messages.get(prev_id) if prev else None,
+                                       store.messages.get(prev_id) if prev and prev_id is not None else None,
                                        prev["output"] if prev else None)
 
     def chat_body(self, max_tokens: int | None) -> dict:
@@ -361,23 +370,61 @@ class ResponsesFramer:
         index = len(self.items)
         if state == "content":
             self.item_id = f"msg_{random_uuid()}"
-            return (self._emit({"item": {"id": self.item_id, "content": [], "role": "assistant",
-                                         "status": "in_progress", "type": "message"},
-                                "output_index": index, "sequence_number": 0, "type": "response.output_item.added"})
-                    + self._emit({"content_index": 0, "item_id": self.item_id, "output_index": index,
-                                  "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []},
-                                  "sequence_number": 0, "type": "response.content_part.added"}))
+            return self._emit(
+                {
+                    "item": {
+                        "id": self.item_id,
+                        "content": [],
+                        "role": "assistant",
+                        "status": "in_progress",
+                        "type": "message",
+                    },
+                    "output_index": index,
+                    "sequence_number": 0,
+                    "type": "response.output_item.added",
+                }
+            ) + self._emit(
+                {
+                    "content_index": 0,
+                    "item_id": self.item_id,
+                    "output_index": index,
+                    "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []},
+                    "sequence_number": 0,
+                    "type": "response.content_part.added",
+                }
+            )
         if state == "reasoning":
             self.item_id = f"rs_{random_uuid()}"
-            return (self._emit({"item": _reasoning(self.item_id, None, "in_progress"), "output_index": index,
-                                "sequence_number": 0, "type": "response.output_item.added"})
-                    + self._emit({"content_index": 0, "item_id": self.item_id, "output_index": index,
-                                  "part": {"text": "", "type": "reasoning_text"}, "sequence_number": 0,
-                                  "type": "response.content_part.added"}))
+            return self._emit(
+                {
+                    "item": _reasoning(self.item_id, None, "in_progress"),
+                    "output_index": index,
+                    "sequence_number": 0,
+                    "type": "response.output_item.added",
+                }
+            ) + self._emit(
+                {
+                    "content_index": 0,
+                    "item_id": self.item_id,
+                    "output_index": index,
+                    "part": {"text": "", "type": "reasoning_text"},
+                    "sequence_number": 0,
+                    "type": "response.content_part.added",
+                }
+            )
+        assert call is not None, "a tool_call state opens with its call"
         self.item_id = f"fc_{random_uuid()}"
-        self.call = {"call_id": call["id"], "name": call["function"]["name"]}  # type: ignore[index]
-        return self._emit({"item": _call(self.item_id, self.call["call_id"], self.call["name"], "", "in_progress"),
-                           "output_index": index, "sequence_number": 0, "type": "response.output_item.added"})
+        self.call = {"call_id": call["id"], "name": call["function"]["name"]}
+        return self._emit(
+            {
+                "item": _call(
+                    self.item_id, self.call["call_id"], self.call["name"], "", "in_progress"
+                ),
+                "output_index": index,
+                "sequence_number": 0,
+                "type": "response.output_item.added",
+            }
+        )
 
     def _close(self, status: str = "completed") -> bytes:
         """emit_simple_*_done (streaming_events.py:911-954, 1004-1044, 1137-1194)."""
@@ -385,60 +432,143 @@ class ResponsesFramer:
         if self.state is None:
             return b""
         if self.state == "content":
-            part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+            part: dict = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
             item = {**_message(item_id, text, status), "content": [part] if text else []}
-            out = (self._emit({"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": index,
-                               "sequence_number": 0, "text": text, "type": "response.output_text.done"})
-                   + self._emit({"content_index": 0, "item_id": item_id, "output_index": index, "part": part,
-                                 "sequence_number": 0, "type": "response.content_part.done"}))
+            out = self._emit(
+                {
+                    "content_index": 0,
+                    "item_id": item_id,
+                    "logprobs": [],
+                    "output_index": index,
+                    "sequence_number": 0,
+                    "text": text,
+                    "type": "response.output_text.done",
+                }
+            ) + self._emit(
+                {
+                    "content_index": 0,
+                    "item_id": item_id,
+                    "output_index": index,
+                    "part": part,
+                    "sequence_number": 0,
+                    "type": "response.content_part.done",
+                }
+            )
         elif self.state == "reasoning":
             item = _reasoning(item_id, text, status)
-            out = (self._emit({"content_index": 0, "item_id": item_id, "output_index": index,
-                               "sequence_number": 0, "text": text, "type": "response.reasoning_text.done"})
-                   + self._emit({"content_index": 0, "item_id": item_id, "output_index": index,
-                                 "part": {"text": text, "type": "reasoning_text"}, "sequence_number": 0,
-                                 "type": "response.content_part.done"}))
+            out = self._emit(
+                {
+                    "content_index": 0,
+                    "item_id": item_id,
+                    "output_index": index,
+                    "sequence_number": 0,
+                    "text": text,
+                    "type": "response.reasoning_text.done",
+                }
+            ) + self._emit(
+                {
+                    "content_index": 0,
+                    "item_id": item_id,
+                    "output_index": index,
+                    "part": {"text": text, "type": "reasoning_text"},
+                    "sequence_number": 0,
+                    "type": "response.content_part.done",
+                }
+            )
         else:
             item = _call(item_id, self.call["call_id"], self.call["name"], text, status)
-            out = self._emit({"arguments": text, "item_id": item_id, "name": self.call["name"],
-                              "output_index": index, "sequence_number": 0,
-                              "type": "response.function_call_arguments.done"})
+            out = self._emit(
+                {
+                    "arguments": text,
+                    "item_id": item_id,
+                    "name": self.call["name"],
+                    "output_index": index,
+                    "sequence_number": 0,
+                    "type": "response.function_call_arguments.done",
+                }
+            )
         self.items.append(item)
         self.state = None
-        return out + self._emit({"item": item, "output_index": index, "sequence_number": 0,
-                                 "type": "response.output_item.done"})
+        return out + self._emit(
+            {
+                "item": item,
+                "output_index": index,
+                "sequence_number": 0,
+                "type": "response.output_item.done",
+            }
+        )
 
-    def chunk(self, delta: dict, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              extra: dict | None = None) -> bytes:
+    def chunk(
+        self,
+        delta: dict,
+        token_ids: list[int] | None = None,
+        finish_reason: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes:
         """One chat delta through the state machine: tool call, then reasoning, then content
         (resolve_target_state, streaming_events.py:1279-1297); an empty delta emits nothing."""
         if finish_reason is not None:
             self.finish_reason = finish_reason
         calls = delta.get("tool_calls")
         if calls and calls[0].get("function") is not None:
-            out = self._close() + self._open("tool_call", calls[0]) if self.state != "tool_call" else b""
-            arguments = "".join(c["function"].get("arguments") or "" for c in calls if c.get("function"))
+            out = (
+                self._close() + self._open("tool_call", calls[0])
+                if self.state != "tool_call"
+                else b""
+            )
+            arguments = "".join(
+                c["function"].get("arguments") or "" for c in calls if c.get("function")
+            )
             if not arguments:
                 return out
             self.text += arguments
-            return out + self._emit({"delta": arguments, "item_id": self.item_id, "output_index": len(self.items),
-                                     "sequence_number": 0, "type": "response.function_call_arguments.delta"})
+            return out + self._emit(
+                {
+                    "delta": arguments,
+                    "item_id": self.item_id,
+                    "output_index": len(self.items),
+                    "sequence_number": 0,
+                    "type": "response.function_call_arguments.delta",
+                }
+            )
         if delta.get("reasoning") is not None:
             out = self._close() + self._open("reasoning") if self.state != "reasoning" else b""
             self.text += delta["reasoning"]
-            return out + self._emit({"content_index": 0, "delta": delta["reasoning"], "item_id": self.item_id,
-                                     "output_index": len(self.items), "sequence_number": 0,
-                                     "type": "response.reasoning_text.delta"})
+            return out + self._emit(
+                {
+                    "content_index": 0,
+                    "delta": delta["reasoning"],
+                    "item_id": self.item_id,
+                    "output_index": len(self.items),
+                    "sequence_number": 0,
+                    "type": "response.reasoning_text.delta",
+                }
+            )
         if delta.get("content"):
             out = self._close() + self._open("content") if self.state != "content" else b""
             self.text += delta["content"]
-            return out + self._emit({"content_index": 0, "delta": delta["content"], "item_id": self.item_id,
-                                     "logprobs": [], "output_index": len(self.items), "sequence_number": 0,
-                                     "type": "response.output_text.delta"})
+            return out + self._emit(
+                {
+                    "content_index": 0,
+                    "delta": delta["content"],
+                    "item_id": self.item_id,
+                    "logprobs": [],
+                    "output_index": len(self.items),
+                    "sequence_number": 0,
+                    "type": "response.output_text.delta",
+                }
+            )
         return b""
 
-    def tail(self, gen, include_usage: bool, prompt_tokens: int, cached: int | None, params: dict | None,
-             placement: str) -> bytes:
+    def tail(
+        self,
+        gen,
+        include_usage: bool,
+        prompt_tokens: int,
+        cached: int | None,
+        params: dict | None,
+        placement: str,
+    ) -> bytes:
         """The open item closed, then the whole response: response.completed, or
         response.incomplete after a length finish (serving.py:1425-1457)."""
         out = self._close(_status(self.finish_reason))
@@ -453,8 +583,15 @@ class ResponsesFramer:
 
     # --- body -------------------------------------------------------------------------------
 
-    def body(self, gen, prompt_tokens: int, params: dict | None, prompt_token_ids: list[int] | None = None,
-             output_token_ids: list[int] | None = None, cached: int | None = None) -> bytes:
+    def body(
+        self,
+        gen,
+        prompt_tokens: int,
+        params: dict | None,
+        prompt_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | None = None,
+        cached: int | None = None,
+    ) -> bytes:
         """build_response_output_items (utils.py:110-191): reasoning, message, function calls;
         the last item's status follows the finish reason."""
         last = _status(gen.finish_reason)
@@ -462,25 +599,43 @@ class ResponsesFramer:
         if gen.reasoning:
             output.append(_reasoning(f"rs_{random_uuid()}", gen.reasoning, None))
         if gen.content:
-            output.append(_message(f"msg_{random_uuid()}", gen.content, "completed" if gen.tool_calls else last))
+            output.append(
+                _message(
+                    f"msg_{random_uuid()}", gen.content, "completed" if gen.tool_calls else last
+                )
+            )
         for i, call in enumerate(gen.tool_calls or ()):
-            output.append(_call(f"fc_{random_uuid()}", call["id"], call["function"]["name"],
-                                call["function"]["arguments"], last if i == len(gen.tool_calls) - 1 else "completed"))
+            output.append(
+                _call(
+                    f"fc_{random_uuid()}",
+                    call["id"],
+                    call["function"]["name"],
+                    call["function"]["arguments"],
+                    last if i == len(gen.tool_calls) - 1 else "completed",
+                )
+            )
         usage = self._usage(gen, prompt_tokens, cached)
         return dumps(self._finished(self.response(last, output, usage, params)))
 
 
-def responses_call(raw: bytes, store: ResponseStore, model: str, max_model_len: int, template: Template) -> Call:
+def responses_call(
+    raw: bytes, store: ResponseStore, model: str, max_model_len: int, template: Template
+) -> Call:
     """POST /v1/responses (api_router.py:48-77): the response id is the body's request_id or
     resp_<uuid>, never X-Request-Id; the engine's request id adds "_0" (serving.py:666-667)."""
     parsed = Parsed(json_body(raw))
-    check_model(parsed.body, model)                                            # serving.py:335-338
+    check_model(parsed.body, model)  # serving.py:335-338
     parsed.resolve(store)
     n = len(render_body("chat", parsed.chat_body(None), template))
-    if n >= max_model_len:                                                     # serving.py:232-253
-        raise InvalidRequest(f"The engine prompt length {n} exceeds the max_model_len {max_model_len}. "
-                             "Please reduce prompt.", "input")
+    if n >= max_model_len:  # serving.py:232-253
+        raise InvalidRequest(
+            f"The engine prompt length {n} exceeds the max_model_len {max_model_len}. "
+            "Please reduce prompt.",
+            "input",
+        )
     limit = parsed.body.get("max_output_tokens")
     max_tokens = None if limit is None else min(limit, max_model_len - n)
     req = request_from_body("chat", parsed.chat_body(max_tokens), model, max_model_len, template)
-    return Call(req, f"{parsed.response_id}_0", ResponsesFramer(parsed, req, store, model, max_model_len))
+    return Call(
+        req, f"{parsed.response_id}_0", ResponsesFramer(parsed, req, store, model, max_model_len)
+    )

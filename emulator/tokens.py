@@ -61,7 +61,7 @@ def token_ids(tokens) -> list[int]:
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def content_words(content: object) -> list[str]:
+def content_words(content: str | list[dict] | None) -> list[str]:
     """Words of a message's content: a string, or a list of parts (text parts give their words)."""
     if content is None:
         return []
@@ -98,9 +98,16 @@ class Template:
 
     quirks: frozenset = frozenset()
 
-    def render(self, messages: list[dict], tools: object = None, *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, kwargs: dict | None = None,
-               reasoning_effort: str | None = None) -> list[str]:
+    def render(
+        self,
+        messages: list[dict],
+        tools: object = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: dict | None = None,
+        reasoning_effort: str | None = None,
+    ) -> list[str]:
         """Tokens of ``[<|tools|> json <|end|>] (<|role|> [name=N] [<think> r </think>] words
         [<tool_call> json </tool_call>]... [tool_call_id=ID] <|end|>)* <|assistant|>``."""
         q, kwargs = self.quirks, kwargs or {}
@@ -108,10 +115,15 @@ class Template:
         if tools:
             tokens += ["<|tools|>", *_json_words(tools), EOS]
         if reasoning_effort is not None:
-            tokens += ["<|effort|>", str(reasoning_effort), EOS]   # as gpt-oss's system header
+            tokens += ["<|effort|>", str(reasoning_effort), EOS]  # as gpt-oss's system header
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
         last_user = users[-1] if users else -1
-        system = [w for m in messages if m.get("role") == "system" for w in content_words(m.get("content"))]
+        system = [
+            w
+            for m in messages
+            if m.get("role") == "system"
+            for w in content_words(m.get("content"))
+        ]
         last = len(messages) - 1
         for i, message in enumerate(messages):
             role = message["role"]
@@ -148,8 +160,11 @@ class Template:
                 parsed = arguments
             return [TOOL_CALL, *_json_words({"name": name, "arguments": parsed}), END_TOOL_CALL]
         # The arguments string verbatim, wrapped as the model writes it.
-        return [TOOL_CALL, *f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'.split(),
-                END_TOOL_CALL]
+        return [
+            TOOL_CALL,
+            *f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'.split(),
+            END_TOOL_CALL,
+        ]
 
 
 DEFAULT_TEMPLATE = Template()
@@ -194,7 +209,7 @@ class Generation:
 
     tokens: list[str]
     deltas: list[dict | None]
-    stopped: bool                 # ended with EOS (else cut by max_tokens)
+    stopped: bool  # ended with EOS (else cut by max_tokens)
     reasoning: str | None = None
     content: str | None = None
     tool_calls: list | None = None
@@ -215,37 +230,60 @@ def _unit(tokens: list[str], salt: str) -> float:
     return _rng(tokens, salt).random()
 
 
-def generate_chat(prompt: list[str], count: int, stopped: bool, *, reasoning_share: float = 0.0,
-                  tool_names: list[str] | None = None, tool_call_share: float = 0.0) -> Generation:
+def generate_chat(
+    prompt: list[str],
+    count: int,
+    stopped: bool,
+    *,
+    reasoning_share: float = 0.0,
+    tool_names: list[str] | None = None,
+    tool_call_share: float = 0.0,
+) -> Generation:
     """The reply to a chat prompt: `count` content words, after a reasoning span for a
     `reasoning_share` of prompts; or, for a `tool_call_share` of prompts with tools, one tool
     call. `stopped=False` cuts the whole sequence at `count` tokens (max_tokens)."""
     words = generate(prompt, count)
     tokens: list[str] = []
     deltas: list[dict | None] = []
-    reasoning = tool_calls = None
+    reasoning = None
     if reasoning_share and _unit(prompt, "reasoning") < reasoning_share:
         thought = generate(prompt + ["<|reasoning|>"], max(2, count // 2))
         tokens += [THINK, *thought, END_THINK]
-        deltas += [None, *({"reasoning": w if i == 0 else " " + w} for i, w in enumerate(thought)), None]
+        deltas += [
+            None,
+            *({"reasoning": w if i == 0 else " " + w} for i, w in enumerate(thought)),
+            None,
+        ]
         reasoning = " ".join(thought)
     if tool_names and tool_call_share and _unit(prompt, "tool") < tool_call_share:
         arguments = {"query": words[0] if words else VOCAB[0], "limit": len(prompt) % 7 + 1}
-        call_words = [TOOL_CALL, *generated_call_text(tool_names[0], arguments).split(), END_TOOL_CALL]
-        call = {"id": f"chatcmpl-tool-{hashlib.blake2b(' '.join(prompt).encode(), digest_size=16).hexdigest()}",
-                "type": "function", "function": {"name": tool_names[0],
-                                                 "arguments": json.dumps(arguments, ensure_ascii=False)}}
+        call_words = [
+            TOOL_CALL,
+            *generated_call_text(tool_names[0], arguments).split(),
+            END_TOOL_CALL,
+        ]
+        call = {
+            "id": f"chatcmpl-tool-{hashlib.blake2b(' '.join(prompt).encode(), digest_size=16).hexdigest()}",
+            "type": "function",
+            "function": {
+                "name": tool_names[0],
+                "arguments": json.dumps(arguments, ensure_ascii=False),
+            },
+        }
         if stopped or len(tokens) + len(call_words) <= count:
             # The parser holds the call back until its JSON is complete, then sends it whole.
             tokens += call_words
-            deltas += [None] * (len(call_words) - 2) + [{"tool_calls": [{"index": 0, **call}]}, None]
+            deltas += [None] * (len(call_words) - 2) + [
+                {"tool_calls": [{"index": 0, **call}]},
+                None,
+            ]
             return Generation(tokens, deltas, True, reasoning, None, [call])
     content_start = len(tokens)
     tokens += words
     deltas += [{"content": w if i == 0 else " " + w} for i, w in enumerate(words)]
     if not stopped:
         tokens, deltas = tokens[:count], deltas[:count]
-        if len(tokens) <= content_start:       # cut inside the reasoning
+        if len(tokens) <= content_start:  # cut inside the reasoning
             if reasoning is not None:
                 reasoning = " ".join(t for t in tokens[1:] if t not in (THINK, END_THINK)) or None
             return Generation(tokens, deltas, False, reasoning, "")
@@ -255,4 +293,6 @@ def generate_chat(prompt: list[str], count: int, stopped: bool, *, reasoning_sha
 
 def generate_completion(prompt: list[str], count: int, stopped: bool) -> Generation:
     words = generate(prompt, count)
-    return Generation(words, [{"text": " " + w} for w in words], stopped, content=reply_text("completion", words))
+    return Generation(
+        words, [{"text": " " + w} for w in words], stopped, content=reply_text("completion", words)
+    )

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from flask import Flask, Response
+from flask import Flask
 from werkzeug.exceptions import HTTPException
+from werkzeug.wrappers import Response
 
 from gateway.config import Settings
 from gateway.engines.transport import EngineTransport

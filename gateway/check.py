@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from gateway.config import ModelSpec, Settings
-from gateway.engines.engine_load import parse as parse_metrics
 from gateway.engines.discovery import Discovery, Resolver
+from gateway.engines.engine_load import parse as parse_metrics
 from gateway.engines.instances import KV_TRANSFER_CONFIG, Instance, Pool
 from gateway.engines.upstream import Upstream
 from gateway.flow.disagg import prefill_counts
@@ -94,7 +94,7 @@ class Report:
             lines += ["  reachable       yes (GET /health 200)",
                       f"  models          {', '.join(engine.models or []) or 'not listed'}",
                       f"  block size      {engine.block_size or 'not said'}",
-                      f"  capacity        "
+                      "  capacity        "
                       + (f"{engine.capacity} blocks" if engine.capacity else "not said"),
                       f"  prefix caching  {caching}"]
         lines.append("")
@@ -217,10 +217,11 @@ class Checker:
                             f"channel: start P with VLLM_NIXL_SIDE_CHANNEL_HOST={p.host} (the "
                             "gateway tells D the host of P's URL)")
             return
-        d_params = d_reply.get("kv_transfer_params")
+        given = d_reply.get("kv_transfer_params")
+        d_params: dict = given if isinstance(given, dict) else {}
         choice = (d_reply.get("choices") or [{}])[0]
         choice = choice if isinstance(choice, dict) else {}
-        kept = isinstance(d_params, dict) and bool(d_params.get("do_remote_decode"))
+        kept = bool(d_params.get("do_remote_decode"))
         if kept:
             self.report.add("ok", subject, "D keeps its blocks for the next turn "
                             "(kv_transfer_params with do_remote_decode, "
@@ -314,7 +315,7 @@ class Checker:
                             f"{len(held)} (prompt + reply - 1, what D keeps): the chat template "
                             "keeps the prefix property")
             return
-        apart = next((k for k, (a, b) in enumerate(zip(tokens, held)) if a != b),
+        apart = next((k for k, (a, b) in enumerate(zip(tokens, held, strict=False)) if a != b),
                      min(len(tokens), len(held)))
         self.report.add("warn", subject, f"the next turn's tokens part from this turn's "
                         f"{len(held)} at token {apart} (the chat template rewrites earlier "

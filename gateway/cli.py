@@ -11,7 +11,7 @@ from gateway.config import Settings
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check"]:
-        from gateway.check import main as check     # the gateway's own start needs none of it
+        from gateway.check import main as check  # the gateway's own start needs none of it
         sys.exit(check(argv[1:]))
     settings = Settings.from_args(argv)
     # gunicorn's master and every worker read the same settings from the environment; an

@@ -18,14 +18,22 @@ import os
 import socket
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gunicorn.sock import TCP6Socket, TCPSocket
 from gunicorn.util import get_arity, load_class
 
 from gateway.config import Settings
-from gateway.slots import (APPLIED, CHANGES_ENV, LIVE_SLOTS, MAX_SLOTS, PRIVATE_ENV, SLOT_ENV,
-                           THREADS_ENV)
+from gateway.slots import (
+    APPLIED,
+    CHANGES_ENV,
+    LIVE_SLOTS,
+    MAX_SLOTS,
+    PRIVATE_ENV,
+    SLOT_ENV,
+    THREADS_ENV,
+)
 
 # prometheus_client's own variable; it reads it once, when first imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

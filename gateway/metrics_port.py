@@ -12,7 +12,8 @@ master could only guess from the engine gauges.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from gateway.extension import MountedGateway
 from gateway.support.errors import BadRequest, NotFound, clip

@@ -10,8 +10,9 @@ import argparse
 import difflib
 import functools
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 _KEY = "option"
 
@@ -119,7 +120,7 @@ class ArgumentParser(argparse.ArgumentParser):
     CLOSE = 0.7     # difflib's likeness above which a flag is suggested (0.6: --bogus, --host)
     _AMBIGUOUS = re.compile(r"ambiguous option: (?P<given>[^=\s]+)\S* could match (?P<flags>.+)")
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+    def parse_args(self, args=None, namespace=None):
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
             # The flags, if any: the values after an unknown flag would only be noise.
@@ -135,7 +136,7 @@ class ArgumentParser(argparse.ArgumentParser):
                                            cutoff=self.CLOSE) if given.startswith("--") else [])
         return f"{arg} (did you mean {close[0]}?)" if close else arg
 
-    def error(self, message: str):  # type: ignore[no-untyped-def, override]
+    def error(self, message: str):
         ambiguous = self._AMBIGUOUS.fullmatch(message)
         if ambiguous:
             flags = ambiguous["flags"].split(", ")

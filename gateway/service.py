@@ -7,9 +7,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from gateway.config import Settings
 from gateway.engines.d_budget import DBudget
@@ -87,7 +88,8 @@ class Gateway:
         roles = {spec.name: {role: Pool(role, [], policy, model=spec.name)
                              for role in ("prefill", "decode")} for spec in specs}
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
-        self._every_pool, self._published = every_pool, set()
+        self._every_pool = every_pool
+        self._published: set[tuple[str, str]] = set()
         metrics.initialize([spec.name for spec in specs if spec.name])
         # Each worker's view of its engines, published as it applies changes (every half
         # second under gunicorn) and whenever /metrics is asked.
@@ -112,7 +114,7 @@ class Gateway:
         limit = settings.turn_limit(threads)
         # Turns of a key under its share wait longer for a place (gateway.front.admission):
         # with gthread each holds a thread, so at most half of those --max-turns leaves free.
-        fair = dict(fair_wait=settings.admission_fair_wait,
+        fair: dict[str, Any] = dict(fair_wait=settings.admission_fair_wait,
                     patient=(max(0, (threads or settings.threads) - limit) // 2 if threaded
                              else settings.admission_queue))
         self.admission = Admission(limit, settings.admission_queue,
@@ -153,7 +155,7 @@ class Gateway:
                              releaser=self.releaser, attempts=settings.attempts,
                              exactness=self._exactness(pools.values()), fast_path=fast_path,
                              access_log=settings.access_log))
-            for spec, pools in zip(specs, roles.values())])
+            for spec, pools in zip(specs, roles.values(), strict=True)])
         # vLLM's other client routes, passed to an engine of the request's model.
         self.passthrough = PassThrough(self.upstream, self.pools, settings.attempts)
         # The first model's (the only one's, without --models): for embedders and tests.
@@ -170,7 +172,7 @@ class Gateway:
     def publish(self) -> None:
         """This worker's view of each engine as gauges: may it be chosen, what runs on it."""
         now = time.monotonic()
-        seen = set()
+        seen: set[tuple[str, str]] = set()
         self.pools.remember()
         for pool in self._every_pool:
             for instance in pool.instances:

@@ -9,12 +9,14 @@ import functools
 import logging
 import re
 import uuid
-from urllib.parse import quote
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
-from typing import Callable, Iterator, Mapping
+from typing import cast
+from urllib.parse import quote
 
 from flask import Blueprint, Response, current_app, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.wrappers import Response as WerkzeugResponse
 
 from gateway.flow.passthrough import ROUTES, Route
 from gateway.flow.reply import Reply
@@ -26,8 +28,16 @@ from gateway.responses.items import RESPONSES
 from gateway.responses.route import Responses, responses_of
 from gateway.service import Arrival, Gateway
 from gateway.support import logs, metrics
-from gateway.support.errors import (BadRequest, ClientGone, GatewayError, MethodNotAllowed,
-                                    NotFound, Overloaded, PayloadTooLarge, json_response)
+from gateway.support.errors import (
+    BadRequest,
+    ClientGone,
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    json_response,
+)
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -96,18 +106,18 @@ class _StreamResponse(Response):
     served = False
     _host_closes = False        # a host app asked to be called on close
 
-    def call_on_close(self, func):  # type: ignore[no-untyped-def]
+    def call_on_close(self, func):
         self._host_closes = True
         return super().call_on_close(func)
 
-    def get_data(self, as_text: bool = False):  # type: ignore[no-untyped-def]
+    def get_data(self, as_text: bool = False):
         # A host reads the body (`data` and `json` come here too): werkzeug then iterates it,
         # which it refuses to do for a body passed through. Until then a host that asks
         # `direct_passthrough` is told the truth: a stream, better left unread.
         self.direct_passthrough = False
-        return super().get_data(as_text)
+        return super().get_data(True) if as_text else super().get_data(False)
 
-    def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
+    def __call__(self, environ, start_response):
         # Decided when served: a host's after_request may have read the body (get_data makes
         # it a list) or asked to be called on close, which werkzeug's wrapper does.
         self.direct_passthrough = not self._host_closes and type(self.response) is _Chunks
@@ -132,7 +142,7 @@ def _forget_request_id() -> None:
 
 
 def _failed(exc: GatewayError, request_id: str, model: str, completion: bool,
-            envelope: Envelope | None = None) -> Response:
+            envelope: Envelope | None = None) -> WerkzeugResponse:
     if isinstance(exc, ClientGone):
         metrics.DISCONNECTS.inc()      # nobody reads the reply
     else:
@@ -154,14 +164,14 @@ def _instance_args() -> tuple[object, object, object]:
     return body.get("role"), body.get("url"), body.get("model")
 
 
-def health_response(gateway: Gateway) -> Response:
+def health_response(gateway: Gateway) -> WerkzeugResponse:
     """For load balancers and Kubernetes probes: status only, nothing about the engines.
     503 when no model can be served; with several models, "degraded" and 200 while some
     can (taking the gateway out would not help the others)."""
     return json_response({"status": gateway.health()}, 200 if gateway.healthy() else 503)
 
 
-def metrics_response(gateway: Gateway) -> Response:
+def metrics_response(gateway: Gateway) -> WerkzeugResponse:
     """Every metric, summed over the workers, this worker's view of the engines published first."""
     gateway.publish()
     body, content_type = metrics.exposition()
@@ -190,21 +200,28 @@ def unknown_route() -> GatewayError:
                     f"{', '.join(served)}")
 
 
+def _headers() -> Mapping[str, str]:
+    """The request's headers, as the gateway reads them: get, [] and items, case-insensitive."""
+    # why: werkzeug's Headers is no Mapping (its iteration yields pairs, not names), but it has
+    # all the gateway calls on headers; a copy would cost every request.
+    return cast(Mapping[str, str], request.headers)
+
+
 def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> Blueprint:
     """The gateway's routes, each serving `current()`, this process's `Gateway`. With
     `unknown`, a route that answers any other path under the blueprint's prefix too
     (`unknown_route`): mounted under a prefix, paths outside it stay the host app's."""
     bp = Blueprint(BLUEPRINT, __name__)
 
-    def complete(path: str) -> Response:
+    def complete(path: str) -> WerkzeugResponse:
         return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
-                         path, raw, request.headers, arrival, request_id, body_held),
+                         path, raw, _headers(), arrival, request_id, body_held),
                      lambda model, status: metrics.RESPONSES.labels(path, model, status).inc(),
                      completion=True)
 
-    def messages_route() -> Response:
+    def messages_route() -> WerkzeugResponse:
         # Anthropic's clients send their key as x-api-key: the gateway reads it as a bearer key.
-        headers = anthropic.with_bearer(request.headers)
+        headers = anthropic.with_bearer(_headers())
         return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
                          CHAT, raw, headers, arrival, request_id, body_held,
                          edge=anthropic.EDGE),
@@ -212,7 +229,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                                                                     status).inc(),
                      completion=True, headers=headers, envelope=anthropic.envelope)
 
-    def pass_through(route: Route) -> Response:
+    def pass_through(route: Route) -> WerkzeugResponse:
         # The path and query as they came (the engine's route, without the app's prefix); a
         # byte no URL may carry percent-encoded, as a server that let it in should have (else
         # http.client refuses it, and that would count against the engine).
@@ -220,7 +237,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                                if request.query_string else "")
         # Anthropic's count_tokens: its SDK's key (x-api-key) and its envelope, as /v1/messages.
         anthropic_route = route.path == anthropic.COUNT_TOKENS
-        headers = anthropic.with_bearer(request.headers) if anthropic_route else request.headers
+        headers = anthropic.with_bearer(_headers()) if anthropic_route else _headers()
         return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.pass_through(
                          route, raw, headers, target, arrival, request_id, body_held),
                      lambda model, status: metrics.PASSED.labels(route.path, model,
@@ -230,7 +247,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
 
     def serve(run: Run, count: Callable[[str, str], None], completion: bool,
               headers: Mapping[str, str] | None = None,
-              envelope: Envelope | None = None) -> Response:
+              envelope: Envelope | None = None) -> WerkzeugResponse:
         """One request whose reply `run` makes (of its body, read here, within the limits),
         counted by `count(model, status)`; its key read from `headers` (the request's), its
         errors in `envelope`'s shape (the OpenAI envelope)."""
@@ -245,7 +262,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         status = 500            # unless it answers: an error the blueprint's handler answers
         try:
             response = answer(gateway, run, arrival, request_id, completion,
-                              request.headers if headers is None else headers, envelope)
+                              _headers() if headers is None else headers, envelope)
             status = response.status_code
         except HTTPException as exc:
             status = exc.code or 500
@@ -261,7 +278,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
 
     def answer(gateway: Gateway, run: Run, arrival: Arrival, request_id: str,
                completion: bool, headers: Mapping[str, str],
-               envelope: Envelope | None) -> Response:
+               envelope: Envelope | None) -> WerkzeugResponse:
         streaming = False
         try:
             gateway.api_keys.check(headers.get("Authorization"))   # before the body
@@ -273,6 +290,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                 hold.release()
                 raise
             reply = run(gateway, raw, arrival, request_id, hold.release)
+            response: WerkzeugResponse
             if isinstance(reply.body, bytes):       # an engine's, as it came
                 response = Response(reply.body, status=reply.status,
                                     content_type=reply.content_type)
@@ -310,27 +328,27 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
             response.close()
 
     @bp.post(CHAT)
-    def chat_completions() -> Response:
+    def chat_completions() -> WerkzeugResponse:
         return complete(CHAT)
 
     @bp.post(COMPLETIONS)
-    def completions() -> Response:
+    def completions() -> WerkzeugResponse:
         return complete(COMPLETIONS)
 
     @bp.post(anthropic.MESSAGES)
-    def messages() -> Response:
+    def messages() -> WerkzeugResponse:
         return messages_route()
 
     # OpenAI's Responses API, run as chat completions (gateway.responses.route).
     @bp.post(RESPONSES)
-    def responses_create() -> Response:
+    def responses_create() -> WerkzeugResponse:
         return serve(lambda gateway, raw, arrival, request_id, body_held: responses_of(
-                         gateway).create(raw, request.headers, arrival, request_id, body_held),
+                         gateway).create(raw, _headers(), arrival, request_id, body_held),
                      lambda model, status: metrics.RESPONSES.labels(RESPONSES, model,
                                                                     status).inc(),
                      completion=True)
 
-    def stored(action: Callable[..., dict], response_id: str) -> Response:
+    def stored(action: Callable[..., dict], response_id: str) -> WerkzeugResponse:
         gateway = current()
         authorization = request.headers.get("Authorization")
         gateway.api_keys.check(authorization)
@@ -343,19 +361,19 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         return json_response(action(responses, response_id, authorization))
 
     @bp.get(f"{RESPONSES}/<response_id>")
-    def responses_get(response_id: str) -> Response:
+    def responses_get(response_id: str) -> WerkzeugResponse:
         return stored(Responses.retrieve, response_id)
 
     @bp.delete(f"{RESPONSES}/<response_id>")
-    def responses_delete(response_id: str) -> Response:
+    def responses_delete(response_id: str) -> WerkzeugResponse:
         return stored(Responses.delete, response_id)
 
     @bp.post(f"{RESPONSES}/<response_id>/cancel")
-    def responses_cancel(response_id: str) -> Response:
+    def responses_cancel(response_id: str) -> WerkzeugResponse:
         return stored(Responses.cancel, response_id)
 
     @bp.get("/v1/models")
-    def models() -> Response:
+    def models() -> WerkzeugResponse:
         gateway = current()
         gateway.api_keys.check(request.headers.get("Authorization"))
         return json_response(gateway.models())
@@ -371,7 +389,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     # /health is (the prober sends no key).
     @bp.route("/ping", methods=["GET", "POST"])
     @bp.get("/health")
-    def health() -> Response:
+    def health() -> WerkzeugResponse:
         return health_response(current())
 
     def admin() -> Gateway:
@@ -382,7 +400,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         return gateway
 
     @bp.get("/admin/status")
-    def status() -> Response:
+    def status() -> WerkzeugResponse:
         gateway = admin()
         # debug=1 walks the heap for live greenlets: only for the operator who asked.
         report = gateway.status(debug=request.args.get("debug") == "1")
@@ -391,22 +409,22 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     # Engines added and removed at run time, in every worker (gateway.engines.membership says how).
     # {"role": "prefill"|"decode", "url": "http://host:port"}, as JSON (or query arguments).
     @bp.get("/admin/instances")
-    def instances() -> Response:
+    def instances() -> WerkzeugResponse:
         return json_response(admin().membership.report())
 
     @bp.post("/admin/instances")
-    def add_instance() -> Response:
+    def add_instance() -> WerkzeugResponse:
         membership = admin().membership
         report, new = membership.add(*_instance_args())
         return json_response(report, 201 if new else 200)
 
     @bp.delete("/admin/instances")
-    def remove_instance() -> Response:
+    def remove_instance() -> WerkzeugResponse:
         membership = admin().membership
         return json_response(membership.remove(*_instance_args()))
 
     @bp.get("/metrics")
-    def prometheus() -> Response:
+    def prometheus() -> WerkzeugResponse:
         gateway = current()
         if gateway.api_keys.enabled:     # clients authenticate: metrics are for the operator
             check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
@@ -420,14 +438,14 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
         # a path none serves, or a method the one serving it does not take.
         @bp.route("/", defaults={"path": ""}, methods=_METHODS)
         @bp.route("/<path:path>", methods=_METHODS)
-        def not_served(path: str) -> Response:
+        def not_served(path: str) -> WerkzeugResponse:
             return unknown_route().response()
 
     # Blueprint-scoped: the app's own routes keep the app's handlers. HTTPException too, or an
     # app-wide handler for it would answer first (Flask looks for the most specific class).
     @bp.errorhandler(HTTPException)
     @bp.errorhandler(Exception)
-    def unexpected(exc: Exception) -> Response:
+    def unexpected(exc: Exception) -> WerkzeugResponse:
         rule = request.url_rule
         # The Messages route's errors in Anthropic's envelope, wherever they arose.
         shape = (anthropic.envelope if rule is not None and rule.rule == anthropic.MESSAGES

@@ -72,7 +72,7 @@ _REQUEST_TIMEOUT = 60.0                        # this worker's --request-timeout
 _LOOP_BYTES = 64 * 1024 * 1024                 # this worker's --max-bodies-bytes
 _CLIENT_TIMEOUT = 60.0                         # this worker's --client-timeout
 # What each client socket was sent and when it last took some of it (`_taking`).
-_TAKEN: "weakref.WeakKeyDictionary[socket.socket, list]" = weakref.WeakKeyDictionary()
+_TAKEN: weakref.WeakKeyDictionary[socket.socket, list] = weakref.WeakKeyDictionary()
 TAKING_CHECK_SECONDS = 1.0
 _OUTQ = getattr(termios, "TIOCOUTQ", None)     # a socket's bytes not yet acknowledged (Linux)
 # What a gthread worker's loop reads of a request before a pool thread takes it: its head, and a
@@ -90,7 +90,7 @@ _EXPECT = re.compile(rb"\nexpect[ \t]*:[ \t]*100-continue[ \t]*\r?(?=\n)", re.IG
 # Each client socket's deadline for the request it is receiving: set by that request's first
 # bytes, forgotten when its connection waits for a next request. Kept beside the sockets, whose
 # class is swapped in place (a class that may add no slot).
-_DEADLINES: "weakref.WeakKeyDictionary[socket.socket, float]" = weakref.WeakKeyDictionary()
+_DEADLINES: weakref.WeakKeyDictionary[socket.socket, float] = weakref.WeakKeyDictionary()
 
 
 def _client_timeout() -> float:
@@ -231,13 +231,13 @@ class GeventWorker(_GeventWorker):
         finally:
             del self._clients[glet]
 
-    def handle_request(self, listener_name, req, sock, addr):  # type: ignore[no-untyped-def]
+    def handle_request(self, listener_name, req, sock, addr):
         try:
             return super().handle_request(listener_name, req, sock, addr)
         finally:
             _DEADLINES.pop(sock, None)       # served: a drain after it is not its head
 
-    def timeout_ctx(self) -> "_IdleWait":
+    def timeout_ctx(self) -> _IdleWait:
         # gunicorn calls this around reading each next request on a connection, only there:
         # the keep-alive wait, bounded by itself (the request's headers with it); the client
         # timeout holds from the headers on.
@@ -298,36 +298,36 @@ class _QuietTimeouts:
     pd_stalled = False
     _stalled: type          # each socket class's own, set with it
 
-    def sendall(self, data, flags: int = 0) -> None:  # type: ignore[no-untyped-def]
+    def sendall(self, data, flags: int = 0) -> None:
         _taking(self, len(data))
         self._sendall(data, flags)
 
-    def _sendall(self, data, flags: int) -> None:  # type: ignore[no-untyped-def]
+    def _sendall(self, data, flags: int) -> None:
         try:
-            super().sendall(data, flags)  # type: ignore[misc]
+            super().sendall(data, flags)
         except TimeoutError:
             raise BrokenPipeError(errno.EPIPE, "the client took nothing for --client-timeout") \
                 from None
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         if flags:
-            return super().recv(bufsize, flags)  # type: ignore[misc]
+            return super().recv(bufsize, flags)
         try:
-            return self._within_deadline(super().recv, bufsize)  # type: ignore[misc]
+            return self._within_deadline(super().recv, bufsize)
         except TimeoutError:
             self.__class__ = self._stalled
             return b""
 
-    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[no-untyped-def]
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
         if flags:
-            return super().recv_into(buffer, nbytes, flags)  # type: ignore[misc]
+            return super().recv_into(buffer, nbytes, flags)
         try:
-            return self._within_deadline(super().recv_into, buffer, nbytes)  # type: ignore[misc]
+            return self._within_deadline(super().recv_into, buffer, nbytes)
         except TimeoutError:
             self.__class__ = self._stalled
             return 0
 
-    def _within_deadline(self, read, *args):  # type: ignore[no-untyped-def]
+    def _within_deadline(self, read, *args):
         """A read of the request, waiting no longer than its deadline leaves (the first read
         that brings bytes sets it)."""
         deadline = _DEADLINES.get(self)
@@ -337,25 +337,25 @@ class _QuietTimeouts:
                 _DEADLINES[self] = time.monotonic() + _REQUEST_TIMEOUT
             return got
         left = deadline - time.monotonic()
-        timeout = self.gettimeout()  # type: ignore[attr-defined]
+        timeout = self.gettimeout()
         if left <= 0:
             # Past it: what has come already is still taken (a request a thread starts on late
             # was sent in time), nothing more is waited for.
-            self.settimeout(0.0)  # type: ignore[attr-defined]
+            self.settimeout(0.0)
             try:
                 return read(*args)
             except BlockingIOError:
                 raise TimeoutError("the request took longer than --request-timeout to "
                                    "arrive") from None
             finally:
-                self.settimeout(timeout)  # type: ignore[attr-defined]
+                self.settimeout(timeout)
         if timeout is not None and timeout <= left:     # non-blocking (0) among them
             return read(*args)
-        self.settimeout(left)  # type: ignore[attr-defined]
+        self.settimeout(left)
         try:
             return read(*args)
         finally:
-            self.settimeout(timeout)  # type: ignore[attr-defined]
+            self.settimeout(timeout)
 
 
 class _Stalled:
@@ -365,7 +365,7 @@ class _Stalled:
     __slots__ = ()
     pd_stalled = True
 
-    def recv(self, *args):  # type: ignore[no-untyped-def]
+    def recv(self, *args):
         raise ConnectionResetError(errno.ECONNRESET, "the client stalled")
 
     recv_into = recv
@@ -376,7 +376,7 @@ class _ClientSocket(_QuietTimeouts, gevent.socket.socket):
 
     __slots__ = ()
 
-    def sendall(self, data, flags=0):  # type: ignore[no-untyped-def]
+    def sendall(self, data, flags=0):
         _taking(self, len(data))
         try:
             sent = self._sock.send(data, flags)
@@ -421,7 +421,7 @@ class ThreadWorker(_ThreadWorker):
         super().load_wsgi()
         _collect_less()
 
-    def enqueue_req(self, conn):  # type: ignore[no-untyped-def]
+    def enqueue_req(self, conn):
         # Before gunicorn makes the socket blocking for its thread (in `enqueue_req` up to
         # gunicorn 23, in `handle` later). TLS sockets are left as they are (gunicorn wraps
         # them in its own class): put a buffering proxy in front of a TLS gthread gateway.
@@ -454,16 +454,16 @@ class ThreadWorker(_ThreadWorker):
         return None
 
     @property
-    def _poller_lock(self):  # type: ignore[no-untyped-def]
+    def _poller_lock(self):
         """gunicorn before 24 registers connections from pool threads too, under its lock (made
         as its loop starts)."""
         return getattr(self, "_lock", None) or contextlib.nullcontext()
 
-    def _more_head(self, conn, _fileobj) -> None:  # type: ignore[no-untyped-def]
+    def _more_head(self, conn, _fileobj) -> None:
         """The poller: more of a request's bytes have come."""
         self._read_head(conn, len(conn.pd_head), waiting=True)
 
-    def _read_head(self, conn, seen: int, waiting: bool = False) -> bool:  # type: ignore[no-untyped-def]
+    def _read_head(self, conn, seen: int, waiting: bool = False) -> bool:
         """Read what has come of the request, without waiting (`seen`: bytes of it already
         looked through). True once the connection is no longer this loop's: a thread has it
         (its head whole, and its body if the loop reads it; or a head past gunicorn's limits,
@@ -499,7 +499,7 @@ class ThreadWorker(_ThreadWorker):
         self._to_thread(conn, waiting)
         return True
 
-    def _whole(self, conn, head: bytearray, seen: int) -> bool:  # type: ignore[no-untyped-def]
+    def _whole(self, conn, head: bytearray, seen: int) -> bool:
         """Has the loop read what it reads of this request: its head, and its body where it
         reads that too (known length, or chunked: its last chunk in; at most LOOP_BODY_BYTES)?"""
         if conn.pd_need is None:
@@ -522,18 +522,18 @@ class ThreadWorker(_ThreadWorker):
         with self._held_lock:
             self._held += size
 
-    def _to_thread(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
+    def _to_thread(self, conn, waiting: bool) -> None:
         """A pool thread takes the request (and the bytes the loop read of it)."""
         self._let_go_of(conn, waiting)
         super().enqueue_req(conn)
 
-    def _close(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
+    def _close(self, conn, waiting: bool) -> None:
         self._let_go_of(conn, waiting)
         self._hold(-len(conn.__dict__.pop("pd_head")))
         self.nr_conns -= 1
         conn.close()
 
-    def _let_go_of(self, conn, waiting: bool) -> None:  # type: ignore[no-untyped-def]
+    def _let_go_of(self, conn, waiting: bool) -> None:
         """The loop waits on the connection's socket no more."""
         if waiting:
             self._heads.pop(conn, None)
@@ -543,7 +543,7 @@ class ThreadWorker(_ThreadWorker):
             except (KeyError, ValueError, OSError):
                 pass
 
-    def handle(self, conn):  # type: ignore[no-untyped-def]
+    def handle(self, conn):
         """In a pool thread: what the loop read goes back in front of the parser."""
         head = conn.__dict__.pop("pd_head", None)
         if head is not None:
@@ -555,7 +555,7 @@ class ThreadWorker(_ThreadWorker):
                 conn.parser.unreader.unread(bytes(head))
         return super().handle(conn)
 
-    def murder_keepalived(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def murder_keepalived(self, *args, **kwargs):
         """gunicorn's sweep of idle connections, once a loop pass; four times a second, the
         requests the loop reads past their deadline too: --request-timeout from their first
         byte and --client-timeout from their last (a head closed; a body to a thread, for its
@@ -632,5 +632,5 @@ class _ClosingSocket(socket.socket):
 
     __slots__ = ()
 
-    def settimeout(self, value) -> None:  # type: ignore[no-untyped-def]
+    def settimeout(self, value) -> None:
         super().settimeout(0.0)

@@ -7,13 +7,12 @@ import threading
 import uuid
 
 import pytest
-import requests
 
-from gateway.front.owners import Owners, owner
-from gateway.config import Settings
-from gateway.reuse.conversation import identify
 from devtools import workload
 from emulator.process import EmulatorProcess, wait_until
+from gateway.config import Settings
+from gateway.front.owners import Owners, owner
+from gateway.reuse.conversation import identify
 from tests.helpers.servers import gateway_process, metric, starts_processes, two_of_each, workers_of
 
 
@@ -80,7 +79,7 @@ def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], workers=4) as gateway:
         for slot in range(4):
-            wait_until(lambda: worker_health(gateway, slot), 20, f"worker {slot}")
+            wait_until(lambda slot=slot: worker_health(gateway, slot), 20, f"worker {slot}")
         victim = worker_health(gateway, 2)
         # A request the killed process itself had accepted loses its connection before any
         # response; the client retries it, as the OpenAI SDK does by default (max_retries=2).
@@ -115,7 +114,7 @@ def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_en
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], workers=2, worker_class=worker_class) as gateway:
         for slot in range(2):
-            wait_until(lambda: worker_health(gateway, slot), 20, f"worker {slot}")
+            wait_until(lambda slot=slot: worker_health(gateway, slot), 20, f"worker {slot}")
         old = workers_of(gateway)
         convs = [workload.Conversation(gateway.url) for _ in range(40)]
         workload.drive(convs, turns=1)
@@ -184,9 +183,11 @@ def test_conversation_affine_choice_cuts_decode_pulls(two_by_two, gateway_factor
 
 
 def test_failed_connection_marks_down_and_probe_brings_back(gateway_factory):
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.8", itl_ms=1) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.9", itl_ms=1) as d1, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.10", itl_ms=1) as d2:
+    with (
+        EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.8", itl_ms=1) as p,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.9", itl_ms=1) as d1,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.10", itl_ms=1) as d2,
+    ):
         gateway = gateway_process([p.url], [d1.url, d2.url], probe_interval=0.2)
         try:
             health = gateway.status

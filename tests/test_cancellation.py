@@ -78,9 +78,9 @@ def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.16", itl_ms=60_000) as d, \
             gateway_process([p.url], [d.url], worker_class=worker_class) as gateway:
         # Warm up, so gthread's pool has its request thread before we count.
-        requests.post(gateway.url + "/v1/chat/completions", timeout=10,
-                      json={"model": MODEL, "max_tokens": 1, "stream": True,
-                            "messages": [{"role": "user", "content": "warm"}]}).content
+        _ = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
+                          json={"model": MODEL, "max_tokens": 1, "stream": True,
+                                "messages": [{"role": "user", "content": "warm"}]}).content
         before, stored = live_tasks(gateway), health(gateway)["conversations"]
 
         def first_event(sock):
@@ -145,7 +145,7 @@ def test_a_client_gone_while_forwarded_is_not_served_again_locally(fresh_engines
             with gateway.forwarded(body) as arrived:
                 open_and_abandon(gateway, body, lambda sock, n=sent: (
                     arrived(), wait_until(lambda: p.stats()["requests"] >= n, 10, "P call")))
-            wait_until(lambda: p.stats()["fault_responses"] == sent, 5, "the P call closed")
+            wait_until(lambda n=sent: p.stats()["fault_responses"] == n, 5, "the P call closed")
         assert metric(gateway, "pd_gateway_forwarded_total", result="failed") == 2
         # A forwarded request whose client left is not re-run here (before: a second P call).
         assert p.stats()["requests"] == sent
@@ -197,6 +197,7 @@ def _client(url: str, deadline: float, rng, outcome: dict) -> None:
 def test_chaos_with_long_bodies_leaves_nothing_behind(worker_class):
     import random
     import threading
+
     from emulator.process import EmulatorProcess
     with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.19", itl_ms=2, prefill_ms_per_token=0.1) as p, \
             EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.20", itl_ms=20) as d, \
@@ -240,7 +241,7 @@ def test_chaos_with_long_bodies_leaves_nothing_behind(worker_class):
         assert len(outcome["abandoned"]) > 0
         # 2: nothing left: no engine call in flight, no watcher, in either worker.
         for slot in range(2):
-            wait_until(lambda: (lambda r: r["watchers"] == 0 and sum(
+            wait_until(lambda slot=slot: (lambda r: r["watchers"] == 0 and sum(
                 i["inflight"] for i in r["prefill"] + r["decode"]) == 0)(
                     gateway.status(port=gateway.port + 1 + slot)), 10, f"worker {slot} idle")
         assert p.stats()["wrong_reuse"] == 0

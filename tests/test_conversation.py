@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.reuse.conversation import identify, root_key
 
@@ -70,7 +71,7 @@ def test_any_content_change_changes_the_digest_from_there_on(msgs, data):
         content[-1]["text"] += data.draw(st.text(min_size=1, max_size=3))
     before, after = ident(msgs).messages, ident(changed).messages
     assert before[:i] == after[:i]
-    assert all(b != a for b, a in zip(before[i:], after[i:]))
+    assert all(b != a for b, a in zip(before[i:], after[i:], strict=True))
 
 
 def test_text_parts_equal_the_joined_string_and_none_equals_empty():

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from emulator.process import EmulatorProcess, wait_until
+from emulator.tokens import VOCAB
 from gateway.engines.d_budget import FALLBACK, HIGH_WATER, DBudget, Limit
 from gateway.engines.engine_load import DEFAULT_BLOCK_SIZE, BlockSize, Facts, Reported
 from gateway.engines.instances import Pool
-from emulator.process import EmulatorProcess, wait_until
-from emulator.tokens import VOCAB
 from gateway.reuse.store import Entry, LocalStore
 from tests.helpers.servers import MODEL, gateway_process
 

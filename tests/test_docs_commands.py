@@ -50,7 +50,8 @@ def test_the_docs_engine_and_gateway_commands_serve_turns_where_p_reads_ds_block
             stack.callback(process.wait, 10)
             stack.callback(process.terminate)
             url = _url(args, "127.0.0.1")
-            wait_until(lambda: requests.get(url + "/health", timeout=2).status_code == 200, 30,
+            wait_until(lambda url=url: requests.get(url + "/health", timeout=2).status_code == 200,
+                       30,
                        " ".join(args), process, log.name)
             urls.append(url)
         p_url, _, gateway_url = urls

@@ -76,6 +76,7 @@ def test_models_and_health(gateway):
 
 def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
     import requests
+
     from devtools import workload
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url], workers=2)

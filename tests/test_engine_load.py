@@ -16,8 +16,7 @@ import requests
 
 from emulator.metrics import exposition
 from emulator.process import EmulatorProcess, wait_until
-from gateway.engines.engine_load import (FIELDS, RECLAIM, EngineLoad, Facts, LoadTable, Page,
-                                         parse)
+from gateway.engines.engine_load import FIELDS, RECLAIM, EngineLoad, Facts, LoadTable, Page, parse
 from gateway.engines.instances import Pool
 from tests.helpers.servers import MODEL, QuietHandler, gateway_process, starts_processes
 
@@ -140,7 +139,7 @@ def test_engines_whose_rows_collide_keep_their_own():
     urls = [f"http://d:{port}" for port in range(2)]
     rows = [one.claim(url, 10.0, 1.0) for url in urls]
     assert sorted(rows) == [0, 1]
-    for url, row, waiting in zip(urls, rows, (1.0, 2.0)):
+    for url, row, waiting in zip(urls, rows, (1.0, 2.0), strict=True):
         one.write(url, row, Page(waiting, 0.0, 0.0), 10.0)
     assert [other.read(url, 10.5, 3.0).waiting for url in urls] == [1.0, 2.0]
     assert other.claim("http://d:3", 10.0, 1.0) is None      # full: that one goes unread

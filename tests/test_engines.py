@@ -64,7 +64,8 @@ def test_engines_added_and_removed_while_conversations_run(worker_class):
                                                       worker_class=worker_class,
                                                       admin_instance_hosts="127.0.0.0/24"))
         for slot in range(2):
-            wait_until(lambda: gateway.status(port=gateway.port + 1 + slot), 20, f"slot {slot}")
+            wait_until(lambda slot=slot: gateway.status(port=gateway.port + 1 + slot), 20,
+                       f"slot {slot}")
         convs = conversations(gateway, 40)
         workload.drive(convs, 2, concurrency=8)               # entries on D1 and D2
         assert workload.errors(convs) == []

@@ -83,14 +83,19 @@ def chat(gateway, messages, **extra):
     return response.headers["X-Gateway-Cache"], response.json()["choices"][0]["message"]["content"]
 
 
-def test_prompt_fields_outside_the_allowlist_keep_conversations_apart(fresh_engines, gateway_factory):
+def test_prompt_fields_outside_the_allowlist_keep_conversations_apart(
+    fresh_engines, gateway_factory
+):
     """Two users with the same history but different cache_salt (vLLM's per-user prefix-cache
     isolation) never share an entry; sampling options do not split a conversation."""
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url])
     history = [{"role": "user", "content": f"shared question {uuid.uuid4().hex}"}]
     _, reply = chat(gateway, history, cache_salt="alice")
-    follow = history + [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
+    follow = history + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "more"},
+    ]
     # Same words (the emulator is deterministic, like temperature 0): only the salt differs.
     assert chat(gateway, follow, cache_salt="bob")[0] == "miss"
     assert chat(gateway, follow, cache_salt="alice", temperature=0.3)[0] == "hit"
@@ -102,6 +107,9 @@ def test_truncated_prompts_are_never_reused(fresh_engines, gateway_factory):
     gateway = gateway_factory([p.url], [d.url])
     history = [{"role": "user", "content": " ".join(["long"] * 40) + uuid.uuid4().hex}]
     _, reply = chat(gateway, history, truncate_prompt_tokens=20)
-    follow = history + [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
+    follow = history + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "more"},
+    ]
     assert chat(gateway, follow, truncate_prompt_tokens=20)[0] == "miss"
     assert p.stats()["wrong_reuse"] == 0

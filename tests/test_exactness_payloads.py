@@ -148,11 +148,12 @@ def test_always_verifies_plain_turns_too(make_client, quirks, expected):
     client = make_client("always")
     template, calls = Template(frozenset(quirks)), []
     responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
-    caches, _ = three_turns(client, template, PLAIN, {"role": "assistant", "content": "fine thanks"},
-                            first_ids=True)
+    caches, _ = three_turns(
+        client, template, PLAIN, {"role": "assistant", "content": "fine thanks"}, first_ids=True
+    )
     # always asks D for ids from turn 1, so turn 2 is already checked.
     assert caches == ["miss", expected, expected]
-    assert len(calls) == 2                                        # no probe: one per reuse
+    assert len(calls) == 2  # no probe: one per reuse
 
 
 @responses.activate
@@ -160,18 +161,22 @@ def test_a_template_that_rewrites_earlier_text_fails_its_probe(make_client):
     client = make_client("auto")
     template, calls = Template(frozenset({"system_last"})), []
     responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
-    caches, _ = three_turns(client, template, PLAIN, {"role": "assistant", "content": "fine thanks"},
-                            first_ids=True)
+    caches, _ = three_turns(
+        client, template, PLAIN, {"role": "assistant", "content": "fine thanks"}, first_ids=True
+    )
     assert caches == ["miss", "miss", "miss"]
     assert ["return_token_ids" in body for body in sent(D_URL + CHAT)] == [True, True, True]
-    assert len(calls) == 3 + 2                                    # probe, then each reuse checked
+    assert len(calls) == 3 + 2  # probe, then each reuse checked
 
 
 @responses.activate
 def test_truncated_prompts_are_never_reused(client, store):
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
-    responses.post(D_URL + CHAT, body=d_stream(Template().render(MESSAGES), PLAIN, with_ids=False),
-                   content_type="text/event-stream")
+    responses.post(
+        D_URL + CHAT,
+        body=d_stream(Template().render(MESSAGES), PLAIN, with_ids=False),
+        content_type="text/event-stream",
+    )
     turn(client, MESSAGES, truncate_prompt_tokens=100, conversation_id="c")
     assert len(store) == 0
 
@@ -182,9 +187,11 @@ def test_token_ids_the_client_asked_for_reach_it(make_client):
     responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), []))
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
     prompt = Template().render(MESSAGES)
-    responses.post(D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=True),
-                   content_type="text/event-stream")
+    responses.post(
+        D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=True), content_type="text/event-stream"
+    )
     events = client_events(turn(client, MESSAGES, return_token_ids=True).data)
     assert events[0]["prompt_token_ids"] == token_ids(prompt)
-    assert [i for e in events[1:-1] for i in e["choices"][0]["token_ids"]] \
-        == token_ids(["fine", "thanks", EOS])
+    assert [i for e in events[1:-1] for i in e["choices"][0]["token_ids"]] == token_ids(
+        ["fine", "thanks", EOS]
+    )

@@ -16,8 +16,18 @@ from openai import OpenAI
 from responses import matchers
 
 from emulator.process import wait_until
-from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, chat_events, d_params, d_stream,
-                                    p_params, p_reply, tokenizer)
+from tests.helpers.payloads import (
+    D_URL,
+    MISS,
+    P_URL,
+    PLAIN,
+    chat_events,
+    d_params,
+    d_stream,
+    p_params,
+    p_reply,
+    tokenizer,
+)
 from tests.helpers.servers import MODEL
 from tests.helpers.transport import ResponsesTransport
 
@@ -248,6 +258,7 @@ def test_an_entry_the_two_stage_path_would_not_read_is_not_read_by_the_fast_path
 def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     # verify_reuse always: the decode-only check tokenizes on D; when that fails, the two-stage
     # path proves the entry on P instead of taking the refusal as final.
+    from emulator.tokens import Template
     from gateway.app import create_app
     from gateway.config import Settings
     from emulator.tokens import Template
@@ -256,16 +267,22 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
                      transport=ResponsesTransport())
     client = app.test_client()
     try:
-        responses.add_callback(responses.POST, P_URL + "/tokenize",
-                               callback=tokenizer(Template(), []))
+        responses.add_callback(
+            responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), [])
+        )
         responses.post(D_URL + "/tokenize", status=500, json={"error": {"message": "busy"}})
         responses.post(P_URL + CHAT, json=p_reply(p_params(1)))
         first = [{"role": "user", "content": "hi there"}]
-        responses.post(D_URL + CHAT, body=d_stream(Template().render(first), PLAIN, True),
-                       content_type="text/event-stream")
+        responses.post(
+            D_URL + CHAT,
+            body=d_stream(Template().render(first), PLAIN, True),
+            content_type="text/event-stream",
+        )
         client.post(CHAT, json={"model": "m", "messages": first, "stream": True})
-        follow = first + [{"role": "assistant", "content": "fine thanks"},
-                          {"role": "user", "content": "more"}]
+        follow = first + [
+            {"role": "assistant", "content": "fine thanks"},
+            {"role": "user", "content": "more"},
+        ]
         reply = client.post(CHAT, json={"model": "m", "messages": follow, "stream": True})
         assert reply.headers["X-Gateway-Path"] == "two-stage; reason=tokenize_failed"
         assert reply.headers["X-Gateway-Cache"] == "hit"

@@ -165,5 +165,5 @@ def test_no_engine_detail_reaches_a_client(gateway, fresh_engines):
                         + (rb"(?![0-9A-Za-z])" if secret[-1].isalnum() else b""))
              for secret in secrets]
     for body in seen:
-        for secret, leak in zip(secrets, leaks):
+        for secret, leak in zip(secrets, leaks, strict=True):
             assert not leak.search(body), (secret, body[:300])

@@ -156,7 +156,7 @@ def test_admin_changes_reach_every_member_of_the_file_in_order(tmp_path):
         pools = {"prefill": Pool("prefill", []), "decode": Pool("decode", [])}
         return Membership(settings, {"": pools}, environ={"PD_GATEWAY_CHANGES": str(path)}), pools
 
-    (one, one_pools), (two, two_pools) = worker(), worker()
+    (one, _), (two, two_pools) = worker(), worker()
     try:
         report, new = one.add("decode", "10.9.0.4:8200")          # host:port is enough
         assert new and report["url"] == D2_URL and report["name"] == "decode[1]"
@@ -230,8 +230,8 @@ def test_unreachable_marks_down_until_success(clock):
 
 
 def test_closing_a_gateway_stops_its_prober():
-    from gateway.service import Gateway
     from gateway.config import Settings
+    from gateway.service import Gateway
     gateway = Gateway(Settings(engine_metrics_interval=0, prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                probe_interval=0.05))
     gateway.prefill.failed(gateway.prefill.instances[0], unreachable=True)   # wakes the prober
@@ -242,9 +242,9 @@ def test_closing_a_gateway_stops_its_prober():
 
 
 def test_an_unexpected_exception_never_leaks_an_in_flight_count():
+    from gateway.engines.instances import Pool
     from gateway.flow.disagg import Disagg
     from gateway.reuse.store import LocalStore
-    from gateway.engines.instances import Pool
     pool = Pool("prefill", ["http://10.9.0.1:8100"])
     disagg = Disagg(LocalStore(10, 450), None, pool, pool)
 
@@ -351,8 +351,9 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], admin_token="t",
                               admin_instance_hosts=allowed), transport=ResponsesTransport())
     try:
-        reply = app.test_client().post("/admin/instances", json={"role": "decode", "url": url},
-                                       headers=ADMIN)
+        reply = app.test_client().post(
+            "/admin/instances", json={"role": "decode", "url": url}, headers=ADMIN
+        )
         assert reply.status_code == status, reply.get_json()
         if status in (400, 403):
             assert reply.get_json()["error"]["param"] == "url"
@@ -363,6 +364,7 @@ def test_admin_added_engines_are_on_hosts_the_settings_allow(allowed, url, statu
 def test_engine_credentials_never_reach_reports_or_logs(caplog):
     """user:password in an engine URL is sent to the engine (Basic auth), and shown nowhere."""
     from gateway.engines.instances import Pool
+
     pool = Pool("decode", ["http://bob:s3cret@10.9.0.3:8200"])
     instance = pool.instances[0]
     assert instance.credentials == ("bob", "s3cret")
@@ -375,6 +377,7 @@ def test_engine_credentials_never_reach_reports_or_logs(caplog):
 
 
 # --- on real sockets: added URLs parsed once, and no redirect followed ------------------------
+
 
 class _Engine(QuietHandler):
     """An engine that answers /health and sends everything else elsewhere (a 302)."""
@@ -395,14 +398,18 @@ class _Trap(QuietHandler):
 
     def do_GET(self):  # noqa: N802
         type(self).visits.append(self.path)
-        self.answer(200, json.dumps({"object": "list", "data": [{"id": "secret-model"}]}).encode(),
-                    {"Content-Type": "application/json"})
+        self.answer(
+            200,
+            json.dumps({"object": "list", "data": [{"id": "secret-model"}]}).encode(),
+            {"Content-Type": "application/json"},
+        )
 
 
 @pytest.mark.processes
 def test_an_added_engine_url_is_parsed_once_and_no_redirect_is_followed():
     from emulator.process import EmulatorProcess, free_port
     from tests.helpers.servers import gateway_process
+
     with contextlib.ExitStack() as stack:
         servers = []
         for host, handler in (("127.0.0.191", _Trap), ("127.0.0.192", _Engine)):
@@ -413,8 +420,9 @@ def test_an_added_engine_url_is_parsed_once_and_no_redirect_is_followed():
             servers.append(server)
         trap, engine = (f"http://{s.server_address[0]}:{s.server_address[1]}" for s in servers)
         _Engine.elsewhere = trap
-        p = stack.enter_context(EmulatorProcess("prefill", host="127.0.0.193",
-                                                bidirectional_kv_xfer=True))
+        p = stack.enter_context(
+            EmulatorProcess("prefill", host="127.0.0.193", bidirectional_kv_xfer=True)
+        )
         gateway = stack.enter_context(gateway_process([p.url], [engine], admin_token="t"))
         # The gateway's /v1/models asks its D, which redirects: not followed.
         assert requests.get(gateway.url + "/v1/models", timeout=10).status_code == 502
@@ -422,8 +430,12 @@ def test_an_added_engine_url_is_parsed_once_and_no_redirect_is_followed():
         # The allowlist is the settings' hosts (127.0.0.192, 127.0.0.193): a URL urlsplit
         # reads as one of them and urllib3 as another is refused, not added.
         bypass = f"http://127.0.0.191:{servers[0].server_address[1]}\\\\@127.0.0.192:1"
-        reply = requests.post(gateway.url + "/admin/instances", headers=ADMIN, timeout=10,
-                              json={"role": "decode", "url": bypass})
+        reply = requests.post(
+            gateway.url + "/admin/instances",
+            headers=ADMIN,
+            timeout=10,
+            json={"role": "decode", "url": bypass},
+        )
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "url"
         listed = requests.get(gateway.url + "/admin/instances", headers=ADMIN, timeout=10)
         assert [i["url"] for i in listed.json()["decode"]] == [engine]

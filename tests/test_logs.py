@@ -97,7 +97,8 @@ def test_a_model_name_is_logged_short_and_reads_as_it_is_written(fresh_engines, 
         reply = requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
             "model": name, "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 404 and len(reply.json()["error"]["message"]) < 2_000
-        wait_until(lambda: "\\u202e" in gateway.log()[before:], 10, "the 404 logged")
+        wait_until(lambda gateway=gateway, before=before: "\\u202e" in gateway.log()[before:], 10,
+                   "the 404 logged")
         logged = gateway.log()[before:]
         assert "\u202e" not in logged and "\u2028" not in logged
         assert max(len(line) for line in logged.splitlines()) < 4_000

@@ -9,8 +9,8 @@ import requests
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.support import metrics
 from devtools.workload import MODEL
+from gateway.support import metrics
 from tests.helpers.servers import metric
 
 CHAT = "/v1/chat/completions"
@@ -56,8 +56,8 @@ def test_a_label_value_not_declared_is_refused_where_the_suite_runs(monkeypatch)
 def test_every_metric_declares_its_labels_values_and_the_suite_is_strict():
     import os
     assert os.environ.get(metrics.STRICT_ENV) == "1" and metrics._STRICT
-    for metric in metrics.DECLARED:
-        assert list(metric.values) == list(metric._labelnames), metric._name
+    for declared in metrics.DECLARED:
+        assert list(declared.values) == list(declared._labelnames), declared._name
     assert {m._name for m in metrics.DECLARED} >= {
         "pd_gateway_responses", "pd_gateway_e2e_request_latency_seconds",
         "pd_gateway_inter_token_latency_seconds", "pd_gateway_prefill_cached_tokens"}

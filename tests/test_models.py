@@ -67,8 +67,8 @@ def test_a_models_file_that_is_not_model_tables_is_refused(tmp_path):
 
 @responses.activate
 def test_models_asks_healthy_instances_first_with_a_short_timeout():
-    from gateway.service import Gateway
     from gateway.config import Settings
+    from gateway.service import Gateway
     gateway = Gateway(Settings(engine_metrics_interval=0, probe_interval=0, prefill=["http://10.9.0.1:8100"],
                                decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"]),
                       transport=ResponsesTransport())

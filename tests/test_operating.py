@@ -19,8 +19,16 @@ import requests
 import responses
 
 from emulator.process import EmulatorProcess, wait_until
-from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, P_URL, chat_events, d_params, p_params,
-                                    p_reply)
+from tests.helpers.payloads import (
+    CHAT,
+    D_URL,
+    MESSAGES,
+    P_URL,
+    chat_events,
+    d_params,
+    p_params,
+    p_reply,
+)
 from tests.helpers.servers import MODEL, gateway_process, metric
 from tests.helpers.transport import ResponsesTransport
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.reuse.conversation import identify
 from gateway.reuse.kv_params import clean_params

@@ -70,7 +70,7 @@ class _Recording:
         self.writes.append(bytes(data))
         self.sock.sendall(data)
 
-    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name):
         return getattr(self.sock, name)
 
 

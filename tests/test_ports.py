@@ -15,7 +15,6 @@ from devtools import workload
 from emulator.process import free_port, wait_until
 from tests.helpers.servers import gateway_process
 
-
 # --- the public port shows status only ----------------------------------------------------------
 
 def test_health_answers_503_degraded_when_no_d_is_usable(app, client):

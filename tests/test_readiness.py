@@ -179,8 +179,8 @@ def test_a_gateway_is_not_ready_until_its_engines_answer_and_refuses_turns_befor
             wait_until(lambda: gateway.metric("pd_gateway_engine_kv_blocks", role="decode")
                        == 20000, 10, "the D's /metrics to be read")
             assert gateway.metric("pd_gateway_engine_block_size", role="decode") == 16
-            assert "decode[0] (%s): KV block size 16, 20000 blocks, prefix caching on" % d_url \
-                in gateway.log()
+            assert (f"decode[0] ({d_url}): KV block size 16, 20000 blocks, prefix caching on"
+                    in gateway.log())
             reply = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
                                   json={"model": MODEL, "messages": MESSAGES})
             assert reply.status_code == 200

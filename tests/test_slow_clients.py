@@ -14,7 +14,6 @@ import requests
 from emulator.process import EmulatorProcess, wait_until
 from tests.helpers.servers import MODEL, gateway_process
 
-
 # --- clients that stall cost their connections, not the worker ----------------------------------
 
 STALLED = {

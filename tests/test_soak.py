@@ -165,8 +165,9 @@ def test_soak_under_chaos(worker_class):
                                   probe_interval=0.5, keepalive=KEEPALIVE)
         try:
             for slot in range(WORKERS):
-                wait_until(lambda: requests.get(f"http://127.0.0.1:{gateway.port + 1 + slot}"
-                                                "/health", timeout=2), 20, f"worker {slot}")
+                wait_until(lambda slot=slot: requests.get(
+                    f"http://127.0.0.1:{gateway.port + 1 + slot}/health", timeout=2), 20,
+                    f"worker {slot}")
             before = worker_reports(gateway)
             tally, injected = Tally(), Counter()
             deadline = time.monotonic() + SECONDS

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.flow.sse import EventFilter
 from gateway.flow.decoded import Decoded
+from gateway.flow.sse import EventFilter
 from gateway.support.errors import ClientGone
 
 content = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
@@ -107,7 +106,7 @@ class _CutAfter:
         self._chunks = chunks
         self.closed = False
 
-    def chunks(self):  # type: ignore[no-untyped-def]
+    def chunks(self):
         yield from self._chunks
         raise ClientGone("the client left")
 

@@ -14,11 +14,11 @@ import pytest
 import requests
 
 from emulator.process import EmulatorProcess, wait_until
+from gateway.engines.instances import Pool
 from gateway.front.admission import Admission
 from gateway.front.auth import ApiKeys
-from gateway.support.errors import Overloaded
-from gateway.engines.instances import Pool
 from gateway.front.tenants import KeyLimits, RateLimited, Tenants, duration
+from gateway.support.errors import Overloaded
 from tests.helpers.servers import MODEL, gateway_process, starts_processes
 
 CHAT = "/v1/chat/completions"
@@ -518,14 +518,15 @@ def test_a_client_that_leaves_while_d_decodes_is_charged(slow_engines, tmp_path)
     with gateway_process([p.url], [d.url], api_keys_file=str(keys), release_rate=0) as gateway:
         body = json.dumps({"model": MODEL, "max_tokens": 200, "messages": [
             {"role": "user", "content": "tell me a long story"}]}).encode()
-        for n in range(2):
+        for _ in range(2):
             running = d.stats()["requests"]
             sock = socket.create_connection((gateway.host, gateway.port))
             sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer leaver\r\n"
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                          % (CHAT.encode(), len(body), body))
             # D has the turn (P prefilled it): the client goes.
-            wait_until(lambda: d.stats()["requests"] > running, 10, "D to get the turn")
+            wait_until(lambda running=running: d.stats()["requests"] > running, 10,
+                       "D to get the turn")
             sock.close()
         wait_until(lambda: d.stats()["aborted_streams"] + d.stats()["completed"] >= 2, 20,
                    "D to see both turns end")

@@ -146,7 +146,7 @@ ROWS = [
 
 def dashboard() -> dict:
     panels, y = [], 0
-    for index, (title, row) in enumerate(ROWS):
+    for title, row in ROWS:
         panels.append({"type": "row", "title": title, "collapsed": False, "id": len(panels) + 1,
                        "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
         y += 1

@@ -8,6 +8,7 @@ is where the two cross; docs/fast-path.md says how to choose it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 

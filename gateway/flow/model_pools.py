@@ -9,8 +9,8 @@ belongs to one pool.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from gateway.config import ModelSpec
 from gateway.engines.instances import Pool

@@ -5,9 +5,9 @@ reply relayed as the engine sent it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable
 
 from werkzeug.http import parse_options_header
 

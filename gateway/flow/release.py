@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from gateway.engines.instances import Pool
 from gateway.engines.upstream import Upstream

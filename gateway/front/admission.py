@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gateway.support import metrics
 from gateway.support.errors import Overloaded

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, TypeGuard, cast
 
 from werkzeug.datastructures import Headers
 
@@ -57,14 +58,14 @@ def _bad(where: str, message: str) -> BadRequest:
     return BadRequest(f"{where}: {message}" if where else message, param=where or None)
 
 
-def _int(value: Any) -> bool:
+def _int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _blocks(value: Any, where: str, system_role: bool) -> list[dict]:
+def _blocks(value: Any, where: str, system_role: bool) -> str | list[dict]:
     """A content's blocks as AnthropicContentBlock validates them (protocol.py L65-117)."""
     if isinstance(value, str):
-        return value            # type: ignore[return-value]
+        return value
     if not isinstance(value, list):
         raise _bad(where, "must be a string or a list of content blocks")
     for i, block in enumerate(value):
@@ -585,7 +586,7 @@ class MessageStream:
                 yield self._delta({"type": "input_json_delta", "partial_json": arguments})
 
 
-def converted_stream(chunks: Iterator[bytes]) -> Iterator[bytes]:
+def converted_stream(chunks: Iterator[bytes]) -> Generator[bytes, None, None]:
     """The chat stream's bytes as Anthropic's events; a failure the relay reports (its error
     event) becomes Anthropic's `error` event, and nothing follows it."""
     stream = MessageStream()
@@ -644,4 +645,5 @@ def with_bearer(headers: Mapping[str, str]) -> Mapping[str, str]:
         return headers
     out = Headers(headers.items())
     out["Authorization"] = f"Bearer {key}"
-    return out
+    # why: Headers is no Mapping (it iterates pairs) but has what its readers call (get, items).
+    return cast(Mapping[str, str], out)

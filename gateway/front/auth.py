@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gateway.front.tenants import NO_LIMITS, KeyLimits
 from gateway.support.errors import NotFound, Unauthorized

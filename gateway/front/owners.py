@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import Mapping
+from collections.abc import Mapping
 from urllib.parse import quote
 
 from werkzeug.http import is_hop_by_hop_header

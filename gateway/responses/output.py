@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from gateway.support import jsonio
 from gateway.support.errors import GatewayError

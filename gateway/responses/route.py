@@ -6,22 +6,21 @@ from __future__ import annotations
 import re
 import uuid
 import weakref
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import requests
 
 from gateway.flow.reply import Reply
 from gateway.parse import CHAT
 from gateway.responses.chain import Chain, create_chain, not_found
-from gateway.responses.items import (RESPONSES, chat_body, input_messages, parse_request,
-                                     tool_choice)
+from gateway.responses.items import RESPONSES, chat_body, input_messages, parse_request, tool_choice
 from gateway.responses.output import EventStream, Shape, response_of
 from gateway.reuse.conversation import Conversation, tenant_of
 from gateway.service import Arrival, Gateway
 from gateway.support import jsonio
 from gateway.support.errors import BadGateway, BadRequest, GatewayError
 
-_OF: "weakref.WeakKeyDictionary[Gateway, Responses]" = weakref.WeakKeyDictionary()
+_OF: weakref.WeakKeyDictionary[Gateway, Responses] = weakref.WeakKeyDictionary()
 # A response id: resp_, its chain's root (the digest its first request's conversation is owned
 # by: gateway.front.owners), 16 hex of its own. With several workers and a local store, every
 # request naming it goes to the worker that owns that root, which keeps the chain.

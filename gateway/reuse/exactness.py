@@ -24,8 +24,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from cachetools import TTLCache
 

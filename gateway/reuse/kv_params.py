@@ -3,7 +3,8 @@ kept for the next turn, and the P and D bodies that carry them.
 (The contract, field by field with its vLLM sources: docs/pd-protocol.md.)"""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gateway.engines.instances import Instance
 

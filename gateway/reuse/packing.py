@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 import zlib
 from array import array
+from itertools import pairwise
 from typing import Any
 
 from gateway.support import jsonio
@@ -114,7 +115,7 @@ def unpack(packed: bytes) -> dict[str, Any]:
             groups.append(group)
         decode_url, history_text, tokens_text, *values = jsonio.loads(_inflate(packed[at:]))
         params: dict[str, Any] = {BLOCKS: groups} if flags & _HAS_BLOCKS else {}
-        params.update((name, value) for name, value in zip(FIELDS, values)
+        params.update((name, value) for name, value in zip(FIELDS, values, strict=False)
                       if value is not _ABSENT)
         if len(values) > len(FIELDS):
             params.update(values[-1])
@@ -137,7 +138,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
             return [(first, n, step)]
     runs: list[tuple[int, int, int]] = []
     start, length, step = ids[0], 1, 0
-    for previous, current in zip(ids, ids[1:]):
+    for previous, current in pairwise(ids):
         difference = current - previous
         if length < 65535 and difference in (1, -1) and (step == 0 or difference == step):
             length, step = length + 1, difference

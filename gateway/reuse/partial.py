@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 # Blocks before the end of turn N's prompt that each get a checkpoint: the divergence of every
 # template behaviour above lies there, or at the start of the last user message before it.
@@ -74,7 +74,11 @@ def held_digests(prompt_ids: list | None, output_ids: list | None, held: object,
     vLLM before PR #29074 left out the ids of tokens a reasoning or tool parser swallowed while
     streaming, so the count must be exactly held + 1, or a gap would shift everything after it.
     The full digest is blake2b-128 of the ids as int64, which token_digest computes too."""
-    if not isinstance(prompt_ids, list) or not isinstance(output_ids, list) or not isinstance(held, int):
+    if (
+        not isinstance(prompt_ids, list)
+        or not isinstance(output_ids, list)
+        or not isinstance(held, int)
+    ):
         return None, None
     if len(prompt_ids) + len(output_ids) != held + 1:
         return None, None
@@ -93,8 +97,9 @@ def held_digests(prompt_ids: list | None, output_ids: list | None, held: object,
     return running.hexdigest(), (b"".join(kept) if block_size else None)
 
 
-def shared_tokens(prefixes: bytes, held: int, tokens: Sequence[int] | bytes,
-                  block_size: int) -> int:
+def shared_tokens(
+    prefixes: bytes, held: int, tokens: Sequence[int] | bytes, block_size: int
+) -> int:
     """K: the most tokens, a whole number of blocks, that `tokens` (the new prompt's ids, or
     their int64 bytes) shares with what D holds, by the entry's checkpoints; fewer than the
     prompt (P computes at least its last token); 0 if none or the checkpoints do not fit."""
@@ -120,8 +125,8 @@ def shared_tokens(prefixes: bytes, held: int, tokens: Sequence[int] | bytes,
         running.update(data[at:end])
         at = end
         start = _HEAD.size + DIGEST * i
-        if running.copy().digest()[:DIGEST] != prefixes[start:start + DIGEST]:
-            break               # digests of prefixes: once one differs, every later one does
+        if running.copy().digest()[:DIGEST] != prefixes[start : start + DIGEST]:
+            break  # digests of prefixes: once one differs, every later one does
         shared = point * block_size
     return shared
 
@@ -131,13 +136,19 @@ def cut(params: dict, tokens: int, block_size: int) -> dict | None:
     that read would not be position-exact: more than one KV group, a list that is not one id per
     block of what D holds (another block size, a clipped window), or a null block in the cut."""
     groups, held = params.get("remote_block_ids"), params.get("remote_num_tokens")
-    if (not isinstance(groups, list) or len(groups) != 1 or not isinstance(held, int)
-            or tokens <= 0 or tokens % block_size or tokens >= held):
+    if (
+        not isinstance(groups, list)
+        or len(groups) != 1
+        or not isinstance(held, int)
+        or tokens <= 0
+        or tokens % block_size
+        or tokens >= held
+    ):
         return None
     group = groups[0]
     if len(group) != -(-held // block_size):
         return None
-    kept = group[:tokens // block_size]
+    kept = group[: tokens // block_size]
     if NULL_BLOCK in kept:
         return None
     return {**params, "remote_num_tokens": tokens, "remote_block_ids": [kept]}

@@ -3,7 +3,7 @@ a response (as Werkzeug's `HTTPException.get_response`) or, mid-stream, a final 
 Every JSON body the gateway answers with is serialized here too (`json_response`)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response

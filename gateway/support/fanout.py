@@ -3,8 +3,9 @@ loops' way to ask every engine (the prober, the reader of the engines' /metrics)
 that answers slowly costs its own call, not the others' turn."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -61,7 +61,7 @@ class _Constant(float):
     __slots__ = ("literal",)
 
     @classmethod
-    def of(cls, literal: str) -> "_Constant":
+    def of(cls, literal: str) -> _Constant:
         constant = cls(literal.lower().replace("infinity", "inf"))
         constant.literal = literal.encode()
         return constant

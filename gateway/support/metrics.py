@@ -16,8 +16,13 @@ import logging
 import os
 
 import prometheus_client
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest,
-                               multiprocess)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+)
 
 log = logging.getLogger(__name__)
 STRICT_ENV = "PD_GATEWAY_STRICT_METRICS"
@@ -34,9 +39,9 @@ class _Children:
 
     values: dict[str, tuple[str, ...] | str] = {}
 
-    def __init__(self, name: str, documentation: str, labelnames=(), *,  # type: ignore[no-untyped-def]
+    def __init__(self, name: str, documentation: str, labelnames=(), *,
                  values: dict[str, tuple[str, ...] | str] | None = None, **kwargs) -> None:
-        super().__init__(name, documentation, labelnames, **kwargs)  # type: ignore[call-arg]
+        super().__init__(name, documentation, labelnames, **kwargs)
         if not kwargs.get("_labelvalues"):        # the metric itself, not one of its children
             self.values = values or {}
             missing = set(labelnames) ^ set(self.values)
@@ -44,24 +49,24 @@ class _Children:
             if kwargs.get("registry", REGISTRY) is REGISTRY:
                 DECLARED.append(self)
 
-    def labels(self, *values: str, **by_name: str):  # type: ignore[no-untyped-def]
+    def labels(self, *values: str, **by_name: str):
         if by_name:        # prometheus_client's own path (and checks), the values checked too
-            child = super().labels(*values, **by_name)  # type: ignore[misc]
+            child = super().labels(*values, **by_name)
             self._undeclared(tuple(str(by_name[name])
-                                   for name in self._labelnames))  # type: ignore[attr-defined]
+                                   for name in self._labelnames))
             return child
         children = self.__dict__.setdefault("_pd_children", {})
         child = children.get(values)
         if child is None:
             self._undeclared(values)
-            child = children[values] = super().labels(*values)  # type: ignore[misc]
+            child = children[values] = super().labels(*values)
         return child
 
     def _undeclared(self, values: tuple[str, ...]) -> None:
-        for name, value in zip(self._labelnames, values):  # type: ignore[attr-defined]
+        for name, value in zip(self._labelnames, values, strict=False):
             allowed = self.values.get(name)
             if isinstance(allowed, tuple) and value not in allowed:
-                message = f"{self._name}: {name}={value!r} is not declared"  # type: ignore[attr-defined]
+                message = f"{self._name}: {name}={value!r} is not declared"
                 if _STRICT:
                     raise ValueError(message)
                 log.warning("%s (README's metric table does not list it)", message)
@@ -82,10 +87,10 @@ class Histogram(_Children, prometheus_client.Histogram):
         write to the mmap per value, twice, for every token in multiprocess mode; one write per
         bucket a turn costs a few. prometheus_client has no batch observe: this writes its
         histogram's own values as `observe` does (pinned by tests/test_metrics.py)."""
-        for bucket, count in zip(self._buckets, counts):  # type: ignore[attr-defined]
+        for bucket, count in zip(self._buckets, counts, strict=True):
             if count:
                 bucket.inc(count)
-        self._sum.inc(total)  # type: ignore[attr-defined]
+        self._sum.inc(total)
 
 
 def bucket_counts(bounds: tuple[float, ...]) -> list[int]:
@@ -371,13 +376,13 @@ def metrics_markdown() -> str:
     """README's metric table: every metric, its labels and the values each can take."""
     rows = ["| metric | type | labels: values | what |", "|---|---|---|---|"]
     for metric in DECLARED:
-        kind = metric._type  # type: ignore[attr-defined]
-        name = metric._name + ("_total" if kind == "counter" else "")  # type: ignore[attr-defined]
+        kind = metric._type
+        name = metric._name + ("_total" if kind == "counter" else "")
         labels = "<br>".join(
             f"`{label}`: " + (", ".join(f"`{v}`" for v in values) if isinstance(values, tuple)
                               else values)
             for label, values in metric.values.items())
-        what = metric._documentation.replace("|", "\\|")  # type: ignore[attr-defined]
+        what = metric._documentation.replace("|", "\\|")
         rows.append(f"| `{name}` | {kind} | {labels} | {what} |")
     return "\n".join(rows)
 

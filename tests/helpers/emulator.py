@@ -37,27 +37,47 @@ class PD:
     p: EmulatorProcess
     d: EmulatorProcess
 
-    def prefill(self, messages: list, params: dict | None = None, **extra: object) -> requests.Response:
-        body = {"model": "emulated-model", "messages": messages, "max_tokens": 1, "stream": False,
-                "kv_transfer_params": params if params is not None else STUB, **extra}
+    def prefill(
+        self, messages: list, params: dict | None = None, **extra: object
+    ) -> requests.Response:
+        body = {
+            "model": "emulated-model",
+            "messages": messages,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": params if params is not None else STUB,
+            **extra,
+        }
         return requests.post(self.p.url + "/v1/chat/completions", json=body, timeout=10)
 
     def decode(self, messages: list, p_params: dict | None, **extra: object) -> requests.Response:
-        body = {"model": "emulated-model", "messages": messages, "stream": True,
-                "kv_transfer_params": p_params, **extra}
+        body = {
+            "model": "emulated-model",
+            "messages": messages,
+            "stream": True,
+            "kv_transfer_params": p_params,
+            **extra,
+        }
         # stream=True on the client side too, so a test can read (or abandon) the body incrementally.
-        return requests.post(self.d.url + "/v1/chat/completions", json=body, timeout=10, stream=True)
+        return requests.post(
+            self.d.url + "/v1/chat/completions", json=body, timeout=10, stream=True
+        )
 
-    def turn(self, messages: list, d_params: dict | None = None,
-             **decode_extra: object) -> tuple[str, dict]:
+    def turn(
+        self, messages: list, d_params: dict | None = None, **decode_extra: object
+    ) -> tuple[str, dict]:
         """One full turn as the gateway runs it; returns D's reply text and D's params.
         `decode_extra` goes into D's body (max_tokens=100: a reply long enough that the next
         turn's P reads it rather than recompute it, past kv_recompute_threshold)."""
         if d_params is None:
             p_in = STUB
         else:  # the previous turn's D params, flags flipped, host rewritten to D's address
-            p_in = {**d_params, "do_remote_decode": True, "do_remote_prefill": False,
-                    "remote_host": self.d.host}
+            p_in = {
+                **d_params,
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_host": self.d.host,
+            }
         p_response = self.prefill(messages, p_in)
         assert p_response.status_code == 200, p_response.text
         p_params = {**p_response.json()["kv_transfer_params"], "remote_host": self.p.host}

@@ -26,9 +26,14 @@ def two_of_each(first_host: int):
     """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
     from emulator.process import EmulatorProcess
     with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(EmulatorProcess(role, bidirectional_kv_xfer=True, host=f"127.0.0.{first_host + i}",
-                                                       itl_ms=1))
-                   for i, role in enumerate(["prefill", "prefill", "decode", "decode"])]
+        engines = [
+            stack.enter_context(
+                EmulatorProcess(
+                    role, bidirectional_kv_xfer=True, host=f"127.0.0.{first_host + i}", itl_ms=1
+                )
+            )
+            for i, role in enumerate(["prefill", "prefill", "decode", "decode"])
+        ]
         yield engines[:2], engines[2:]
 
 
@@ -42,6 +47,7 @@ def reset(engines):
 
 def gateway_process(prefill, decode, **settings):
     from devtools.processes import GatewayProcess
+
     return GatewayProcess(prefill, decode, **settings)
 
 
@@ -51,9 +57,14 @@ def health(gateway) -> dict:
 
 def metric(gateway, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
+
     text = requests.get(gateway.url + "/metrics", timeout=5).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def workers_of(gateway) -> set[int]:
@@ -66,8 +77,10 @@ def open_and_abandon(gateway, body: dict, after) -> None:
     """Send a request on a raw socket, wait for `after(sock)`, then close the connection."""
     raw = json.dumps(body).encode()
     sock = socket.create_connection((gateway.host, gateway.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+    )
     after(sock)
     sock.close()
 
@@ -77,13 +90,16 @@ TURNS = 5
 
 def chat_turns(client, stream: bool, explicit: bool) -> list[str]:
     """Five turns of one conversation; returns the cache header of each turn."""
-    messages = [{"role": "system", "content": "you are terse"},
-                {"role": "user", "content": "first question about kv blocks"}]
+    messages = [
+        {"role": "system", "content": "you are terse"},
+        {"role": "user", "content": "first question about kv blocks"},
+    ]
     extra = {"conversation_id": uuid.uuid4().hex} if explicit else {}
     caches = []
     for turn in range(TURNS):
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, stream=stream, max_tokens=8, extra_body=extra)
+            model=MODEL, messages=messages, stream=stream, max_tokens=8, extra_body=extra
+        )
         caches.append(raw.headers["X-Gateway-Cache"])
         if stream:
             chunks = list(raw.parse())
@@ -97,8 +113,10 @@ def chat_turns(client, stream: bool, explicit: bool) -> list[str]:
             assert reply.usage.completion_tokens == 8
             text = reply.choices[0].message.content
         assert text
-        messages += [{"role": "assistant", "content": text},
-                     {"role": "user", "content": f"follow up number {turn}"}]
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"follow up number {turn}"},
+        ]
     return caches
 
 

@@ -10,7 +10,7 @@ from tests.helpers.stores import take
 def on(d: str, n: int, blocks: int) -> Entry:
     return Entry(params={"remote_request_id": f"r{n}", "remote_block_ids": [list(range(blocks))],
                          "remote_num_tokens": blocks * 16},
-                 decode_url=d, history_digest="h%d" % n, history_len=2)
+                 decode_url=d, history_digest=f"h{n}", history_len=2)
 
 
 def one_tenants_long_turn_releases_nothing_of_anothers(store) -> None:
