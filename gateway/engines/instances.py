@@ -74,7 +74,7 @@ class Instance:
     credentials: tuple[str, str] | None = field(init=False)   # user:password in the URL
     salt: bytes = field(init=False)
     inflight: int = 0
-    queued: float = 0.0         # a P: the prefill work (Need, costed) this process has in flight
+    queued: int = 0             # a P: the prefill work (Need, costed) this process has in flight
     down: bool = False          # a connection or a probe failed: skipped until a probe answers
     failures: int = 0           # consecutive failed requests
     open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
@@ -258,12 +258,13 @@ class Pool:
                 ranked = [i for i in ranked if not busy(i)] or ranked
             return next((i for i in ranked if i.inflight <= limit), ranked[0])
 
-    def work(self, instance: Instance, key: str, need: Need) -> float:
-        """The prefill work `need` brings `instance` (its cost without the queue): what
-        `acquire` counts queued there while the turn's P call runs."""
+    def work(self, instance: Instance, key: str, need: Need) -> int:
+        """The prefill work `need` brings `instance` (its cost without the queue), in whole
+        tokens (sums of floats added and taken away would leave residues that break ties):
+        what `acquire` counts queued there while the turn's P call runs."""
         raw = key.encode()
         own = max(self.instances, key=lambda i: _weight(raw, i), default=None)
-        return self.policy.cost.work(need, instance is own)
+        return round(self.policy.cost.work(need, instance is own))
 
     def _prefill_cost(self, instance: Instance, need: Need, own: bool) -> float:
         report = self.load(instance) if self.load is not None else None
@@ -362,14 +363,14 @@ class Pool:
                 return None, "busy"
             return instance, "ready"
 
-    def acquire(self, instance: Instance, work: float = 0.0) -> None:
+    def acquire(self, instance: Instance, work: int = 0) -> None:
         """Count a request in flight on the instance, and the prefill `work` it brings (a P's
         cost for it); `release` both when it ends."""
         with self._lock:
             instance.inflight += 1
             instance.queued += work
 
-    def release(self, instance: Instance, work: float = 0.0) -> None:
+    def release(self, instance: Instance, work: int = 0) -> None:
         with self._lock:
             instance.inflight -= 1
             instance.queued -= work

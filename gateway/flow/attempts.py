@@ -50,7 +50,7 @@ def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None]
     while True:
         instance = only or pool.choose(key, prefer=prefer, exclude=tried, need=need)
         # A P's queued work, for the next turns' choice (held, the stream is D's: none).
-        queued = pool.work(instance, key, need) if need is not None and not hold else 0.0
+        queued = pool.work(instance, key, need) if need is not None and not hold else 0
         pool.acquire(instance, queued)
         try:
             result = call(instance, failure)
