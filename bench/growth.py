@@ -10,12 +10,20 @@ from dataclasses import dataclass
 import requests
 
 from bench.measure import Load, run_load
-from bench.systems import (PROXY_HOST, Engines, Running, System, quiet_ports, slug, start,
-                           stop_process)
+from bench.systems import (
+    PROXY_HOST,
+    Engines,
+    Running,
+    System,
+    quiet_ports,
+    slug,
+    start,
+    stop_process,
+)
 from devtools import procstat
 from devtools.fill import FILL_ENV
-from gateway.config import Settings
 from emulator.process import wait_until
+from gateway.config import Settings
 
 
 @dataclass(frozen=True)

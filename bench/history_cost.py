@@ -13,11 +13,11 @@ import argparse
 import time
 
 from devtools.workload import benchmark_conversation
-from gateway.support import jsonio
-from gateway.reuse.conversation import identify, root_key
-from gateway.reuse.kv_params import decode_body, prefill_body
 from gateway.engines.instances import Instance
 from gateway.parse import CHAT, parse
+from gateway.reuse.conversation import identify, root_key
+from gateway.reuse.kv_params import decode_body, prefill_body
+from gateway.support import jsonio
 
 P = Instance("http://127.0.0.2:8100", "prefill", 0)
 P_REPLY = {"kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,

@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory for locust's CSV files")
     args = parser.parse_args(argv)
 
-    from emulator.process import EmulatorProcess
     from devtools.processes import GatewayProcess
+    from emulator.process import EmulatorProcess
 
     with contextlib.ExitStack() as stack:
         # Distinct loopback addresses: D reaches P only through the gateway's remote_host rewrite.

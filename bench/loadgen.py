@@ -7,7 +7,7 @@ monkey.patch_all()
 import http.client  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
-from typing import Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
 import gevent  # noqa: E402

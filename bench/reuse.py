@@ -46,10 +46,9 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-
 from bench import venvs
 from bench.metrics import percentile
-from bench.systems import slug, stop_process, _spawn
+from bench.systems import _spawn, slug, stop_process
 from devtools.processes import GatewayProcess
 from devtools.workload import FIRST_WORDS, TURN_WORDS, Conversation, benchmark_conversation
 from emulator.process import EmulatorProcess, free_port
@@ -194,6 +193,7 @@ def client(argv: list[str] | None = None) -> None:
     its conversation's kind. Runs in a process of its own, gevent's monkey patching done first
     by importing bench.loadgen (see run())."""
     import gevent
+
     from bench import clients, loadgen
 
     spec = json.loads((argv if argv is not None else sys.argv[1:])[0])

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib.metadata import version
 
 from bench import growth, history_cost, profile, report, reuse, turn_budget, venvs
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.systems or args.concurrency or args.history:
         return partial(plan, args)
     os.makedirs(args.out, exist_ok=True)
-    began, load_before, clock = datetime.now(timezone.utc), os.getloadavg(), time.monotonic()
+    began, load_before, clock = datetime.now(UTC), os.getloadavg(), time.monotonic()
     notes: list[str] = []
     # First, on engines of its own for every run: where reading D's blocks pays.
     reuse_rows, reuse_notes = reuse.measure(list(reuse.DEFAULT_SYSTEMS), *plan.reuse,

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from bench import profile
 from bench.measure import Load, run_load
@@ -89,7 +89,7 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
     result = {"runs": [], "rooms": [], "engine_timing": ENGINE_TIMING, "args": {
         k: v for k, v in vars(args).items() if k not in ("tables", "out")},
         "revision": revision(), "machine": machine(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     engines = Engines.start(**ENGINE_TIMING)
     started = []
     reply_words = os.environ.get(REPLY_ENV)   # each run sets the load generator's reply length
@@ -350,7 +350,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     """Measure as `args` says, and keep the figures (JSON) where --out says."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     out = args.out or os.path.join(ROOT, "bench", "out", "turn-budget-c"
                                    + "-".join(map(str, args.concurrency)) + f"-{stamp}.json")
     out_dir = tempfile.mkdtemp(prefix="pd-turn-budget-")

@@ -23,6 +23,7 @@ from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
 from emulator.process import EmulatorProcess
 from emulator.tokens import VOCAB
+
 # Not vLLM's defaults: P without a prefix cache and kv_recompute_threshold 0, so that every
 # reuse is a read of D's blocks whose proof is what this measures.
 ENGINE = {"itl_ms": 8, "prefill_ms_per_token": 0.02, "pull_ms_per_block": 0.05,

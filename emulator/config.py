@@ -7,9 +7,18 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.options import (SettingsError, add_arguments, boolean, bounded, check, given, option,
-                       positive)
+from gateway.options import (
+    SettingsError,
+    add_arguments,
+    boolean,
+    bounded,
+    check,
+    given,
+    option,
+    positive,
+)
 from gateway.options import port as _port
+
 from .faults import Fault, parse_fault_spec
 from .tokens import QUIRKS
 

@@ -6,8 +6,8 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import gevent
 import requests
@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .errors import ClientGone, KVLoadError
 from .faults import Fault, FaultState
 from .kvport import PullError, flat_block_ids, make_session, pull, release
-from .kvstore import Blocks, BlockPool, Lease, LeaseStore
+from .kvstore import BlockPool, Blocks, Lease, LeaseStore
 from .protocol import CompletionRequest
 from .scheduler import Scheduler, Seq
 from .stats import Stats

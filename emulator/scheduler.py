@@ -11,8 +11,8 @@ state at its start, so a request that arrives during a step joins the next one a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(eq=False)

@@ -5,13 +5,27 @@ import argparse
 import ipaddress
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from gateway import __version__, redis_url
-from gateway.options import (ArgumentParser, SettingsError, add_arguments, auto_or, boolean,
-                             bounded, check, given, option, options, positive, read_env)
+from gateway.options import (
+    ArgumentParser,
+    SettingsError,
+    add_arguments,
+    auto_or,
+    boolean,
+    bounded,
+    check,
+    given,
+    option,
+    options,
+    positive,
+    read_env,
+)
+
 # a plain `port` would be shadowed by the field of that name
 from gateway.options import port as _port
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 from urllib.parse import unquote, urlsplit
 
 PRIMARY_SCHEMES = ("redis", "rediss", "unix")

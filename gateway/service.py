@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.config import Settings
-from gateway.engines.d_budget import DBudget
 from gateway.engines.cost import CostModel
+from gateway.engines.d_budget import DBudget
 from gateway.engines.engine_load import BlockSize, EngineLoad
 from gateway.engines.instances import Instance, Policy, Pool, Prober
 from gateway.engines.membership import Membership
-from gateway.engines.upstream import Upstream
 from gateway.engines.transport import EngineTransport, still_open
+from gateway.engines.upstream import Upstream
 from gateway.engines.watch import Watch
 from gateway.flow.disagg import Disagg, Work
 from gateway.flow.fast_path import FastPath

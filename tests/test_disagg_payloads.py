@@ -9,10 +9,23 @@ import responses
 from responses import matchers
 
 from gateway.reuse.conversation import identify
-from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, MISS, P_URL, REFUSED, chat_events, client_events,
-                                    d_params, p_params, p_reply, sse)
+from tests.helpers.payloads import (
+    CHAT,
+    D_URL,
+    MESSAGES,
+    MISS,
+    P_URL,
+    REFUSED,
+    chat_events,
+    client_events,
+    d_params,
+    p_params,
+    p_reply,
+    sse,
+)
 from tests.helpers.stores import take
 from tests.helpers.transport import ResponsesTransport
+
 
 @responses.activate
 @pytest.mark.parametrize("placement", ["final", "separate"])

@@ -10,9 +10,18 @@ import json
 import pytest
 import responses
 
-from emulator.tokens import EOS, THINK, END_THINK, Template, token_ids
-from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, client_events, d_stream, p_params,
-                                    p_reply, sse, tokenizer)
+from emulator.tokens import END_THINK, EOS, THINK, Template, token_ids
+from tests.helpers.payloads import (
+    D_URL,
+    MISS,
+    P_URL,
+    PLAIN,
+    client_events,
+    d_stream,
+    p_params,
+    p_reply,
+    tokenizer,
+)
 from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"

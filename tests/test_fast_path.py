@@ -261,7 +261,6 @@ def test_a_failed_tokenize_on_d_leaves_the_proof_to_p(store):
     from emulator.tokens import Template
     from gateway.app import create_app
     from gateway.config import Settings
-    from emulator.tokens import Template
     app = create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
                               verify_reuse="always", fast_path_tokens=64), store=store,
                      transport=ResponsesTransport())

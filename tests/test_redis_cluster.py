@@ -11,8 +11,11 @@ import uuid
 import pytest
 from openai import OpenAI
 
-from devtools.processes import (GatewayProcess, RedisClusterProcesses, RedisProcess,
-                                RedisSentinelProcesses)
+from devtools.processes import (
+    GatewayProcess,
+    RedisClusterProcesses,
+    RedisSentinelProcesses,
+)
 from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.d_budget import Limit
 from gateway.reuse.store import Entry, RedisClusterStore, RedisStore, redis_client

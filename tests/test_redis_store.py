@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import requests
 
 from devtools import workload
 from devtools.processes import RedisProcess

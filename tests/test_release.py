@@ -10,8 +10,18 @@ import responses
 
 from gateway.reuse.conversation import identify
 from gateway.reuse.store import Entry
-from tests.helpers.payloads import (CHAT, D_URL, MESSAGES, MISS, P_URL, REFUSED, chat_events, d_params,
-                                    p_params, p_reply)
+from tests.helpers.payloads import (
+    CHAT,
+    D_URL,
+    MESSAGES,
+    MISS,
+    P_URL,
+    REFUSED,
+    chat_events,
+    d_params,
+    p_params,
+    p_reply,
+)
 from tests.helpers.transport import ResponsesTransport
 
 P2_URL = "http://10.9.0.3:8100"

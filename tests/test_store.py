@@ -5,8 +5,8 @@ import itertools
 import threading
 import time
 import uuid
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -120,8 +120,8 @@ def test_redis_concurrent_takes_get_the_entry_once(redis_server):
 
 
 def test_redis_failures_are_misses_not_errors():
-    from gateway.support import metrics
     from emulator.process import free_port
+    from gateway.support import metrics
     failed = metrics.STORE_ERRORS.labels("take")._value.get()
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", ttl=450, timeout=0.5)   # nobody there
     store.put("k", entry())

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from tests.helpers.servers import MODEL, QuietHandler
 from tests.helpers.transport import Replay
@@ -38,9 +39,9 @@ def test_the_connection_pools_cover_every_engine_and_worker():
 
 
 def test_failures_are_classified_by_type_not_by_message():
-    from gateway.support.errors import BadGateway, GatewayTimeout, ServiceUnavailable
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import _translate
+    from gateway.support.errors import BadGateway, GatewayTimeout, ServiceUnavailable
     instance = Instance("http://10.9.0.1:8100", "prefill", 0)
 
     def caused(message, cause):
@@ -61,10 +62,10 @@ def test_failures_are_classified_by_type_not_by_message():
 def test_a_rejected_stream_leaves_no_connection_for_its_watch_to_cut(fresh_engines):
     """A stream that gets a >= 400 reply gives its connection back to the pool; the next request
     reuses that socket. The first request's watch must not cut it when its deadline passes."""
-    from gateway.support.errors import GatewayError
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
     from gateway.engines.watch import Watch
+    from gateway.support.errors import GatewayError
     p, d = fresh_engines
     upstream = Upstream(2, 30, pool_size=1)
     instance = Instance(d.url, "decode", 0)
@@ -236,8 +237,8 @@ def test_an_engine_that_answers_no_http_is_a_bad_gateway():
 def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
     """A refused connection and one not accepted within the connect timeout: 503 (the engine
     never saw the request), not 502 or 504."""
-    from gateway.engines.upstream import Upstream
     from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
     from gateway.support.errors import ServiceUnavailable
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
@@ -658,6 +659,7 @@ def test_an_https_engine_is_called_over_verified_tls():
     engine whose certificate is not trusted (here: not in certifi's bundle, as with requests)
     is never called: 502 for a POST, down for a probe."""
     import ssl
+
     from gateway.engines.instances import Instance
     from gateway.engines.transport import Transport
     from gateway.engines.upstream import Upstream

@@ -8,8 +8,9 @@ streams: those it runs, plus --route-move-streams where it does not hold the con
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

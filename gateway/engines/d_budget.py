@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from gateway.engines.engine_load import EngineLoad
 from gateway.engines.instances import Instance, public_url

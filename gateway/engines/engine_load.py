@@ -34,8 +34,9 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
 
 from gateway.engines.instances import Instance, Pool
 from gateway.slots import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES

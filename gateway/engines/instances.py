@@ -8,8 +8,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from gateway.engines.cost import CostModel, Need, cheapest

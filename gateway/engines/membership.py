@@ -26,7 +26,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from urllib3.exceptions import LocationParseError

@@ -11,15 +11,29 @@ import re
 import socket
 import time
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from gateway.engines.instances import Instance
-from gateway.engines.transport import (ConnectFailed, ConnectTimedOut, EngineResponse,
-                                       EngineTransport, Timeouts, Transport)
+from gateway.engines.transport import (
+    ConnectFailed,
+    ConnectTimedOut,
+    EngineResponse,
+    EngineTransport,
+    Timeouts,
+    Transport,
+)
 from gateway.engines.watch import NOT_WAITING, Watch, current_watch
 from gateway.support import jsonio
-from gateway.support.errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout,
-                                    ServiceUnavailable, UpstreamRejected, clip)
+from gateway.support.errors import (
+    BadGateway,
+    BadRequest,
+    GatewayError,
+    GatewayTimeout,
+    ServiceUnavailable,
+    UpstreamRejected,
+    clip,
+)
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,9 @@ request's engines have done for it so far (`Work`), for its key's limits."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool

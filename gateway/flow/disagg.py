@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool
@@ -21,8 +22,8 @@ from gateway.reuse.exactness import Exactness, Reuse, plain_reply
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
 from gateway.support import metrics
-from gateway.support.jsonio import Written
 from gateway.support.errors import GatewayError, ServiceUnavailable
+from gateway.support.jsonio import Written
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from limits import RateLimitItemPerMinute
 from limits.storage import storage_from_string

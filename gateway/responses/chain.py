@@ -12,7 +12,7 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from cachetools import TTLCache
 

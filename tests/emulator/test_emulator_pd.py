@@ -12,7 +12,6 @@ import requests
 from devtools import sse as sse_client
 from emulator.process import EmulatorProcess, wait_until
 from emulator.tokens import render_chat
-
 from tests.helpers.emulator import PD, STUB
 
 pytestmark = pytest.mark.processes     # engine processes, every test

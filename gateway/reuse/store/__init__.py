@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from gateway import redis_url
 from gateway.redis_url import CLUSTER_SCHEMES, SENTINEL_SCHEMES, redis_client
-from gateway.reuse.store.base import (Budget, ConversationStore, Entry, decode, encode, fixed,
-                                      pinned_blocks, stamped)
+from gateway.reuse.store.base import (
+    Budget,
+    ConversationStore,
+    Entry,
+    decode,
+    encode,
+    fixed,
+    pinned_blocks,
+    stamped,
+)
 from gateway.reuse.store.local import LocalStore, Pinned
 from gateway.reuse.store.redis_cluster import RedisClusterStore
 from gateway.reuse.store.redis_primary import RedisStore

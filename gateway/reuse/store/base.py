@@ -2,8 +2,9 @@
 `ConversationStore` interface, an entry packed in bytes, and each D's pinned budget."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from gateway.engines.d_budget import Limit
 from gateway.reuse.packing import pack, unpack

@@ -6,14 +6,22 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from cachetools import TLRUCache
 
 from gateway.engines.instances import public_url
 from gateway.reuse.packing import digest_bytes, expiry
-from gateway.reuse.store.base import (Budget, Entry, decode, encode, fixed, ignore,
-                                      pinned_blocks, stamped)
+from gateway.reuse.store.base import (
+    Budget,
+    Entry,
+    decode,
+    encode,
+    fixed,
+    ignore,
+    pinned_blocks,
+    stamped,
+)
 from gateway.support import metrics
 
 log = logging.getLogger(__name__)

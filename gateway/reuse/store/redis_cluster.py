@@ -3,7 +3,7 @@ in one hash slot, each D's ledger of pinned blocks in its own."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.engines.d_budget import Limit
 from gateway.reuse.store.base import Budget, Entry, decode, encode, pinned_blocks

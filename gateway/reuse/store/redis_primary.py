@@ -5,13 +5,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from gateway import redis_url
 from gateway.engines.d_budget import Limit
 from gateway.engines.instances import public_url
-from gateway.reuse.store.base import (Budget, Entry, decode, encode, fixed, ignore,
-                                      pinned_blocks, stamped)
+from gateway.reuse.store.base import (
+    Budget,
+    Entry,
+    decode,
+    encode,
+    fixed,
+    ignore,
+    pinned_blocks,
+    stamped,
+)
 from gateway.reuse.store.ledger import LEDGER
 from gateway.support import metrics
 
