@@ -199,7 +199,7 @@ def engines(system: System, p_cache: int):
         started_engines = [stack.enter_context(EmulatorProcess(
             role, host=host, advertise_host=host, **flags,
             kv_capacity_blocks=p_cache if role == "prefill" else D_CAPACITY))
-            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS)]
+            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS, strict=True)]
         yield started_engines[:2], started_engines[2:]
 
 

@@ -114,7 +114,9 @@ def measure(label: str, settings: dict, args: argparse.Namespace) -> dict:
         seconds = time.monotonic() - started
         if settings.get("release_rate", 1):
             # What the releases still queued will free (at most --release-rate a second).
-            def settled(last=[-1.0]) -> bool:
+            last = [-1.0]   # the counter at the previous look
+
+            def settled() -> bool:
                 now = gateway.metric("pd_gateway_releases_total")
                 done, last[0] = now == last[0], now
                 return done

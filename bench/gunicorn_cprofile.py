@@ -2,6 +2,7 @@
 worker from its start to its exit (the stats file: $BENCH_CPROFILE). Function call counts per
 turn are exact; cProfile's times are not (greenlet switches and its own overhead)."""
 from gateway.standalone_conf import *  # noqa: F401,F403  (first: it monkey-patches under gevent)
+
 # isort: split
 
 import cProfile  # noqa: E402

@@ -59,7 +59,7 @@ def added_ttft(m: Measured) -> tuple[list[float], float]:
     has_prefill = bool(m.engine_records.get("prefill"))  # the nginx relay never calls P
     prefills = match(turns, m.engine_records["prefill"]) if has_prefill else [None] * len(turns)
     added = [turn["first"] - turn["sent"] - engine_ttft(prefill, decode)
-             for turn, prefill, decode in zip(turns, prefills, decodes)
+             for turn, prefill, decode in zip(turns, prefills, decodes, strict=True)
              if decode is not None and (prefill is not None or not has_prefill)]
     return added, len(added) / len(turns) if turns else 0.0
 

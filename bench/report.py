@@ -43,7 +43,7 @@ def table(rows: list[dict], columns=COLUMNS, markdown: bool = False) -> str:
         lines = [header, ["---"] * len(header), *body]
         return "\n".join("| " + " | ".join(line) + " |" for line in lines)
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in [header, *body])
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in [header, *body])
 
 
 def ratios(rows: list[dict], systems) -> list[dict]:
@@ -87,7 +87,7 @@ def _lines(ax, rows: list[dict], x: str, y: str, group: str = "system") -> None:
     for label in dict.fromkeys(r[group] for r in rows):
         points = sorted((r[x], r[y]) for r in rows if r[group] == label and not math.isnan(r[y]))
         if points:
-            ax.plot(*zip(*points), marker="o", label=label)
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
 
 
 def plot_matrix(rows: list[dict], path: str) -> None:
@@ -96,7 +96,7 @@ def plot_matrix(rows: list[dict], path: str) -> None:
               ("added_ttft_p50_ms", "proxy-added TTFT p50 (ms)"), ("turns_per_s", "turns / s"),
               ("cpu_ms_per_turn", "proxy CPU ms / turn"), ("events_per_core_s", "SSE events / s / core"))
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels, strict=True):
         _lines(ax, rows, "conversations", key)
         _ticks(ax, sorted({r["conversations"] for r in rows}), "log")
         ax.set_xlabel("conversations in flight")

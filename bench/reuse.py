@@ -205,8 +205,8 @@ def client(argv: list[str] | None = None) -> None:
     gevent.joinall([gevent.spawn_later(start_delay(scenario, i), loadgen.conversation,
                                        spec["url"], conv, TURNS, started + DURATION, done,
                                        errors, scenario.think)
-                    for i, ((kind, conv), done) in enumerate(zip(convs, results))])
-    turns = [{**turn, "kind": kind} for (kind, _), done in zip(convs, results) for turn in done]
+                    for i, ((kind, conv), done) in enumerate(zip(convs, results, strict=True))])
+    turns = [{**turn, "kind": kind} for (kind, _), done in zip(convs, results, strict=True) for turn in done]
     clients.write_results(spec["out"], started, turns, errors)
 
 
@@ -217,7 +217,7 @@ def cluster(system: System, scenario: Scenario, reply: int):
         engines = [stack.enter_context(EmulatorProcess(
             role, host=host, advertise_host=host, **flags,
             kv_capacity_blocks=p_capacity(scenario, reply) if role == "prefill" else D_CAPACITY))
-            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS)]
+            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS, strict=True)]
         yield engines[:2], engines[2:]
 
 

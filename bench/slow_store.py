@@ -21,7 +21,7 @@ from emulator.process import EmulatorProcess
 
 def turns(url: str, count: int) -> list[tuple[float, str]]:
     out = []
-    for i in range(count):
+    for _conversation in range(count):
         messages = [{"role": "user", "content": f"slow store {uuid.uuid4().hex}"}]
         for _ in range(2):      # a first turn and a follow-up: a take, then a put
             started = time.monotonic()
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             for label, paused in (("store answering", False), ("store answering in 2 s", True)):
                 stop = threading.Event()
 
-                def pause() -> None:
+                def pause(stop: threading.Event = stop) -> None:
                     while not stop.is_set():
                         redis.client.execute_command("CLIENT", "PAUSE", "2000")
                         stop.wait(1.8)

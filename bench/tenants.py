@@ -205,9 +205,10 @@ def cost(args) -> None:
             tenants = Tenants(store, 0.5)
             limits = KeyLimits(rpm=10**9, tpm=10**12)
             rows.append((f"requests and tokens per minute, {label}",
-                         per_call(lambda i: tenants.admit(f"t{i % 8}", limits, 4000), 2000)))
+                         per_call(lambda i, tenants=tenants, limits=limits:
+                                  tenants.admit(f"t{i % 8}", limits, 4000), 2000)))
             rows.append((f"requests per minute only, {label}",
-                         per_call(lambda i: tenants.admit(f"t{i % 8}", KeyLimits(rpm=10**9),
+                         per_call(lambda i, tenants=tenants: tenants.admit(f"t{i % 8}", KeyLimits(rpm=10**9),
                                                           4000), 2000)))
     finally:
         redis.stop()

@@ -202,9 +202,9 @@ def fit_table(results: list[dict]) -> str:
                       and f["concurrency"] == r["concurrency"]), None)
         if floor is None:
             continue
-        ratio = [g / f for g, f in zip(r["cpu_short"], floor["cpu_short"])]
-        ratio_a = [g / f for g, f in zip(r["a"], floor["a"])]
-        ratio_b = [g / f for g, f in zip(r["b"], floor["b"])]
+        ratio = [g / f for g, f in zip(r["cpu_short"], floor["cpu_short"], strict=False)]
+        ratio_a = [g / f for g, f in zip(r["a"], floor["a"], strict=False)]
+        ratio_b = [g / f for g, f in zip(r["b"], floor["b"], strict=False)]
         lines.append(f"| pd-gateway / floor | {r['concurrency']} | "
                      f"**{_spread(ratio, '{:.2f}')}** | {_spread(ratio_a, '{:.2f}')} | "
                      f"{_spread(ratio_b, '{:.2f}')} |")

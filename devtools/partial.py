@@ -43,7 +43,7 @@ HYBRID = Case("hybrid (sliding window 64), reasoning-dropped",
 
 def shared_prefix(a: list, b: list) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

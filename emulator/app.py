@@ -220,7 +220,7 @@ def _failed(framer, envelope: dict, cut: Callable[[], None]) -> Iterator[bytes]:
         cut()
 
 
-def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cut: Callable[[], None],
+def _body(engine: Engine, turn: Turn, framer: AnyFramer, req: CompletionRequest, cut: Callable[[], None],
           headers: dict) -> Response:
     fault = turn.fault
     if fault.mode == "error_after" and fault.tokens < turn.completion_tokens:

@@ -369,7 +369,7 @@ class Engine:
         expected = [turn.tokens[b * bs:min((b + 1) * bs, local + count)]
                     for ids, start in wanted for b in range(start, start + len(ids))]
         if (len(got) == len(expected) and got_salt == turn.salt
-                and all(block[:len(want)] == want for block, want in zip(got, expected))):
+                and all(block[:len(want)] == want for block, want in zip(got, expected, strict=True))):
             return read, True
         # A real engine would attend over someone else's KV and emit garbage (or, across cache
         # salts, leak one tenant's cache to another).

@@ -626,7 +626,7 @@ def _seed_instances(args: argparse.Namespace) -> dict[str, list[str]]:
         if len(hosts) != len(ports):
             raise SettingsError(f"--{'prefiller' if role == 'prefill' else 'decoder'}-hosts and "
                                 f"-ports must have the same number of values")
-        out[role] = [f"http://{h}:{p}" for h, p in zip(hosts, ports)]
+        out[role] = [f"http://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
     return out
 
 

@@ -35,7 +35,7 @@ def cluster():
 def entry(n: int, blocks: int = 3, decode_url: str = "http://d") -> Entry:
     return Entry(params={"remote_request_id": f"r{n}", "remote_block_ids": [list(range(blocks))],
                          "remote_num_tokens": blocks * 16},
-                 decode_url=decode_url, history_digest="h%d" % n, history_len=2)
+                 decode_url=decode_url, history_digest=f"h{n}", history_len=2)
 
 
 def test_a_conversations_keys_share_a_slot_and_its_take_is_one_script(cluster):
@@ -209,7 +209,7 @@ def shared_store_run(store_url: str, first_host: int, kill) -> None:  # type: ig
         # Each gateway's client has found the new primary (a call to the old one fails once,
         # then it asks again) before the turns that must hit again.
         for gateway in (g1, g2, g3):
-            wait_until(lambda: gateway.status()["reachable"], 30, "the store to answer again")
+            wait_until(lambda gateway=gateway: gateway.status()["reachable"], 30, "the store to answer again")
         after: dict = {}
         converse(urls, conversations=8, turns=4, results=after)
         hits = later(after)

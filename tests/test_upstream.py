@@ -261,7 +261,7 @@ def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
                     break
                 queued.append(extra)
             with pytest.raises(ServiceUnavailable, match="in time"):
-                upstream.post_json(Instance("http://%s:%d" % full.getsockname(), "prefill", 0),
+                upstream.post_json(Instance("http://{}:{}".format(*full.getsockname()), "prefill", 0),
                                    "/x", {}, {})
         finally:
             for sock in queued:
@@ -285,7 +285,7 @@ def engine_that_stalls(head: bytes):
                 seen.append(connection.recv(10))
         thread = threading.Thread(target=engine, daemon=True)
         thread.start()
-        yield "http://127.0.0.1:%d" % server.getsockname()[1], seen, thread
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", seen, thread
 
 
 def test_a_failed_body_read_closes_the_engine_connection_at_once():
@@ -573,7 +573,7 @@ def test_an_engine_reply_is_read_up_to_its_limit_and_no_further(monkeypatch):
             stack.callback(server.shutdown)
             threading.Thread(target=server.serve_forever, daemon=True).start()
             engine = Instance(f"http://127.0.0.1:{server.server_address[1]}", "prefill", 0)
-            call = lambda: upstream.post_json(engine, "/v1/completions", {}, {})  # noqa: E731
+            call = lambda engine=engine: upstream.post_json(engine, "/v1/completions", {}, {})  # noqa: E731
             if size == 900:
                 assert len(call()["text"]) == 870
             elif status == 200:

@@ -121,7 +121,7 @@ def test_decode_streams_slow_while_the_engine_prefills():
         now = sched.step_end
         sched.advance(now)
         times.append(now)
-    gaps = [round((b - a) * 1000, 3) for a, b in zip(times, times[1:])]
+    gaps = [round((b - a) * 1000, 3) for a, b in zip(times, times[1:], strict=False)]
     # A step of 8192 tokens (its decode and 8191 of the prompt), again, the prompt's last 3618
     # and the decode, then decode-only steps.
     assert gaps == [819.2, 819.2, 361.9, 10.0, 10.0, 10.0]

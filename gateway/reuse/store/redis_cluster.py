@@ -94,10 +94,10 @@ class RedisClusterStore(RedisStore):
     @staticmethod
     def member(key: str, tag: str) -> str:
         """The key's name in Redis (after the prefix), hash-tagged by its conversation."""
-        return "{%s}:%s" % (tag or key, key)
+        return f"{{{tag or key}}}:{key}"
 
     def _ledger(self, decode_id: str) -> list[str]:
-        base = "%s{d:%s}:" % (self.PREFIX, decode_id)
+        base = f"{self.PREFIX}{{d:{decode_id}}}:"
         return [base + "pinned", base + "pinned-blocks", base + "pinned-total",
                 base + "pinned-held", base + "pinned-tenant"]
 
