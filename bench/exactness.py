@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
             row = result["rows"].get(client.name)
             cells.append("-" if row is None else f"{row['hits']}/{row['later']}"
                          + (f" ({len(row['errors'])} errors)" if row["errors"] else ""))
-        print(f"| {mode.name} | {' | '.join(cells)} | {result['wrong_reuse']} | {result['tokenize']} |",
+        print(f"| {mode.name} | {' | '.join(cells)} | "
+              f"{result['wrong_reuse']} | {result['tokenize']} |",
               flush=True)
         for row in result["rows"].values():
             for error in row["errors"][:2]:

@@ -1,4 +1,5 @@
-"""gunicorn config for growth runs: the gateway's own config, plus a store filled at worker start."""
+"""gunicorn config for growth runs: the gateway's own config, plus a store filled at worker
+start."""
 from gateway.standalone_conf import *  # noqa: F401,F403  (first: it monkey-patches under gevent)
 
 # isort: split

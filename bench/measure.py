@@ -16,7 +16,8 @@ CLIENT_GRACE_S = 150  # a run's turns may outlive its duration by one request ti
 
 @dataclass(frozen=True)
 class Load:
-    """What the client does: `concurrency` conversations in flight, `turns` each, until `duration`."""
+    """What the client does: `concurrency` conversations in flight, `turns` each, until
+    `duration`."""
 
     concurrency: int
     conversations: int

@@ -1,4 +1,5 @@
-"""Figures of one run: client timings matched to the engines' own timestamps, CPU, tokens, errors."""
+"""Figures of one run: client timings matched to the engines' own timestamps, CPU, tokens,
+errors."""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -107,7 +107,8 @@ def matrix(plan: Plan, systems: list[System], engines: Engines, out_dir: str,
                                     out_dir)
                 row = summarize(measured, ENGINE_TIMING["itl_ms"])
                 rows.append(row)
-                print(f"{row['system']:>22} x{conc:<3} {row['turns']:5} turns {row['errors']:4} errors "
+                print(f"{row['system']:>22} x{conc:<3} {row['turns']:5} turns "
+                      f"{row['errors']:4} errors "
                       f"TTFT p50 {row['ttft_p50_ms']:6.0f} ms  {row['turns_per_s']:6.1f} turns/s  "
                       f"{row['cpu_ms_per_turn']:5.2f} CPU ms/turn", flush=True)
         finally:
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         "rooms": rooms, "history_cost": history_cost.table(), "turn_budget": budget,
         "notes": "\n".join(f"- {n}" for n in notes) or "- Nothing was skipped.",
     })
-    print(f"\nwrote {os.path.relpath(args.doc, ROOT)} and plots in {os.path.relpath(args.plots, ROOT)}/",
+    print(f"\nwrote {os.path.relpath(args.doc, ROOT)} and plots in "
+          f"{os.path.relpath(args.plots, ROOT)}/",
           file=sys.stderr)
 
 

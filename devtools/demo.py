@@ -1,4 +1,5 @@
-"""`make run`: emulated (or real) engines, the gateway under gunicorn, and a live multi-turn chat."""
+"""`make run`: emulated (or real) engines, the gateway under gunicorn, and a live multi-turn
+chat."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
-"""The engine's HTTP API: OpenAI completions as vLLM streams them, plus health, models, stats and faults.
+"""The engine's HTTP API: OpenAI completions as vLLM streams them, plus health, models, stats and
+faults.
 
 A little over 300 lines because it is vLLM's completion surface in one place (both endpoints,
 streamed and not, /tokenize, faults); split, each part would be read beside the others anyway.

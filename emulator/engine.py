@@ -1,4 +1,5 @@
-"""The emulated engine: prefill with real KV pulls, deterministic decoding, leases and kv_transfer_params."""
+"""The emulated engine: prefill with real KV pulls, deterministic decoding, leases and
+kv_transfer_params."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class Turn:
-    """One request after prefill: its prompt, where the prompt's KV came from, and the reply to emit."""
+    """One request after prefill: its prompt, where the prompt's KV came from, and the reply to
+    emit."""
 
     kind: str
     internal_id: str
@@ -104,7 +106,8 @@ def _remote_groups(params: dict) -> list[list[int]] | None:
 
 
 class Engine:
-    """One engine's state: config, KV memory, leases, counters and faults; clock and sleep injected."""
+    """One engine's state: config, KV memory, leases, counters and faults; clock and sleep
+    injected."""
 
     def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = gevent.sleep,

@@ -66,7 +66,8 @@ def parse_fault_spec(spec: str) -> Fault:
 
 
 class FaultState:
-    """The engine's current fault; `take()` hands each completion request the fault it must suffer."""
+    """The engine's current fault; `take()` hands each completion request the fault it must
+    suffer."""
 
     def __init__(self, fault: Fault | None = None) -> None:
         self.current = fault or Fault()

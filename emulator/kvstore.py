@@ -39,7 +39,8 @@ class Blocks:
 
 
 class BlockPool:
-    """`capacity` blocks of `block_size` tokens. Not thread-safe: the engine runs on one gevent hub."""
+    """`capacity` blocks of `block_size` tokens. Not thread-safe: the engine runs on one gevent
+    hub."""
 
     def __init__(self, block_size: int, capacity: int, caching: bool = True) -> None:
         self.block_size = block_size

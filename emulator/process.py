@@ -1,4 +1,5 @@
-"""EmulatorProcess: run one emulated engine as a child process for tests and benchmarks, and drive it.
+"""EmulatorProcess: run one emulated engine as a child process for tests and benchmarks, and drive
+it.
 
 With the two helpers every child process of the tooling needs, here because EmulatorProcess is
 their lowest user: a free port (`free_port`) and a bounded wait until it answers (`wait_until`).
@@ -187,7 +188,8 @@ class EmulatorProcess:
         return self._call("GET", "/stats/requests")
 
     def set_fault(self, mode: str, **opts: object) -> dict:
-        """Switch the fault at run time, e.g. ``set_fault("die_after", tokens=3)``; "none" clears it."""
+        """Switch the fault at run time, e.g. ``set_fault("die_after", tokens=3)``; "none" clears
+        it."""
         return self._call("POST", "/faults", json={"mode": mode, **opts})
 
     def fault(self) -> dict:

@@ -1,4 +1,5 @@
-"""The OpenAI surface as vLLM serves it: request validation, and response bodies and SSE chunks as bytes.
+"""The OpenAI surface as vLLM serves it: request validation, and response bodies and SSE chunks as
+bytes.
 
 A little over 300 lines: every byte a client sees mirrors one vLLM serving module
 (serving_chat/serving_completion), and keeping them together keeps the mirror checkable.
@@ -42,7 +43,8 @@ class ValidationError(BadRequest):
 
 @dataclass
 class CompletionRequest:
-    """What the engine needs from a chat or completions body; unknown fields were accepted and dropped."""
+    """What the engine needs from a chat or completions body; unknown fields were accepted and
+    dropped."""
 
     kind: str  # "chat" or "completion"
     tokens: list[str]
@@ -173,7 +175,8 @@ def _tool_names(body: dict) -> list[str]:
 
 def parse_request(kind: str, raw: bytes, model: str, max_model_len: int,
                   template: Template = Template()) -> CompletionRequest:
-    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body; raise the 400/404 vLLM would."""
+    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body; raise the 400/404 vLLM
+    would."""
     return request_from_body(kind, json_body(raw), model, max_model_len, template)
 
 
@@ -194,9 +197,10 @@ def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
         raise ValidationError("stream_options.include_usage", "must be bool")
     if len(tokens) + (max_tokens or 1) > max_model_len:
         raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{len(tokens) + (max_tokens or 1)} tokens ({len(tokens)} in the messages, "
-            f"{max_tokens or 1} in the completion). Please reduce the length of the messages or completion.")
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {len(tokens) + (max_tokens or 1)} tokens "
+            f"({len(tokens)} in the messages, {max_tokens or 1} in the completion). "
+            f"Please reduce the length of the messages or completion.")
     kwargs = optional(body, "chat_template_kwargs", dict, {})
     return CompletionRequest(
         kind=kind, tokens=tokens,
@@ -226,7 +230,8 @@ class Call:
 
 def chat_call(kind: str, raw: bytes, xid: str, model: str, max_model_len: int, template: Template,
               reasoning_field: str) -> Call:
-    """/v1/chat/completions and /v1/completions: ids from X-Request-Id (serve/engine/serving.py:133-142)."""
+    """/v1/chat/completions and /v1/completions: ids from X-Request-Id
+    (serve/engine/serving.py:133-142)."""
     req = parse_request(kind, raw, model, max_model_len, template)
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{xid}"
     return Call(req, response_id, Framer(kind, response_id, model, int(time.time()), reasoning_field))
@@ -303,7 +308,8 @@ class Framer:
         finish_reason: str | None = None,
         extra: dict | None = None,
     ) -> bytes:
-        """One streamed chunk: a chat delta ({} for a token a parser swallowed) or a completions text."""
+        """One streamed chunk: a chat delta ({} for a token a parser swallowed) or a completions
+        text."""
         if self.chat:
             choice = {
                 "index": 0,
@@ -394,7 +400,8 @@ class Framer:
         output_token_ids: list[int] | None = None,
         cached: int | None = None,
     ) -> bytes:
-        """The non-streaming response: one line, null fields included, top-level kv_transfer_params."""
+        """The non-streaming response: one line, null fields included, top-level
+        kv_transfer_params."""
         if self.chat:
             message = {
                 "role": "assistant",

@@ -202,7 +202,8 @@ class Parsed:
                     "the background mode. To enable these features, set the environment variable "
                     "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.", "background")
             raise NotImplementedByEmulator("background mode is not emulated")
-        # store=True without VLLM_ENABLE_RESPONSES_API_STORE is dropped silently (serving.py:355-362).
+        # store=True without VLLM_ENABLE_RESPONSES_API_STORE is dropped silently
+        # (serving.py:355-362).
         self.store = bool(body.get("store", True)) and store.enabled
         prev_id = body.get("previous_response_id")
         prev = store.get(prev_id) if prev_id is not None else None            # serving.py:364-372
@@ -211,8 +212,9 @@ class Parsed:
                                        prev["output"] if prev else None)
 
     def chat_body(self, max_tokens: int | None) -> dict:
-        """The chat request vLLM's renderer builds (online_renderer.py:329-392; protocol.py:482-523):
-        tools flattened to chat tools (utils.py:489-514), reasoning.effort as reasoning_effort."""
+        """The chat request vLLM's renderer builds (online_renderer.py:329-392;
+        protocol.py:482-523): tools flattened to chat tools (utils.py:489-514), reasoning.effort as
+        reasoning_effort."""
         body = self.body
         chat: dict = {"model": body.get("model"), "messages": self.messages, "stream": bool(body.get("stream")),
                       "max_tokens": max_tokens, "kv_transfer_params": body.get("kv_transfer_params"),

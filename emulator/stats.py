@@ -10,7 +10,8 @@ GAUGES = ("streams_in_flight", "leases_expired_unread")  # describe the present,
 
 @dataclass
 class Stats:
-    """Cumulative since start or the last POST /stats/reset (single-threaded under gevent: no lock)."""
+    """Cumulative since start or the last POST /stats/reset (single-threaded under gevent: no
+    lock)."""
 
     requests: int = 0  # completion requests received, including bad and faulted ones
     completed: int = 0  # answered in full (non-stream body sent, or stream reached [DONE])

@@ -193,7 +193,8 @@ def generate(tokens: list[str], count: int) -> list[str]:
 
 
 def reply_text(kind: str, words: list[str]) -> str:
-    """The reply as the client sees it: chat "w1 w2", completions " w1 w2" (appended to the prompt)."""
+    """The reply as the client sees it: chat "w1 w2", completions " w1 w2" (appended to the
+    prompt)."""
     text = " ".join(words)
     return text if kind == "chat" else (" " + text if words else "")
 
@@ -262,8 +263,9 @@ def generate_chat(
             *generated_call_text(tool_names[0], arguments).split(),
             END_TOOL_CALL,
         ]
+        digest = hashlib.blake2b(" ".join(prompt).encode(), digest_size=16).hexdigest()
         call = {
-            "id": f"chatcmpl-tool-{hashlib.blake2b(' '.join(prompt).encode(), digest_size=16).hexdigest()}",
+            "id": f"chatcmpl-tool-{digest}",
             "type": "function",
             "function": {
                 "name": tool_names[0],

@@ -217,8 +217,8 @@ class Gateway:
         the disconnect watcher like a pipelined next request, and it would stop watching.
         The reply's `close` releases what the turn holds (the engine stream, D's in-flight
         count, its admission place, the watcher, and `body_held`, the body's share of the
-        worker's body budget, which this call owns from its start): call it when the reply has ended or was
-        dropped; a JSON reply comes released.
+        worker's body budget, which this call owns from its start): call it when the reply has ended
+        or was dropped; a JSON reply comes released.
         """
         held = ExitStack()      # what the turn takes, released last taken first
         if body_held:
@@ -420,8 +420,8 @@ class Gateway:
                 **({"greenlets": _greenlets()} if debug else {})}
 
     def close(self) -> None:
-        """Stop the background prober and membership loop, and close pooled engine connections (for embedders and
-        tests; a gunicorn worker just exits)."""
+        """Stop the background prober and membership loop, and close pooled engine connections (for
+        embedders and tests; a gunicorn worker just exits)."""
         self.prober.stop()
         self.engine_load.stop()
         self.membership.stop()

@@ -87,12 +87,12 @@ def test_list_flags_given_again_add_engines():
     (["--max_turns", "3"], "unrecognized argument --max_turns (did you mean --max-turns?)"),
     (["--bogus", "1"], "unrecognized argument --bogus\n"),          # nothing close: no guess
     (["--store-tll", "5", "--workerz", "2"],
-     "unrecognized arguments --store-tll (did you mean --store-ttl?), --workerz (did you mean "
-     "--workers?)"),
+     "unrecognized arguments --store-tll (did you mean --store-ttl?), "
+     "--workerz (did you mean --workers?)"),
     # An abbreviation several flags begin with: argparse's own check, answered the same way.
     (["--prefil", "http://a:1"], "ambiguous argument --prefil, the start of --prefill, "
-     "--prefiller-host, --prefiller-hosts, --prefiller-port, --prefiller-ports (did you mean "
-     "--prefill?)"),
+     "--prefiller-host, --prefiller-hosts, --prefiller-port, --prefiller-ports "
+     "(did you mean --prefill?)"),
 ])
 def test_a_mistyped_flag_gets_two_lines_not_the_usage(capsys, argv, said):
     with pytest.raises(SystemExit) as exited:

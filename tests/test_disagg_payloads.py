@@ -1,4 +1,5 @@
-"""The exact payloads the gateway sends P and D, and what reaches the client (pinned with responses)."""
+"""The exact payloads the gateway sends P and D, and what reaches the client (pinned with
+responses)."""
 from __future__ import annotations
 
 import json
@@ -256,7 +257,8 @@ def test_only_allowlisted_params_are_stored(client, store):
 
 @pytest.fixture
 def two_instance_app(store):
-    """make(prefill URLs, decode URLs): an app over those; closed (prober stopped) after the test."""
+    """make(prefill URLs, decode URLs): an app over those; closed (prober stopped) after the
+    test."""
     from gateway.app import create_app
     from gateway.config import Settings
     apps = []

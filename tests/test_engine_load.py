@@ -1,6 +1,6 @@
-"""Engine-reported load (gateway/engines/engine_load.py): each engine's /metrics read once per interval
-per host, and the choice of P and D passing over an engine that is queueing or full by its own
-report."""
+"""Engine-reported load (gateway/engines/engine_load.py): each engine's /metrics read once per
+interval per host, and the choice of P and D passing over an engine that is queueing or full by its
+own report."""
 from __future__ import annotations
 
 import http.server

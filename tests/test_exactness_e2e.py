@@ -26,7 +26,8 @@ def test_no_template_makes_p_read_the_wrong_blocks(mode):
     result = measure(BY_NAME[mode], {}, conversations, turns, first_host=60)
     rows = result["rows"]
     print(f"\n{mode}: " + ", ".join(f"{k} {v['hits']}/{v['later']}" for k, v in rows.items())
-          + f"; wrong_reuse {result['wrong_reuse']}; /tokenize {result['tokenize']}; {result['checks']}")
+          + f"; wrong_reuse {result['wrong_reuse']}; /tokenize {result['tokenize']}; "
+          f"{result['checks']}")
     assert [e for row in rows.values() for e in row["errors"]] == []
     assert result["wrong_reuse"] == 0
     if mode == "plain":         # digests alone; the template probed once by each tenant

@@ -1,4 +1,5 @@
-"""Conversation identity end to end: no-id clients hit, edited histories miss, tenants stay apart."""
+"""Conversation identity end to end: no-id clients hit, edited histories miss, tenants stay
+apart."""
 from __future__ import annotations
 
 import re

@@ -1,5 +1,5 @@
-"""The relay of D's events (gateway.flow.sse): however D's bytes are split into reads, the client gets
-the same bytes, params and unasked ids taken out, every other event byte for byte; the turn
+"""The relay of D's events (gateway.flow.sse): however D's bytes are split into reads, the client
+gets the same bytes, params and unasked ids taken out, every other event byte for byte; the turn
 learns the same reply. The fast path (LF events, `bytes.find`) is checked against the general
 one (a regex over every SSE line ending)."""
 from __future__ import annotations

@@ -156,7 +156,8 @@ def test_take_first_takes_only_the_first_key_that_has_an_entry(either_store):
     assert bare(take(either_store, "c")) == entry(3)
 
 
-# --- what an entry becomes in the store (gateway.reuse.packing) -------------------------------------
+# --- what an entry becomes in the store (gateway.reuse.packing)
+# -------------------------------------
 
 digests = st.one_of(st.none(), st.text(max_size=40),
                     st.binary(min_size=16, max_size=16).map(bytes.hex))

@@ -407,7 +407,8 @@ def test_a_failed_stream_read_closes_the_engine_connection_at_once():
 
 @pytest.mark.parametrize("head, reused", [
     # field names in any case, the chunked coding named in capitals
-    (b"HTTP/1.1 200 OK\r\nCONTENT-type: application/json\r\nTransfer-Encoding: Chunked\r\n\r\n"
+    (b"HTTP/1.1 200 OK\r\nCONTENT-type: application/json\r\n"
+     b"Transfer-Encoding: Chunked\r\n\r\n"
      b"2\r\n{}\r\n0\r\n\r\n", True),
     # a line that is not a field ends the fields: the length after it is not read (to close)
     (b"HTTP/1.1 200 OK\r\nno colon here\r\nContent-Length: 2\r\n\r\n{}", False),
@@ -416,9 +417,11 @@ def test_a_failed_stream_read_closes_the_engine_connection_at_once():
     (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),       # 1.0 without keep-alive
     (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\n{}", True),
     # interim replies before the reply: 100 Continue, 103 Early Hints
-    (b"HTTP/1.1 100 Continue\r\nX-Skipped: 1\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    (b"HTTP/1.1 100 Continue\r\nX-Skipped: 1\r\n\r\n"
+     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
      True),
-    (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
      True),
     (b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 98 + b"Content-Length: 2\r\n\r\n{}", True),
 ])
@@ -486,8 +489,8 @@ def test_a_streamed_reply_s_fields_are_found_in_any_case():
     b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\n{}",
 ])
 def test_an_engine_reply_head_past_http_client_s_limits_is_a_bad_gateway(head):
-    """More lines than http.client takes (100, the blank one too), a field line longer than it takes (64 KiB),
-    an HTTP version it does not speak: 502, as with http.client's own parser."""
+    """More lines than http.client takes (100, the blank one too), a field line longer than it takes
+    (64 KiB), an HTTP version it does not speak: 502, as with http.client's own parser."""
     from gateway.support.errors import BadGateway
     with engine_of_replies([head]) as (url, _):
         upstream, instance = _upstream_and_instance(url)

@@ -57,8 +57,8 @@ ROWS = [
             (f"sum({rate(RESPONSES, THROTTLED)} or {rate(RESPONSES)} * 0) / "
              f"sum({rate(RESPONSES)})", "429")],
             "percentunit",
-            description="As the PDGatewayErrors alert counts: 5xx replies and streams cut by an "
-                        "error event, over every answer."),
+            description="As the PDGatewayErrors alert counts: 5xx replies and streams cut "
+                        "by an error event, over every answer."),
     ]),
     ("Latency", [
         panel("Time to first byte", [
@@ -77,7 +77,8 @@ ROWS = [
         panel("Turns whose P read D's blocks, and turns sent them", [
             (f"sum({rate(KV_READS, READ)} or {rate(KV_READS, REPORTED)} * 0) / "
              f"sum({rate(KV_READS, REPORTED)})", "read, of the turns sent D's params"),
-            (f"sum({rate(REQUESTS, SENT)} or {rate(REQUESTS)} * 0) / sum({rate(REQUESTS)})",
+            (f"sum({rate(REQUESTS, SENT)} or {rate(REQUESTS)} * 0) / "
+             f"sum({rate(REQUESTS)})",
              "served with D's blocks (sent to P, or decode-only), of all turns")],
             "percentunit",
             description="Read: what P reported (pd_gateway_kv_reads_total). A turn sent D's "
@@ -110,7 +111,8 @@ ROWS = [
             (f"sum by (role) (rate(pd_gateway_retries_total{{{JOB}}}[5m]))", "{{role}}")],
             "ops"),
         panel("Engines' /metrics reads", [
-            (f"sum by (role, result) (rate(pd_gateway_engine_metrics_reads_total{{{JOB}}}[5m]))",
+            (f"sum by (role, result) "
+             f"(rate(pd_gateway_engine_metrics_reads_total{{{JOB}}}[5m]))",
              "{{role}} {{result}}")], "ops"),
     ]),
     ("Admission and tenants", [

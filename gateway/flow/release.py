@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 PATH = "/v1/completions"
 # One token of any tokenizer, so P computes next to nothing and never fills a block whose hash
-# could be found by a real prompt; no `model`: vLLM serves its own (serving.py `_is_model_supported`).
+# could be found by a real prompt; no `model`: vLLM serves its own (serving.py
+# `_is_model_supported`).
 PROMPT = "."
 BACKLOG = 10_000        # releases waiting; beyond, a new one is skipped (D's TTL frees it)
 READ_TIMEOUT = 10.0     # a release is a one-token prefill: a P slower than this is in trouble

@@ -6,8 +6,8 @@ rebuild events from decoded lines, and `requests.iter_lines` miscounts a split C
 
 This runs once per token of every stream, so it is written for the common case, an event that
 is one `data: {...}` line ended by a blank line (what vLLM sends): found with `bytes.find`,
-parsed with orjson (jsonio.loads_engine), passed on as it came unless it changed. Anything else (CR line ends,
-comments, several fields) takes the general path.
+parsed with orjson (jsonio.loads_engine), passed on as it came unless it changed. Anything else (CR
+line ends, comments, several fields) takes the general path.
 """
 from __future__ import annotations
 

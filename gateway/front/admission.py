@@ -3,8 +3,9 @@ a place, and a refusal (429 with Retry-After) beyond it, before any engine is ca
 
 A turn relayed to the worker that owns its conversation (which admits it again) holds a thread
 or a connection here for as long, so it takes a place too (gateway.service: with gthread among
-the turns, with gevent among relays). A turn holds its place until its reply has ended (a stream until its last byte or its client's
-disconnect), so streams in flight are never cut to make room: newcomers wait or are refused.
+the turns, with gevent among relays). A turn holds its place until its reply has ended (a stream
+until its last byte or its client's disconnect), so streams in flight are never cut to make room:
+newcomers wait or are refused.
 
 Hand-written: a counter and a condition are all it takes, and `threading.Condition` is what
 gevent patches (a greenlet waits cooperatively) as well as what gthread's threads share.

@@ -1,8 +1,8 @@
 """Conversation identity: explicit ids, chained history digests, tenant scope, prefix checks.
 
 A digest match proves the client sent back the history an entry's KV was computed for; whether
-the new prompt's *tokens* extend D's tokens is the template's business (see `gateway.reuse.exactness`
-and docs/exactness.md).
+the new prompt's *tokens* extend D's tokens is the template's business (see
+`gateway.reuse.exactness` and docs/exactness.md).
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ that the tokens follow depends on the chat template. Three proofs, cheapest firs
   (`/tokenize`, the same fields the engine renders) and compared. Reasoning and tool-call turns
   need it: templates drop or re-render them.
 - **Partial reuse**: where the tokens differ, the largest block-aligned prefix the new prompt
-  still shares with D's tokens (`gateway.reuse.partial`), if it is at least `partial_tokens`: P reads
-  only those (D's params cut to them).
+  still shares with D's tokens (`gateway.reuse.partial`), if it is at least `partial_tokens`: P
+  reads only those (D's params cut to them).
 - Otherwise: no reuse (a miss, never a wrong read).
 
 `verify_reuse`: `auto` (verify only what the digest cannot prove), `always` (verify every reuse),

@@ -29,8 +29,8 @@ FIELDS = ("remote_engine_id", "remote_request_id", "remote_port", "remote_host",
 # every version-1 reader already takes: appending them here would break hosts not yet upgraded.
 _ABSENT = False          # no allowlisted value is a boolean: `false` means "not in the params"
 _VERSION = 1
-# Version 2 adds the partial-reuse checkpoints (gateway.reuse.partial) after the token digest; an entry
-# without them is still written as version 1, which hosts before version 2 read.
+# Version 2 adds the partial-reuse checkpoints (gateway.reuse.partial) after the token digest; an
+# entry without them is still written as version 1, which hosts before version 2 read.
 _VERSION_PREFIXES = 2
 _HEAD = struct.Struct("<BBId")        # version, flags, history length, expiry
 _RUN = struct.Struct("<IHb")          # first id, length, step (+1 or -1)

@@ -161,7 +161,8 @@ TURN_PATHS = Counter(
     "pd_gateway_turn_paths", "Turns by path and why (X-Gateway-Path): decode-only with short "
     "(D holds the history and the new part is short: no P call); two-stage with no_entry (no "
     "entry, or one whose history the request does not extend), fast_path_off (an entry, "
-    "--fast-path-tokens 0), long (too many new tokens for the fast path), partial (P reads a shared prefix), unproven (the entry's reuse not "
+    "--fast-path-tokens 0), long (too many new tokens for the fast path), partial (P reads a "
+    "shared prefix), unproven (the entry's reuse not "
     "proven), tokenize_failed (D's /tokenize failed), decode_down, decode_overloaded, "
     "decode_busy (the entry's D down, over its share, or reporting a queue or a full KV "
     "cache), decode_gone (the entry's D left the pool), decode_failed (the decode-only turn's "
@@ -172,7 +173,8 @@ FIRST_BYTE_SECONDS = Histogram(
     "stream", ["model"], values=dict(model=MODEL), buckets=_LATENCY)
 E2E_SECONDS = Histogram(
     "pd_gateway_e2e_request_latency_seconds", "From a turn's start to its reply's end (a "
-    "stream's [DONE], or its JSON body), for turns that completed (vLLM's vllm:e2e_request_latency_seconds, its buckets, through the "
+    "stream's [DONE], or its JSON body), for turns that completed (vLLM's "
+    "vllm:e2e_request_latency_seconds, its buckets, through the "
     "gateway)", ["model"], values=dict(model=MODEL), buckets=E2E_BUCKETS)
 INTER_TOKEN_SECONDS = Histogram(
     "pd_gateway_inter_token_latency_seconds", "Between consecutive chunks of a stream sent to "
@@ -237,7 +239,8 @@ REUSE_CHECKS = Counter(
                         "error")))
 TEMPLATE_PROBES = Counter(
     "pd_gateway_template_probes", "Chat template checks (3 /tokenize calls each, once per "
-    "template, tenant and worker, again after an hour): safe (keeps the prefix property), unsafe, error", ["result"],
+    "template, tenant and worker, again after an hour): safe (keeps the prefix property), "
+    "unsafe, error", ["result"],
     values=dict(result=("safe", "unsafe", "error")))
 RELEASES = Counter(
     "pd_gateway_releases", "Entries dropped unread whose D blocks the gateway asked a P to free, "

@@ -1,4 +1,5 @@
-"""The OpenAI surface in-process: chunk order, bodies, error envelopes, params placement, faults, stats."""
+"""The OpenAI surface in-process: chunk order, bodies, error envelopes, params placement, faults,
+stats."""
 
 from __future__ import annotations
 
@@ -234,7 +235,8 @@ def test_stats_count_and_reset(make_api):
     stats = api.client.get("/stats").get_json()
     assert (stats["role"], stats["engine_id"]) == ("decode", api.engine.engine_id)
     assert stats["requests"] == stats["completed"] == 2
-    # The second time, the prompt's whole blocks are cached, except that the last token is recomputed.
+    # The second time, the prompt's whole blocks are cached, except that the last token is
+    # recomputed.
     cached = (N_PROMPT - 1) // 4 * 4
     assert stats["local_prefix_tokens"] == cached
     assert stats["computed_prompt_tokens"] == N_PROMPT * 2 - cached

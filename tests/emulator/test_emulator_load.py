@@ -17,7 +17,8 @@ STREAMS = 500
 
 
 def run_streams(host: str, port: int, body: bytes, count: int, timeout: float) -> list[bytes]:
-    """Open `count` raw HTTP/1.1 connections at once and read each response to EOF, in one thread."""
+    """Open `count` raw HTTP/1.1 connections at once and read each response to EOF, in one
+    thread."""
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
     selector = selectors.DefaultSelector()

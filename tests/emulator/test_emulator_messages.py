@@ -53,7 +53,8 @@ def test_system_as_a_string_or_blocks_renders_as_one_system_message(make_api):
     api = make_api()
     as_chat = tokenize(api, [{"role": "system", "content": "be terse. and kind"}, *USER])
     assert count(api, system="be terse. and kind") == as_chat
-    # Text blocks are joined with no separator; Claude Code's billing header is dropped (serving.py:380-416).
+    # Text blocks are joined with no separator; Claude Code's billing header is dropped
+    # (serving.py:380-416).
     blocks = [{"type": "text", "text": "be terse."}, {"type": "text", "text": "x-anthropic-billing-header: cch=1"},
               {"type": "text", "text": " and kind"}]
     assert count(api, system=blocks) == as_chat

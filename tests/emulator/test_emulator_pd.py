@@ -1,4 +1,5 @@
-"""Two real engine processes on different loopback addresses exchanging KV blocks through real pulls."""
+"""Two real engine processes on different loopback addresses exchanging KV blocks through real
+pulls."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.processes     # engine processes, every test
 
 
 def fresh_history() -> list[dict]:
-    """A conversation no engine has seen, so prefix caches left by other tests cannot blur counters."""
+    """A conversation no engine has seen, so prefix caches left by other tests cannot blur
+    counters."""
     return [{"role": "system", "content": f"session {uuid.uuid4().hex} " + "you are a terse assistant " * 4},
             {"role": "user", "content": "explain bidirectional kv transfer between prefill and decode"}]
 

@@ -1,6 +1,6 @@
-"""POST /v1/responses, GET /v1/responses/{id} and POST .../cancel in-process, as vLLM 0.33 serves them
-for a model that is not gpt-oss: input items rendered as chat messages, the response object and its
-event stream, the store (off by default), and where kv_transfer_params go (the request; the
+"""POST /v1/responses, GET /v1/responses/{id} and POST .../cancel in-process, as vLLM 0.33 serves
+them for a model that is not gpt-oss: input items rendered as chat messages, the response object and
+its event stream, the store (off by default), and where kv_transfer_params go (the request; the
 response object: body, stored response, the stream's last event)."""
 
 from __future__ import annotations

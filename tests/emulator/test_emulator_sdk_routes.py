@@ -25,7 +25,8 @@ FUNCTION = [{"type": "function", "name": "lookup", "description": "find a thing"
 @pytest.fixture(scope="module")
 @starts_processes
 def engine():
-    # Every reply to a request with tools is a call; the store on (VLLM_ENABLE_RESPONSES_API_STORE=1).
+    # Every reply to a request with tools is a call; the store on
+    # (VLLM_ENABLE_RESPONSES_API_STORE=1).
     with EmulatorProcess("decode", itl_ms=1, output_tokens=6, tool_call_share=1.0,
                          responses_api_store=True) as process:
         yield process

@@ -1,4 +1,5 @@
-"""Template behaviours that break the prefix property, reasoning and tool calls, token ids, /tokenize."""
+"""Template behaviours that break the prefix property, reasoning and tool calls, token ids,
+/tokenize."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Emulator units: chat template and tokens, leases and prefix cache, the KV port, settings, faults."""
+"""Emulator units: chat template and tokens, leases and prefix cache, the KV port, settings,
+faults."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ def stream_params(events: list) -> dict | None:
 
 @dataclass
 class PD:
-    """A prefill and a decode process on different loopback addresses, driven by hand like a gateway."""
+    """A prefill and a decode process on different loopback addresses, driven by hand like a
+    gateway."""
 
     p: EmulatorProcess
     d: EmulatorProcess
@@ -58,7 +59,8 @@ class PD:
             "kv_transfer_params": p_params,
             **extra,
         }
-        # stream=True on the client side too, so a test can read (or abandon) the body incrementally.
+        # stream=True on the client side too, so a test can read (or abandon) the body
+        # incrementally.
         return requests.post(
             self.d.url + "/v1/chat/completions", json=body, timeout=10, stream=True
         )
