@@ -68,7 +68,7 @@ def failures() -> tuple[type[Exception], ...]:
     return redis.RedisError, redis.exceptions.RedisClusterException
 
 
-def redis_client(url: str, timeout: float):  # type: ignore[no-untyped-def]
+def redis_client(url: str, timeout: float):
     """(client, cluster?) for a store URL: `redis://` / `rediss://` / `unix://` (one primary),
     `redis+cluster://host:port,host:port` (Redis or Valkey Cluster: any nodes as seeds), or
     `redis+sentinel://host:port,host:port/primary-name[/db]` (Sentinel; the client asks the
@@ -164,10 +164,10 @@ class LazyCluster:
         self._lazy: Lazy = Lazy(lambda: RedisCluster(**kwargs),
                                 kwargs.get("socket_timeout") or 1.0, RedisClusterException)
 
-    def get_encoder(self):  # type: ignore[no-untyped-def]
+    def get_encoder(self):
         """What a script needs before any connection (redis-py's default encoding)."""
         from redis.connection import Encoder
         return Encoder("utf-8", "strict", False)
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self._lazy.get(), name)

@@ -216,10 +216,10 @@ class Membership:
         elif not isinstance(model, str) or model not in self.models:
             raise NotFound(f"no model {model!r} (one of {', '.join(self.models)})")
         else:
-            pools = self.models[model]     # type: ignore[index]
+            pools = self.models[model]
         if role not in pools:
             raise BadRequest(f"role must be one of {', '.join(pools)}", param="role")
-        return pools[role]       # type: ignore[index]
+        return pools[role]
 
     @staticmethod
     def _tag(pool: Pool) -> dict:

@@ -53,7 +53,7 @@ class Fields(dict):
     """A response's header fields by lower-cased name (the first of repeated ones), looked up
     in any case: `get`, `in`, `[]` (and http.client's `get_all`)."""
 
-    def get(self, name: str, default=None):  # type: ignore[no-untyped-def, override]
+    def get(self, name: str, default=None):
         return dict.get(self, name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
@@ -62,12 +62,12 @@ class Fields(dict):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and dict.__contains__(self, name.lower())
 
-    def get_all(self, name: str, failobj=None):  # type: ignore[no-untyped-def]
+    def get_all(self, name: str, failobj=None):
         value = self.get(name)
         return failobj if value is None else [value]
 
 
-def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
+def read_fields(fp) -> Fields:
     """A response head's header fields, read up to its blank line, as http.client reads them
     (its limits on a line and on the number of lines; the email package's rules: the fields
     end at the first line that is not one, a field name holds no space, a folded line continues
@@ -134,7 +134,7 @@ class EngineHTTPResponse(http.client.HTTPResponse):
             self.version = 11
         else:
             raise http.client.UnknownProtocol(version)
-        self.headers = self.msg = read_fields(self.fp)  # type: ignore[assignment]
+        self.headers = self.msg = read_fields(self.fp)
         encoding = self.headers.get("transfer-encoding")
         self.chunked = bool(encoding) and encoding.lower() == "chunked"
         self.chunk_left = None
@@ -197,7 +197,7 @@ class EngineConnection(http.client.HTTPConnection):
             raise
         self.sock = sock
 
-    def request(self, method, url, body=None, headers=None, **kwargs):  # type: ignore[no-untyped-def]  # noqa: E501
+    def request(self, method, url, body=None, headers=None, **kwargs):
         watch = current_watch()
         if watch is not None:
             self.pd_watch = watch
@@ -208,7 +208,7 @@ class EngineConnection(http.client.HTTPConnection):
         finally:
             self._one_send, self._head = False, None
 
-    def send(self, data):  # type: ignore[no-untyped-def]
+    def send(self, data):
         if self._one_send:
             if self._head is None:           # the head (http.client's _send_output)
                 self._head = data
@@ -258,7 +258,7 @@ def still_open(sock: socket.socket) -> bool:
     return False            # EOF, or bytes nobody asked for: urllib3 drops it too
 
 
-def untrack(connection) -> None:  # type: ignore[no-untyped-def]
+def untrack(connection) -> None:
     """Before a connection goes back to its pool, where another request may take it."""
     watch = getattr(connection, "pd_watch", None)
     if watch is not None:

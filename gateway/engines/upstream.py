@@ -186,7 +186,7 @@ class EngineReplyTooLarge(EngineGetFailed):
     """An engine's page beyond what the gateway reads of one."""
 
 
-def _decoder(encoding: str | None):  # type: ignore[no-untyped-def]
+def _decoder(encoding: str | None):
     """A page's content decoding (`decompress(data, max_length)`), None for `identity`: an
     engine, or a proxy before it, may compress a page whatever it was asked."""
     encoding = (encoding or "").strip().lower()

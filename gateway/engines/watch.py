@@ -7,12 +7,15 @@ import select
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gevent
 from gevent import monkey
 
 from gateway.support.errors import ClientGone, GatewayError, GatewayTimeout
+
+if TYPE_CHECKING:
+    from gevent._types import _IoWatcher, _TimerWatcher
 
 _WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("pd_gateway_watch",
                                                                      default=None)
@@ -52,7 +55,9 @@ class Watch:
         self._connections: list[Any] = []
         self._lock = threading.Lock()
         self._done = False
-        self._io = self._timer = None       # the event loop's watchers, under gevent
+        # The event loop's watchers, under gevent.
+        self._io: _IoWatcher | None = None
+        self._timer: _TimerWatcher | None = None
         self._looped = self._running and monkey.is_module_patched("threading")
         self._counted = False               # in Watch.live, under gevent
         if self._looped:
@@ -145,8 +150,8 @@ class Watch:
             due = min(due, waiting_since + self.quiet_limit)
         if due == NOT_WAITING:
             return        # no deadline, no stream's limit yet: only the socket is watched
-        self._timer = self._loop.timer(max(due - now, 0.0))
-        self._timer.start(self._tick)
+        self._timer = timer = self._loop.timer(max(due - now, 0.0))
+        timer.start(self._tick)
 
     def _tick(self) -> None:
         if self._done:
@@ -164,6 +169,8 @@ class Watch:
     def _readable(self) -> None:
         if self._done:
             return
+        # Registered only with a client, and stopped (watchers None) before the watch ends.
+        assert self.client is not None and self._io is not None
         if self.client.fileno() < 0:     # closed under us (gevent tells its watchers so)
             self._stop_watchers()
             return
@@ -205,9 +212,10 @@ class Watch:
 
     def _run(self) -> None:
         poller = None
-        if self.client is not None:
+        client = self.client
+        if client is not None:
             poller = select.poll()
-            poller.register(self.client, select.POLLIN | select.POLLHUP)
+            poller.register(client, select.POLLIN | select.POLLHUP)
         while not self._done:
             wait = self.POLL_SECONDS
             if self.deadline is not None:
@@ -221,7 +229,7 @@ class Watch:
                     self.silent = True
                     return self._cut()
                 wait = min(wait, quiet_left)
-            if poller is None:
+            if poller is None or client is None:      # (both or neither)
                 time.sleep(wait)
                 continue
             if poller.poll(wait * 1000) and not self._done:
@@ -229,7 +237,7 @@ class Watch:
                     # The raw socket: gevent's recv would wait on the socket's read event on
                     # EAGAIN, which the request's own greenlet may be using (it reads the next
                     # request on a kept-alive connection): ConcurrentObjectUseError.
-                    raw = getattr(self.client, "_sock", self.client)
+                    raw: socket.socket = getattr(client, "_sock", client)
                     peeked = raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     continue

@@ -82,14 +82,14 @@ class RedisChain:
 
     PREFIX = b"pd-gateway:response:"
 
-    def __init__(self, client, ttl: float,  # type: ignore[no-untyped-def]
+    def __init__(self, client, ttl: float,
                  largest: int = 1 << 62) -> None:
         self.largest = largest
         self._errors = redis_url.failures()
         self._redis = client
         self._ttl_ms = int(ttl * 1000)
 
-    def _call(self, operation: str, call):  # type: ignore[no-untyped-def]
+    def _call(self, operation: str, call):
         try:
             return call()
         except self._errors as exc:
@@ -117,7 +117,7 @@ class RedisChain:
 Chain = LocalChain | RedisChain
 
 
-def create_chain(settings) -> Chain:  # type: ignore[no-untyped-def]
+def create_chain(settings) -> Chain:
     """In the settings' store (`--store`), for `--responses-ttl`."""
     if settings.store == "local":
         return LocalChain(settings.responses_bytes, settings.responses_ttl,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+from typing import Self
 
 import prometheus_client
 from prometheus_client import (
@@ -23,6 +24,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 log = logging.getLogger(__name__)
 STRICT_ENV = "PD_GATEWAY_STRICT_METRICS"
@@ -30,7 +32,7 @@ _STRICT = os.environ.get(STRICT_ENV) == "1"
 DECLARED: list = []        # every metric below, in the order README lists them
 
 
-class _Children:
+class _Children(MetricWrapperBase):
     """`labels(...)` found once per label values, then from a plain dict: prometheus_client's
     own checks the values and takes a lock on every call, some ten calls a turn
     (docs/BENCHMARKS.md, "The cuts since"). No child is ever removed here, so none goes stale.
@@ -49,7 +51,7 @@ class _Children:
             if kwargs.get("registry", REGISTRY) is REGISTRY:
                 DECLARED.append(self)
 
-    def labels(self, *values: str, **by_name: str):
+    def labels(self, *values: object, **by_name: object) -> Self:
         if by_name:        # prometheus_client's own path (and checks), the values checked too
             child = super().labels(*values, **by_name)
             self._undeclared(tuple(str(by_name[name])
@@ -62,7 +64,7 @@ class _Children:
             child = children[values] = super().labels(*values)
         return child
 
-    def _undeclared(self, values: tuple[str, ...]) -> None:
+    def _undeclared(self, values: tuple[object, ...]) -> None:
         for name, value in zip(self._labelnames, values, strict=False):
             allowed = self.values.get(name)
             if isinstance(allowed, tuple) and value not in allowed:

@@ -47,7 +47,7 @@ class _LeavingCache(TLRUCache):
         self._on_leave = on_leave
         self._evictee = evictee
 
-    def popitem(self):  # type: ignore[no-untyped-def]
+    def popitem(self):
         """Room for a new entry: `evictee()`'s (the tenant holding the most entries gives way,
         its oldest first), else the least recently used."""
         key = self._evictee()
@@ -58,7 +58,7 @@ class _LeavingCache(TLRUCache):
         self._on_leave(key, value, "evicted")
         return key, value
 
-    def expire(self, time=None):  # type: ignore[no-untyped-def]
+    def expire(self, time=None):
         gone = super().expire(time)
         for key, value in gone:
             self._on_leave(key, value, "expired")
