@@ -58,6 +58,7 @@ import threading
 import time
 import weakref
 from functools import partial
+from typing import TYPE_CHECKING
 
 import gevent
 import gevent.socket
@@ -237,7 +238,9 @@ class GeventWorker(_GeventWorker):
         finally:
             _DEADLINES.pop(sock, None)       # served: a drain after it is not its head
 
-    def timeout_ctx(self) -> _IdleWait:
+    # gunicorn uses what it returns as a context manager (gevent's worker returns a
+    # gevent.Timeout); the stubs say None.
+    def timeout_ctx(self) -> _IdleWait:  # type: ignore[override]
         # gunicorn calls this around reading each next request on a connection, only there:
         # the keep-alive wait, bounded by itself (the request's headers with it); the client
         # timeout holds from the headers on.
@@ -268,7 +271,8 @@ class _IdleWait:
 
     def __init__(self, idle: dict, seconds: float, client, client_timeout: float) -> None:
         self.idle = idle
-        self.timeout = gevent.Timeout(seconds, False)
+        # False: gevent's documented "expire silently" (its `with` swallows it); not in the stubs.
+        self.timeout = gevent.Timeout(seconds, False)  # type: ignore[arg-type]
         self.client = client
         self.client_timeout = client_timeout
 
@@ -279,14 +283,21 @@ class _IdleWait:
             self.client.settimeout(None)
         return self.timeout.__enter__()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> bool | None:
         self.idle.pop(gevent.getcurrent(), None)
         if self.client is not None:
             self.client.settimeout(self.client_timeout)
         return self.timeout.__exit__(*exc)
 
 
-class _QuietTimeouts:
+if TYPE_CHECKING:
+    # The mixins below are only ever mixed into a socket class: typed as one.
+    _SocketMixin = socket.socket
+else:
+    _SocketMixin = object
+
+
+class _QuietTimeouts(_SocketMixin):
     """A client socket's timeouts (a stalled client) end its request quietly. gunicorn logs a
     socket error with its traceback unless it is a broken pipe or a reset, and a client could
     fill the log with stalls: a plain read that times out finds the end of the stream (gunicorn:
@@ -379,7 +390,8 @@ class _ClientSocket(_QuietTimeouts, gevent.socket.socket):
     def sendall(self, data, flags=0):
         _taking(self, len(data))
         try:
-            sent = self._sock.send(data, flags)
+            # gevent's socket keeps the OS socket in `_sock` (internal, not in the stubs).
+            sent = self._sock.send(data, flags)  # type: ignore[attr-defined]
         except BlockingIOError:
             sent = 0
         if sent < len(data):
@@ -438,7 +450,7 @@ class ThreadWorker(_ThreadWorker):
             return super().enqueue_req(conn)
         conn.sock.setblocking(False)         # this loop never waits on a client
         now = time.monotonic()
-        conn.pd_head = bytearray(unreader.take_buffered() if ahead else b"")
+        conn.pd_head = bytearray(unreader.take_buffered() if ahead and unreader is not None else b"")
         conn.pd_need = conn.pd_body_at = None
         conn.pd_heard = None
         if conn.pd_head:
@@ -604,7 +616,8 @@ class _ThreadClientSocket(_QuietTimeouts, socket.socket):
     def shutdown(self, how: int) -> None:
         super().shutdown(how)
         if how == socket.SHUT_WR:
-            self.__class__ = _ClosingSocket
+            # The socket becomes its closing class in place (a class swap mypy cannot follow).
+            self.__class__ = _ClosingSocket  # type: ignore[assignment]
 
 
 class _StalledThreadSocket(_Stalled, _ThreadClientSocket):
