@@ -213,7 +213,7 @@ class Tenants:
         except Exception as exc:       # the storage failed: admit, uncounted, for a second
             self._failed(exc)
             return NO_TICKET
-        settled = []
+        settled: list[bool] = []
         window_end = self._ends.get(counted[-1][0], 0.0)
 
         def charge(tokens: int) -> None:

@@ -124,7 +124,7 @@ class RedisStore:
         from redis.commands.core import Script  # only a Redis-backed gateway needs the client
 
         # ValueError and TypeError: a foreign value under our key.
-        self._errors = (*redis_url.failures(), ValueError, TypeError)
+        self._errors: tuple[type[Exception], ...] = (*redis_url.failures(), ValueError, TypeError)
         self._redis = client if client is not None else redis_url.redis_client(url, timeout)[0]
         self._ttl_ms = int(ttl * 1000)
         # Each D's budget, across every host sharing the store (gateway.engines.d_budget).
@@ -156,6 +156,7 @@ class RedisStore:
         now, that expiry in ms, and its D's id; None if it is already due."""
         now = self._timer()
         entry = stamped(entry, now, self._ttl_ms / 1000)
+        assert entry.expires_at is not None         # stamped sets it
         expires_ms = int(entry.expires_at * 1000)
         if expires_ms <= now * 1000:
             return None
