@@ -21,6 +21,7 @@ from gateway.parse import is_plain
 # (vLLM's ChatCompletionRequest and CompletionRequest). Every other field is part of the digest
 # scope, so two requests differing in it never share KV blocks: a field vLLM adds tomorrow
 # (like cache_salt, reasoning_effort or mm_processor_kwargs before it) is safe by default.
+# fmt: off (a list of names, read as a paragraph; one a line it would be ~60 lines)
 PROMPT_NEUTRAL = frozenset((
     "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
     "min_completion_tokens", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -35,6 +36,7 @@ PROMPT_NEUTRAL = frozenset((
     "return_token_offsets", "return_prompt_text", "return_mm_kwargs", "repetition_detection",
     "stream_interval", "watermarking", "metadata", "store", "service_tier", "prediction",
     "kv_transfer_params"))
+# fmt: on
 # The prompt itself, digested message by message (chat) or as text (completions).
 _PROMPT = ("messages", "prompt")
 # Left truncation (vLLM's default truncation side) drops the prompt's start: no prefix at all.
