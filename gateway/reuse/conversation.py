@@ -21,7 +21,8 @@ from gateway.parse import is_plain
 # (vLLM's ChatCompletionRequest and CompletionRequest). Every other field is part of the digest
 # scope, so two requests differing in it never share KV blocks: a field vLLM adds tomorrow
 # (like cache_salt, reasoning_effort or mm_processor_kwargs before it) is safe by default.
-# fmt: off (a list of names, read as a paragraph; one a line it would be ~60 lines)
+# (Kept as a paragraph: formatted one name a line, it would be ~60 lines.)
+# fmt: off
 PROMPT_NEUTRAL = frozenset((
     "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
     "min_completion_tokens", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed",
