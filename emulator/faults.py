@@ -22,7 +22,7 @@ class Fault:
     def from_dict(cls, data: object) -> Fault:
         """Validate a POST /faults body (or a parsed --fault spec); ValueError names the bad key."""
         if not isinstance(data, dict):
-            raise ValueError("fault must be a JSON object like {\"mode\": \"down\"}")
+            raise ValueError('fault must be a JSON object like {"mode": "down"}')
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(data) - set(known))
         if unknown:
