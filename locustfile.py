@@ -1,4 +1,5 @@
 """Load: multi-turn streaming chat users on a gateway, each turn timed to its [DONE]."""
+
 # Self-contained (locust and the standard library only), so it runs from anywhere against any
 # gateway, a production one included:
 #   locust -f locustfile.py --headless -u 300 -r 50 -t 60s --host https://gateway.example \
@@ -31,29 +32,50 @@ from locust import FastHttpUser, events, task
 from locust.contrib.fasthttp import FAILURE_EXCEPTIONS
 
 CHAT = "/v1/chat/completions"
-TURN = "chat turn"                         # the turns' row in locust's stats: POST, TURN
-TTFT = ("TTFT", "time to first token")     # custom metrics' rows
+TURN = "chat turn"  # the turns' row in locust's stats: POST, TURN
+TTFT = ("TTFT", "time to first token")  # custom metrics' rows
 TPOT = ("TPOT", "time per output token")
 REPLY_TOKENS = {"short": 16, "long": 128}  # max_tokens of each --workload
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
-         "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
-         "zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+    "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
+    "zulu"
+).split()
 
 
 @events.init_command_line_parser.add_listener
 def _options(parser) -> None:
-    parser.add_argument("--api-key", env_var="LOCUST_API_KEY", default="", is_secret=True,
-                        help="client key sent as Authorization: Bearer (the gateway's "
-                             "--api-keys); default $LOCUST_API_KEY, else $OPENAI_API_KEY")
+    parser.add_argument(
+        "--api-key",
+        env_var="LOCUST_API_KEY",
+        default="",
+        is_secret=True,
+        help="client key sent as Authorization: Bearer (the gateway's "
+        "--api-keys); default $LOCUST_API_KEY, else $OPENAI_API_KEY",
+    )
     parser.add_argument("--model", default="emulated-model", help="model name sent")
-    parser.add_argument("--workload", choices=sorted(REPLY_TOKENS), default="short",
-                        help="short: 16-token replies, which P recomputes; long: 128-token "
-                             "replies, which P reads from D on the next turn")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="max_tokens of every turn (default: the workload's)")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(REPLY_TOKENS),
+        default="short",
+        help="short: 16-token replies, which P recomputes; long: 128-token "
+        "replies, which P reads from D on the next turn",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of every turn (default: the workload's)",
+    )
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
-    parser.add_argument("--think", type=float, nargs=2, default=(0.5, 1.5), metavar=("MIN", "MAX"),
-                        help="seconds a user waits between turns (reading the reply)")
+    parser.add_argument(
+        "--think",
+        type=float,
+        nargs=2,
+        default=(0.5, 1.5),
+        metavar=("MIN", "MAX"),
+        help="seconds a user waits between turns (reading the reply)",
+    )
 
 
 class StreamError(Exception):
@@ -76,14 +98,20 @@ class Conversation:
             return
         # Its id in every message: automatic digests must not collide across conversations.
         words = " ".join(random.choices(WORDS, k=10 if self.messages else 40))
-        self.messages.append({"role": "user",
-                              "content": f"conversation {self.cid} turn {self.turns + 1}: {words}"})
+        self.messages.append(
+            {"role": "user", "content": f"conversation {self.cid} turn {self.turns + 1}: {words}"}
+        )
 
     def body(self) -> dict:
-        body = {"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.long:
-            body["min_tokens"] = self.max_tokens     # vLLM's; the gateway passes it to D
+            body["min_tokens"] = self.max_tokens  # vLLM's; the gateway passes it to D
         return body
 
     def headers(self) -> dict:
@@ -109,16 +137,25 @@ class ChatUser(FastHttpUser):
     def new_conversation(self) -> None:
         options = self.environment.parsed_options
         self.conversation = Conversation(
-            options.model, options.max_tokens or REPLY_TOKENS[options.workload],
-            options.workload == "long", session_header=random.random() < 0.5)
+            options.model,
+            options.max_tokens or REPLY_TOKENS[options.workload],
+            options.workload == "long",
+            session_header=random.random() < 0.5,
+        )
 
     @task
     def next_turn(self) -> None:
         conv = self.conversation
         conv.ask()
         start = time.perf_counter()
-        with self.client.post(CHAT, json=conv.body(), headers={**self.auth, **conv.headers()},
-                              stream=True, catch_response=True, name=TURN) as response:
+        with self.client.post(
+            CHAT,
+            json=conv.body(),
+            headers={**self.auth, **conv.headers()},
+            stream=True,
+            catch_response=True,
+            name=TURN,
+        ) as response:
             try:
                 if response.status_code != 200:
                     raise StreamError(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -142,8 +179,13 @@ class ChatUser(FastHttpUser):
 
     def report(self, row: tuple[str, str], seconds: float) -> None:
         self.environment.events.request.fire(
-            request_type=row[0], name=row[1], response_time=seconds * 1000,
-            response_length=0, exception=None, context={})
+            request_type=row[0],
+            name=row[1],
+            response_time=seconds * 1000,
+            response_length=0,
+            exception=None,
+            context={},
+        )
 
 
 @dataclass
@@ -151,8 +193,8 @@ class Turn:
     """A streamed reply as it arrived: its text, first and last token (perf_counter), finish."""
 
     text: str = ""
-    events: int = 0                    # events that carried text
-    usage_tokens: int = 0              # completion_tokens of the usage chunk (include_usage)
+    events: int = 0  # events that carried text
+    usage_tokens: int = 0  # completion_tokens of the usage chunk (include_usage)
     first: float | None = None
     last: float | None = None
     finish: str | None = None
@@ -174,10 +216,13 @@ def read_stream(response) -> Turn:
             buffer = (buffer + block).replace(b"\r\n", b"\n")
             *complete, buffer = buffer.split(b"\n\n")
             for event in complete:
-                data = b"\n".join(line[5:].removeprefix(b" ") for line in event.split(b"\n")
-                                  if line.startswith(b"data:"))
+                data = b"\n".join(
+                    line[5:].removeprefix(b" ")
+                    for line in event.split(b"\n")
+                    if line.startswith(b"data:")
+                )
                 if not data or done:
-                    continue                         # a comment, a keep-alive, or past [DONE]
+                    continue  # a comment, a keep-alive, or past [DONE]
                 if data == b"[DONE]":
                     done = True
                     continue

@@ -1,5 +1,6 @@
 """What the benchmark's load generators (bench.loadgen, bench.sdk_load) share: their command
 line and their results file. (Nothing here imports gevent: bench.sdk_load runs threads.)"""
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,12 @@ def arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, required=True, help="no turn starts after this")
     parser.add_argument("--salt", required=True)
     parser.add_argument("--ids", action="store_true", help="send conversation_id and X-Session-ID")
-    parser.add_argument("--history-bytes", type=int, default=0,
-                        help="start each conversation from this much earlier history (growth runs)")
+    parser.add_argument(
+        "--history-bytes",
+        type=int,
+        default=0,
+        help="start each conversation from this much earlier history (growth runs)",
+    )
     parser.add_argument("--out", required=True)
     return parser
 
@@ -27,5 +32,13 @@ def write_results(path: str, started: float, turns: list[dict], errors: list[str
     """The run's turns and errors, and the client's own CPU (bench.measure reads them)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(path, "w") as out:
-        json.dump({"started": started, "ended": time.monotonic(), "turns": turns,
-                   "errors": errors, "cpu_s": usage.ru_utime + usage.ru_stime}, out)
+        json.dump(
+            {
+                "started": started,
+                "ended": time.monotonic(),
+                "turns": turns,
+                "errors": errors,
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+            },
+            out,
+        )

@@ -10,6 +10,7 @@ completion to an emulated P), several at once in one gevent process, three ways,
 
 Prints the median and every repeat, µs of CPU (user + system, this process) per call.
 """
+
 from __future__ import annotations
 
 from gevent import monkey
@@ -29,8 +30,7 @@ from gateway.engines.upstream import Upstream  # noqa: E402
 from gateway.support import jsonio  # noqa: E402
 
 PATH = "/v1/chat/completions"
-BODY = {"messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 1,
-        "stream": False}
+BODY = {"messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 1, "stream": False}
 
 
 def _cpu() -> float:
@@ -50,19 +50,33 @@ def ways(url: str) -> dict:
         upstream.post_json(instance, PATH, BODY, headers)
 
     def plain_urllib3() -> None:
-        reply = pool.urlopen("POST", PATH, body=jsonio.dumps(BODY),
-                             headers={**headers, "Content-Type": "application/json"},
-                             retries=False, timeout=urllib3.Timeout(connect=5, read=30))
+        reply = pool.urlopen(
+            "POST",
+            PATH,
+            body=jsonio.dumps(BODY),
+            headers={**headers, "Content-Type": "application/json"},
+            retries=False,
+            timeout=urllib3.Timeout(connect=5, read=30),
+        )
         jsonio.loads_engine(reply.data)
 
     def plain_http_client() -> None:
         connection = connections.get(gevent.getcurrent())
         if connection is None:
             connection = connections[gevent.getcurrent()] = http.client.HTTPConnection(
-                host, int(port), timeout=30)
+                host, int(port), timeout=30
+            )
         body = jsonio.dumps(BODY)
-        connection.request("POST", PATH, body=body, headers={
-            **headers, "Content-Type": "application/json", "Content-Length": str(len(body))})
+        connection.request(
+            "POST",
+            PATH,
+            body=body,
+            headers={
+                **headers,
+                "Content-Type": "application/json",
+                "Content-Length": str(len(body)),
+            },
+        )
         jsonio.loads_engine(connection.getresponse().read())
 
     return {"gateway": gateway, "urllib3": plain_urllib3, "http.client": plain_http_client}
@@ -72,6 +86,7 @@ def cpu_per_call(call, calls: int, concurrency: int) -> float:
     def worker() -> None:
         for _ in range(calls // concurrency):
             call()
+
     started = _cpu()
     gevent.joinall([gevent.spawn(worker) for _ in range(concurrency)], raise_error=True)
     return (_cpu() - started) / calls * 1e6
@@ -86,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     engines = Engines.start(itl_ms=1, prefill_ms_per_token=0.0)
     try:
         calls = ways(engines.prefill.url)
-        for call in calls.values():            # connections made, code warm
+        for call in calls.values():  # connections made, code warm
             cpu_per_call(call, 200, args.concurrency)
         figures: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.repeats):
@@ -94,8 +109,10 @@ def main(argv: list[str] | None = None) -> None:
                 figures[name].append(cpu_per_call(call, args.calls, args.concurrency))
         for name, values in figures.items():
             values.sort()
-            print(f"{name:12s} {values[len(values) // 2]:6.1f} us of CPU a call (median; "
-                  f"{', '.join(f'{v:.0f}' for v in values)})")
+            print(
+                f"{name:12s} {values[len(values) // 2]:6.1f} us of CPU a call (median; "
+                f"{', '.join(f'{v:.0f}' for v in values)})"
+            )
     finally:
         engines.stop()
 

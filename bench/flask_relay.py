@@ -18,6 +18,7 @@ call (`trust_env = False`).
 
 bench.systems starts it so (kind "flask").
 """
+
 from __future__ import annotations
 
 import os
@@ -27,15 +28,16 @@ from flask import Flask, Response, request
 from requests.adapters import HTTPAdapter
 
 UPSTREAM_ENV = "FLASK_RELAY_UPSTREAM"
-POOL_ENV = "FLASK_RELAY_POOL"          # connections kept per upstream; the worker's connections
+POOL_ENV = "FLASK_RELAY_POOL"  # connections kept per upstream; the worker's connections
 
 if not os.environ.get(UPSTREAM_ENV):
     raise SystemExit(f"bench.flask_relay: set {UPSTREAM_ENV} to the engine's URL")
 UPSTREAM = os.environ[UPSTREAM_ENV].rstrip("/")
 session = requests.Session()
 session.trust_env = False
-session.mount("http://", HTTPAdapter(pool_maxsize=int(os.environ.get(POOL_ENV, "2000")),
-                                     max_retries=0))
+session.mount(
+    "http://", HTTPAdapter(pool_maxsize=int(os.environ.get(POOL_ENV, "2000")), max_retries=0)
+)
 
 app = Flask(__name__)
 
@@ -43,9 +45,13 @@ app = Flask(__name__)
 @app.post("/v1/chat/completions")
 @app.post("/v1/completions")
 def relay() -> Response:
-    upstream = session.post(UPSTREAM + request.path, data=request.get_data(),
-                            headers={"Content-Type": "application/json"}, stream=True,
-                            timeout=(5, 600))
+    upstream = session.post(
+        UPSTREAM + request.path,
+        data=request.get_data(),
+        headers={"Content-Type": "application/json"},
+        stream=True,
+        timeout=(5, 600),
+    )
     kind = upstream.headers.get("Content-Type", "application/json")
     if not kind.startswith("text/event-stream"):
         return Response(upstream.content, upstream.status_code, content_type=kind)

@@ -1,12 +1,15 @@
 """gunicorn config for `bench.profile --calls`: the gateway's own config, plus cProfile in the
 worker from its start to its exit (the stats file: $BENCH_CPROFILE). Function call counts per
 turn are exact; cProfile's times are not (greenlet switches and its own overhead)."""
+
 from gateway.standalone_conf import *  # noqa: F401,F403  (first: it monkey-patches under gevent)
+
+# isort: split
 
 import cProfile  # noqa: E402
 import os  # noqa: E402
 
-CPROFILE_ENV = "BENCH_CPROFILE"   # as bench.profile sets it
+CPROFILE_ENV = "BENCH_CPROFILE"  # as bench.profile sets it
 
 
 def post_worker_init(worker):

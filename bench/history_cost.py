@@ -7,23 +7,31 @@ conversation, write P's and D's bodies), timed over many repetitions of one turn
 The bytes still have to cross the sockets (client to gateway, gateway to P and D): the kernel's
 share, the same for any proxy, is in the full runs (`make bench`, "Growth").
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
 from devtools.workload import benchmark_conversation
-from gateway.support import jsonio
-from gateway.reuse.conversation import identify, root_key
-from gateway.reuse.kv_params import decode_body, prefill_body
 from gateway.engines.instances import Instance
 from gateway.parse import CHAT, parse
+from gateway.reuse.conversation import identify, root_key
+from gateway.reuse.kv_params import decode_body, prefill_body
+from gateway.support import jsonio
 
 P = Instance("http://127.0.0.2:8100", "prefill", 0)
-P_REPLY = {"kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                  "remote_block_ids": [list(range(70))],
-                                  "remote_engine_id": "e", "remote_request_id": "r",
-                                  "remote_host": "localhost", "remote_port": 1}}
+P_REPLY = {
+    "kv_transfer_params": {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(range(70))],
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_host": "localhost",
+        "remote_port": 1,
+    }
+}
 
 
 def body_of(kb: int, ids: bool) -> bytes:
@@ -36,7 +44,7 @@ def turn(raw: bytes, headers: dict) -> None:
     """The history-dependent steps of one turn, in the order the gateway runs them."""
     request = parse(CHAT, raw)
     args = (request.body, headers, request.conversation_id)
-    root_key(*args)                     # the owner worker (several workers only)
+    root_key(*args)  # the owner worker (several workers only)
     identity = identify(*args)
     identity.lookups()
     jsonio.dumps(prefill_body(request.wire, None))
@@ -53,8 +61,10 @@ def cpu_per_turn(raw: bytes, headers: dict, repeat: int) -> float:
 
 def table(sizes: tuple[int, ...] = (1, 3, 10, 30, 100), repeat: int = 200) -> str:
     """Markdown: the history-dependent CPU of one turn by history size, with and without ids."""
-    lines = ["| history KB | ids | gateway CPU ms/turn | more than at the smallest |",
-             "|---|---|---|---|"]
+    lines = [
+        "| history KB | ids | gateway CPU ms/turn | more than at the smallest |",
+        "|---|---|---|---|",
+    ]
     for ids in (True, False):
         headers = {"X-Session-ID": "bench"} if ids else {}
         base = None

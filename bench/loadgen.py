@@ -1,4 +1,5 @@
 """Load generator: conversations of T streamed turns, C in flight, one gevent process, JSON out."""
+
 from gevent import monkey
 
 # Before http.client and socket are imported: every conversation is a greenlet on one hub.
@@ -7,7 +8,7 @@ monkey.patch_all()
 import http.client  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
-from typing import Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
 import gevent  # noqa: E402
@@ -69,14 +70,29 @@ def run_turn(conn: http.client.HTTPConnection, conv: Conversation) -> dict:
     ideal = conv.ideal_computed(prompt)
     cache = response.getheader("X-Gateway-Cache")
     conv.add_reply(reply, cache, prompt)
-    return {"sent": sent, "first": timing.first, "last": timing.last,
-            "content_events": timing.content_events, "events": len(events),
-            "max_gap": timing.max_gap, "gaps": timing.gaps, "prompt_tokens": prompt,
-            "ideal_computed": ideal, "hit": cache == "hit"}
+    return {
+        "sent": sent,
+        "first": timing.first,
+        "last": timing.last,
+        "content_events": timing.content_events,
+        "events": len(events),
+        "max_gap": timing.max_gap,
+        "gaps": timing.gaps,
+        "prompt_tokens": prompt,
+        "ideal_computed": ideal,
+        "hit": cache == "hit",
+    }
 
 
-def conversation(url: str, conv: Conversation, turns: int, deadline: float, results: list,
-                 errors: list, think: float = 0.0) -> None:
+def conversation(
+    url: str,
+    conv: Conversation,
+    turns: int,
+    deadline: float,
+    results: list,
+    errors: list,
+    think: float = 0.0,
+) -> None:
     """Run one conversation's turns in order on one keep-alive connection, until the deadline,
     `think` seconds between a reply and the next question."""
     parts = urlsplit(url)
@@ -97,8 +113,15 @@ def conversation(url: str, conv: Conversation, turns: int, deadline: float, resu
         conn.close()
 
 
-def client(url: str, convs: Iterator[Conversation], turns: int, deadline: float, results: list,
-           errors: list, think: float = 0.0) -> None:
+def client(
+    url: str,
+    convs: Iterator[Conversation],
+    turns: int,
+    deadline: float,
+    results: list,
+    errors: list,
+    think: float = 0.0,
+) -> None:
     """Run conversations one after another; the iterator is shared, so each is run once."""
     for conv in convs:
         if time.monotonic() >= deadline:
@@ -108,18 +131,29 @@ def client(url: str, convs: Iterator[Conversation], turns: int, deadline: float,
 
 def main(argv: list[str] | None = None) -> None:
     parser = clients.arguments(__doc__)
-    parser.add_argument("--think", type=float, default=0.0,
-                        help="seconds a conversation waits between a reply and its next turn")
+    parser.add_argument(
+        "--think",
+        type=float,
+        default=0.0,
+        help="seconds a conversation waits between a reply and its next turn",
+    )
     args = parser.parse_args(argv)
     results: list[dict] = []
     errors: list[str] = []
-    convs = iter([benchmark_conversation(args.salt, i, args.ids, args.history_bytes)
-                  for i in range(args.conversations)])
+    convs = iter(
+        [
+            benchmark_conversation(args.salt, i, args.ids, args.history_bytes)
+            for i in range(args.conversations)
+        ]
+    )
     started = time.monotonic()
     deadline = started + args.duration
-    gevent.joinall([gevent.spawn(client, args.url, convs, args.turns, deadline, results, errors,
-                                 args.think)
-                    for _ in range(args.concurrency)])
+    gevent.joinall(
+        [
+            gevent.spawn(client, args.url, convs, args.turns, deadline, results, errors, args.think)
+            for _ in range(args.concurrency)
+        ]
+    )
     clients.write_results(args.out, started, results, errors)
 
 

@@ -1,4 +1,6 @@
-"""Figures of one run: client timings matched to the engines' own timestamps, CPU, tokens, errors."""
+"""Figures of one run: client timings matched to the engines' own timestamps, CPU, tokens,
+errors."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -58,9 +60,11 @@ def added_ttft(m: Measured) -> tuple[list[float], float]:
     decodes = match(turns, m.engine_records.get("decode", []))
     has_prefill = bool(m.engine_records.get("prefill"))  # the nginx relay never calls P
     prefills = match(turns, m.engine_records["prefill"]) if has_prefill else [None] * len(turns)
-    added = [turn["first"] - turn["sent"] - engine_ttft(prefill, decode)
-             for turn, prefill, decode in zip(turns, prefills, decodes)
-             if decode is not None and (prefill is not None or not has_prefill)]
+    added = [
+        turn["first"] - turn["sent"] - engine_ttft(prefill, decode)
+        for turn, prefill, decode in zip(turns, prefills, decodes, strict=True)
+        if decode is not None and (prefill is not None or not has_prefill)
+    ]
     return added, len(added) / len(turns) if turns else 0.0
 
 
@@ -70,8 +74,11 @@ def added_itl(turns: list[dict], itl_ms: float) -> float:
     D's own gaps can't be read per token, and its records' span includes its request parsing;
     the configured gap is the floor, and the nginx relay shows how much D itself overshoots it.
     """
-    gaps = [(t["last"] - t["first"]) / (t["content_events"] - 1) for t in turns
-            if t["content_events"] > 1]
+    gaps = [
+        (t["last"] - t["first"]) / (t["content_events"] - 1)
+        for t in turns
+        if t["content_events"] > 1
+    ]
     return sum(gaps) / len(gaps) * 1000 - itl_ms if gaps else float("nan")
 
 
@@ -88,21 +95,30 @@ def summarize(m: Measured, itl_ms: float) -> dict:
     ideal = sum(t["ideal_computed"] for t in turns)
     ms = 1000.0
     return {
-        "system": m.system, "conversations": m.conversations, "turns": n,
-        "errors": len(m.load["errors"]), "first_error": (m.load["errors"] or [""])[0],
-        "ttft_p50_ms": percentile(ttft, 50) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
+        "system": m.system,
+        "conversations": m.conversations,
+        "turns": n,
+        "errors": len(m.load["errors"]),
+        "first_error": (m.load["errors"] or [""])[0],
+        "ttft_p50_ms": percentile(ttft, 50) * ms,
+        "ttft_p99_ms": percentile(ttft, 99) * ms,
         "added_ttft_p50_ms": percentile(added, 50) * ms,
-        "added_ttft_p99_ms": percentile(added, 99) * ms, "added_itl_ms": added_itl(turns, itl_ms),
+        "added_ttft_p99_ms": percentile(added, 99) * ms,
+        "added_itl_ms": added_itl(turns, itl_ms),
         "matched": matched,
         "turns_per_s": n / elapsed if elapsed > 0 else 0.0,
         "events_per_core_s": events / m.proxy_cpu_s if m.proxy_cpu_s > 0 else float("nan"),
         "cpu_ms_per_turn": m.proxy_cpu_s / n * ms if n else float("nan"),
-        "computed_tokens": computed, "ideal_tokens": ideal,
+        "computed_tokens": computed,
+        "ideal_tokens": ideal,
         "computed_over_ideal": computed / ideal if ideal else float("nan"),
         "pulled_per_turn": d["pulled_tokens"] / n if n else 0.0,
         "hit_rate": p.get("hits", 0) / n if n else 0.0,
-        "proxy_cpu_s": m.proxy_cpu_s, "engine_cpu_s": m.engine_cpu_s,
-        "client_cpu_s": m.load["cpu_s"], "elapsed_s": elapsed, "machine_busy": m.machine_busy,
+        "proxy_cpu_s": m.proxy_cpu_s,
+        "engine_cpu_s": m.engine_cpu_s,
+        "client_cpu_s": m.load["cpu_s"],
+        "elapsed_s": elapsed,
+        "machine_busy": m.machine_busy,
         # The client's share of one core: near 100 % it, not the proxy, would set the pace.
         "client_core_share": m.load["cpu_s"] / elapsed if elapsed > 0 else float("nan"),
     }

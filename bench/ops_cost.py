@@ -6,6 +6,7 @@ file, with the request-id filter), each timed over many repetitions.
 
 Read them against the CPU of a whole turn: docs/BENCHMARKS.md, "Where a turn's CPU goes".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,23 @@ def access_line_us(fmt: str, repeat: int) -> float:
         handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
         logger.addHandler(handler)
         try:
-            return per_call_us(lambda: logger.info(
-                "turn %s cache=%s path=%s reason=%s prefill=%s decode=%s ttft_ms=%s chunks=%d "
-                "finish=%s outcome=%s", "4f9c2a", "hit", "disagg", "stored", "127.0.0.2:8100",
-                "127.0.0.3:8200", "23.4", 32, "length", "completed"), repeat)
+            return per_call_us(
+                lambda: logger.info(
+                    "turn %s cache=%s path=%s reason=%s prefill=%s decode=%s ttft_ms=%s chunks=%d "
+                    "finish=%s outcome=%s",
+                    "4f9c2a",
+                    "hit",
+                    "disagg",
+                    "stored",
+                    "127.0.0.2:8100",
+                    "127.0.0.3:8200",
+                    "23.4",
+                    32,
+                    "length",
+                    "completed",
+                ),
+                repeat,
+            )
         finally:
             logger.removeHandler(handler)
             handler.close()
@@ -59,8 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print("| what | worker CPU us |\n|---|---|")
     for keys in (1, 100):
-        print(f"| API key check, {keys} key{'s' if keys > 1 else ''} | "
-              f"{key_check_us(keys, args.repeat):.1f} |")
+        print(
+            f"| API key check, {keys} key{'s' if keys > 1 else ''} | "
+            f"{key_check_us(keys, args.repeat):.1f} |"
+        )
     for fmt in ("text", "json"):
         print(f"| access-log line, {fmt} | {access_line_us(fmt, args.repeat):.1f} |")
 

@@ -15,6 +15,7 @@ tests/test_partial_e2e.py shares, is devtools/partial.py; this prints its table:
 
     python -m bench.partial [--conversations 12] [--turns 5] [--output-tokens 24]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,13 @@ from devtools.partial import CASES, HYBRID, measure
 
 def row(result: dict) -> str:
     share = result["read"] / result["shareable"] if result["shareable"] else 0.0
-    return (f"| {result['case']} | {'cold' if result['cold'] else 'warm'} | "
-            f"{result['read']:,} of {result['shareable']:,} ({share:.0%}) | {result['local']:,} | "
-            f"{result['computed']:,} | {result['hits']} + {result['partials']} of "
-            f"{result['later']} | {result['wrong_reuse']} | {result['p_errors']} |"
-            + (f" {len(result['errors'])} client errors" if result["errors"] else ""))
+    return (
+        f"| {result['case']} | {'cold' if result['cold'] else 'warm'} | "
+        f"{result['read']:,} of {result['shareable']:,} ({share:.0%}) | {result['local']:,} | "
+        f"{result['computed']:,} | {result['hits']} + {result['partials']} of "
+        f"{result['later']} | {result['wrong_reuse']} | {result['p_errors']} |"
+        + (f" {len(result['errors'])} client errors" if result["errors"] else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,14 +39,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--output-tokens", type=int, default=24)
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a gateway setting, e.g. --set partial_reuse_tokens=0")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a gateway setting, e.g. --set partial_reuse_tokens=0",
+    )
     args = parser.parse_args(argv)
     settings = dict(item.split("=", 1) for item in args.set)
-    print(f"gateway settings: {settings or 'defaults'}; {args.conversations} conversations x "
-          f"{args.turns} turns, {args.output_tokens}-token replies")
-    print("| template | P's cache | P read from D, of shareable | P's own cache | P computed "
-          "| later turns hit + partial | P wrong_reuse | P errors |")
+    print(
+        f"gateway settings: {settings or 'defaults'}; {args.conversations} conversations x "
+        f"{args.turns} turns, {args.output_tokens}-token replies"
+    )
+    print(
+        "| template | P's cache | P read from D, of shareable | P's own cache | P computed "
+        "| later turns hit + partial | P wrong_reuse | P errors |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for case, cold in [(c, True) for c in CASES] + [(HYBRID, True)] + [(c, False) for c in CASES]:
         result = measure(case, cold, args.conversations, args.turns, args.output_tokens, settings)

@@ -6,6 +6,7 @@ docs/operating.md's memory arithmetic.
 
     python -m bench.pod_memory [--conversations 256] [--body-mib 28]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ KEY = "tenant"
 
 def rss_mib(pids: list[int]) -> dict[int, int]:
     """Each live process's resident memory, as ps reports it."""
-    out = subprocess.run(["ps", "-o", "pid=,rss=", "-p", ",".join(map(str, pids))],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-o", "pid=,rss=", "-p", ",".join(map(str, pids))], capture_output=True, text=True
+    ).stdout
     return {int(pid): int(kib) // 1024 for pid, kib in (line.split() for line in out.splitlines())}
 
 
@@ -61,55 +63,90 @@ class KeyedConversation(workload.Conversation):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=256,
-                        help="conversations at once, 5 turns each")
-    parser.add_argument("--body-mib", type=float, default=28,
-                        help="the big body's messages, in MiB (JSON adds ~10%%)")
+    parser.add_argument(
+        "--conversations", type=int, default=256, help="conversations at once, 5 turns each"
+    )
+    parser.add_argument(
+        "--body-mib",
+        type=float,
+        default=28,
+        help="the big body's messages, in MiB (JSON adds ~10%%)",
+    )
     args = parser.parse_args(argv)
     redis = RedisProcess()
     try:
-        with EmulatorProcess("prefill", host="127.0.0.88", itl_ms=5,
-                             bidirectional_kv_xfer=True) as p, \
-                EmulatorProcess("decode", host="127.0.0.89", itl_ms=5,
-                                bidirectional_kv_xfer=True) as d, \
-                GatewayProcess([p.url], [d.url], workers=4, worker_class="gevent",
-                               store=redis.url, api_keys=KEY, log_format="json",
-                               metrics_port=free_port("127.0.0.1"),
-                               metrics_host="127.0.0.1") as gateway:
+        with (
+            EmulatorProcess(
+                "prefill", host="127.0.0.88", itl_ms=5, bidirectional_kv_xfer=True
+            ) as p,
+            EmulatorProcess("decode", host="127.0.0.89", itl_ms=5, bidirectional_kv_xfer=True) as d,
+            GatewayProcess(
+                [p.url],
+                [d.url],
+                workers=4,
+                worker_class="gevent",
+                store=redis.url,
+                api_keys=KEY,
+                log_format="json",
+                metrics_port=free_port("127.0.0.1"),
+                metrics_host="127.0.0.1",
+            ) as gateway,
+        ):
             master = gateway.process.pid
             workers = procstat.children(master)
-            time.sleep(5)                # the probes and the engines' /metrics read once
+            time.sleep(5)  # the probes and the engines' /metrics read once
             idle = rss_mib([master, *workers])
             print(f"idle: master {idle[master]} MiB, workers {[idle[w] for w in workers]} MiB")
-            conversations = [KeyedConversation(url=gateway.url, first_words=300,
-                                               turn_words=(120, 160), max_tokens=64,
-                                               explicit=False)
-                             for _ in range(args.conversations)]
+            conversations = [
+                KeyedConversation(
+                    url=gateway.url,
+                    first_words=300,
+                    turn_words=(120, 160),
+                    max_tokens=64,
+                    explicit=False,
+                )
+                for _ in range(args.conversations)
+            ]
             started = time.monotonic()
             with Peaks([master, *workers]) as load:
                 workload.drive(conversations, turns=5, concurrency=args.conversations)
             hits, later = workload.later_hits(conversations)
-            print(f"{args.conversations} conversations at once, 5 turns each, in "
-                  f"{time.monotonic() - started:.0f} s: {len(workload.errors(conversations))} "
-                  f"errors, {hits}/{later} later turns hit")
-            print(f"peak under load: master {load.peak[master]} MiB, workers "
-                  f"{[load.peak[w] for w in workers]} MiB")
+            print(
+                f"{args.conversations} conversations at once, 5 turns each, in "
+                f"{time.monotonic() - started:.0f} s: {len(workload.errors(conversations))} "
+                f"errors, {hits}/{later} later turns hit"
+            )
+            print(
+                f"peak under load: master {load.peak[master]} MiB, workers "
+                f"{[load.peak[w] for w in workers]} MiB"
+            )
             count = int(args.body_mib * 2**20 // 40)
-            body = json.dumps({"model": workload.MODEL, "max_tokens": 1, "messages": [
-                {"role": ("user", "assistant")[i % 2], "content": f"hi {i}"}
-                for i in range(count)]}).encode()
+            body = json.dumps(
+                {
+                    "model": workload.MODEL,
+                    "max_tokens": 1,
+                    "messages": [
+                        {"role": ("user", "assistant")[i % 2], "content": f"hi {i}"}
+                        for i in range(count)
+                    ],
+                }
+            ).encode()
             before = rss_mib(workers)
             with Peaks(workers) as big:
-                reply = requests.post(gateway.url + "/v1/chat/completions", data=body,
-                                      timeout=600,
-                                      headers={"Authorization": f"Bearer {KEY}",
-                                               "Content-Type": "application/json"})
+                reply = requests.post(
+                    gateway.url + "/v1/chat/completions",
+                    data=body,
+                    timeout=600,
+                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                )
             grew = {w: big.peak[w] - before[w] for w in workers}
             worker = max(grew, key=grew.get)
             size = len(body) / 2**20
-            print(f"a {size:.1f} MiB body of {count:,} messages (answered {reply.status_code}): "
-                  f"its worker {before[worker]} -> {big.peak[worker]} MiB, "
-                  f"+{grew[worker]} MiB, {grew[worker] / size:.1f}x the body")
+            print(
+                f"a {size:.1f} MiB body of {count:,} messages (answered {reply.status_code}): "
+                f"its worker {before[worker]} -> {big.peak[worker]} MiB, "
+                f"+{grew[worker]} MiB, {grew[worker] / size:.1f}x the body"
+            )
     finally:
         redis.stop()
 

@@ -9,6 +9,7 @@ twice: once unobserved (CPU ms per turn from /proc: the figure to compare) and o
 that names one (below), so "relay" is the relay's own Python and "relay: write" the server's
 write under it. Prints one table: room, share of the worker's samples, ms per turn.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,17 @@ CPROFILE_ENV = "BENCH_CPROFILE"  # where bench.gunicorn_cprofile writes the work
 # "service" if any gateway frame is on the stack, else to the innermost of Flask and the server,
 # else to gevent's hub (its loop and callbacks: waking greenlets), else "other".
 SPECIFIC: list[tuple[str, tuple[str, ...]]] = [
-    ("watcher", ("Watch._run (", "Watch.__init__ (", "Watch.stop (", "Watch._arm (",
-                 "Watch._tick (", "Watch._readable (")),
+    (
+        "watcher",
+        (
+            "Watch._run (",
+            "Watch.__init__ (",
+            "Watch.stop (",
+            "Watch._arm (",
+            "Watch._tick (",
+            "Watch._readable (",
+        ),
+    ),
     ("metrics", ("prometheus_client/",)),
     ("logging", ("logging/", "gateway/support/logs.py")),
     ("relay: write", ("write (gunicorn/", "write_chunk (gunicorn/", "sendall (gunicorn/")),
@@ -60,7 +70,7 @@ def _named(frame: str, rooms) -> str | None:
 
 
 def room_of(stack: list[str]) -> str:
-    for frame in reversed(stack):       # innermost first
+    for frame in reversed(stack):  # innermost first
         room = _named(frame, SPECIFIC)
         if room is not None:
             return room
@@ -90,10 +100,15 @@ def shares(raw_path: str) -> tuple[collections.Counter, int]:
 
 def start_profiled(options: dict, engines: Engines, stats_path: str) -> Running:
     """The gateway under bench.gunicorn_cprofile: cProfile in its worker until it exits."""
-    gateway = GatewayProcess([engines.prefill.url], [engines.decode.url], host=PROXY_HOST,
-                             mount=Mount("gateway.wsgi:app", "python:bench.gunicorn_cprofile",
-                                         env={CPROFILE_ENV: stats_path}),
-                             **{k: v for k, v in options.items() if k != "workers"})
+    gateway = GatewayProcess(
+        [engines.prefill.url],
+        [engines.decode.url],
+        host=PROXY_HOST,
+        mount=Mount(
+            "gateway.wsgi:app", "python:bench.gunicorn_cprofile", env={CPROFILE_ENV: stats_path}
+        ),
+        **{k: v for k, v in options.items() if k != "workers"},
+    )
     return Running(gateway.url, gateway.process, gateway.stop)
 
 
@@ -115,12 +130,16 @@ def print_calls(stats_path: str, turns: int, top: int) -> None:
         print(f"  {n:8.1f}  {label}")
 
 
-def count_syscalls(worker: int, system: System, running, engines: Engines, load: Load,
-                   out_dir: str) -> None:
+def count_syscalls(
+    worker: int, system: System, running, engines: Engines, load: Load, out_dir: str
+) -> None:
     """System calls per turn of the worker (all its threads), by `strace -c` over one run."""
     summary = os.path.join(out_dir, "strace.txt")
-    tracer = subprocess.Popen(["strace", "-c", "-f", "-o", summary, "-p", str(worker)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tracer = subprocess.Popen(
+        ["strace", "-c", "-f", "-o", summary, "-p", str(worker)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     observed = run_load(system.label, running, engines, load, "traced", out_dir)
     tracer.send_signal(2)
     tracer.wait(30)
@@ -144,30 +163,55 @@ def worker_pid(master: int) -> int:
 class Profile:
     """One worker under one load: the unobserved figures, and py-spy's samples by room."""
 
-    row: dict                      # bench.metrics.summarize of the unobserved run
-    user_ms: float                 # the worker's user and system CPU per turn (same run)
+    row: dict  # bench.metrics.summarize of the unobserved run
+    user_ms: float  # the worker's user and system CPU per turn (same run)
     system_ms: float
-    rooms: collections.Counter     # samples per room of the observed run
+    rooms: collections.Counter  # samples per room of the observed run
     samples: int
 
     def ms(self, room: str) -> float:
         return self.row["cpu_ms_per_turn"] * self.rooms[room] / max(1, self.samples)
 
 
-def sample(worker: int, label: str, running: Running, engines: Engines, load: Load,
-           out_dir: str, rate: int, raw: str, svg: str | None = None,
-           native: bool = False, perf: bool = False) -> tuple[collections.Counter, int]:
+def sample(
+    worker: int,
+    label: str,
+    running: Running,
+    engines: Engines,
+    load: Load,
+    out_dir: str,
+    rate: int,
+    raw: str,
+    svg: str | None = None,
+    native: bool = False,
+    perf: bool = False,
+) -> tuple[collections.Counter, int]:
     """py-spy on the worker during one more run of `load`: samples per room (with `perf`,
     perf record into `raw` instead, and no rooms)."""
-    spy = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
-           str(worker), "--rate", str(rate), "--format", "raw", "--output", raw,
-           *(["--native"] if native else ["--nonblocking"])]
+    spy = [
+        os.path.join(os.path.dirname(sys.executable), "py-spy"),
+        "record",
+        "--pid",
+        str(worker),
+        "--rate",
+        str(rate),
+        "--format",
+        "raw",
+        "--output",
+        raw,
+        *(["--native"] if native else ["--nonblocking"]),
+    ]
     if perf:
         spy = ["perf", "record", "-e", "cpu-clock", "-g", "-p", str(worker), "-o", raw]
     spies = [subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     if svg:
-        spies.append(subprocess.Popen([*spy[:spy.index("--format")], "--output", svg],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        spies.append(
+            subprocess.Popen(
+                [*spy[: spy.index("--format")], "--output", svg],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     run_load(label, running, engines, load, "observed", out_dir)
     for spy_proc in spies:
         spy_proc.send_signal(2)
@@ -175,31 +219,61 @@ def sample(worker: int, label: str, running: Running, engines: Engines, load: Lo
     return (collections.Counter(), 0) if perf else shares(raw)
 
 
-def measure(system: System, engines: Engines, load: Load, out_dir: str, rate: int,
-            raw: str | None = None, svg: str | None = None, native: bool = False,
-            perf: bool = False) -> Profile:
+def measure(
+    system: System,
+    engines: Engines,
+    load: Load,
+    out_dir: str,
+    rate: int,
+    raw: str | None = None,
+    svg: str | None = None,
+    native: bool = False,
+    perf: bool = False,
+) -> Profile:
     """Start `system`, warm it up, run `load` unobserved, then (rate > 0) under py-spy."""
     running = start(system, engines, out_dir)
     try:
         worker = worker_pid(running.pid)
-        run_load(system.label, running, engines,
-                 Load(load.concurrency, load.concurrency, 2, 10, load.ids), "warm", out_dir)
+        run_load(
+            system.label,
+            running,
+            engines,
+            Load(load.concurrency, load.concurrency, 2, 10, load.ids),
+            "warm",
+            out_dir,
+        )
         user0, system0 = procstat.cpu_split(worker)
         plain = run_load(system.label, running, engines, load, "plain", out_dir)
         user1, system1 = procstat.cpu_split(worker)
         row = summarize(plain, ENGINE_TIMING["itl_ms"])
         turns = max(1, row["turns"])
-        rooms, total = (sample(worker, system.label, running, engines, load, out_dir, rate,
-                               raw or os.path.join(out_dir, "stacks.txt"), svg, native, perf)
-                        if rate else (collections.Counter(), 0))
-        return Profile(row, 1000 * (user1 - user0) / turns, 1000 * (system1 - system0) / turns,
-                       rooms, total)
+        rooms, total = (
+            sample(
+                worker,
+                system.label,
+                running,
+                engines,
+                load,
+                out_dir,
+                rate,
+                raw or os.path.join(out_dir, "stacks.txt"),
+                svg,
+                native,
+                perf,
+            )
+            if rate
+            else (collections.Counter(), 0)
+        )
+        return Profile(
+            row, 1000 * (user1 - user0) / turns, 1000 * (system1 - system0) / turns, rooms, total
+        )
     finally:
         running.stop()
 
 
-def gateway_system(worker_class: str, concurrency: int, ids: bool = True,
-                   options: dict | None = None) -> System:
+def gateway_system(
+    worker_class: str, concurrency: int, ids: bool = True, options: dict | None = None
+) -> System:
     settings = {"workers": 1, "worker_class": worker_class, **(options or {})}
     if worker_class == "gthread":
         settings.setdefault("threads", max(64, 2 * concurrency))
@@ -214,11 +288,16 @@ def room_table(profiles: dict[str, Profile]) -> str:
     head = "| room | " + " | ".join(f"{label} ms/turn | share" for label in profiles) + " |"
     lines = [head, "|---|" + "---|---|" * len(profiles)]
     for room in rooms:
-        cells = " | ".join(f"{p.ms(room):.2f} | {100 * p.rooms[room] / max(1, p.samples):.0f}%"
-                           for p in profiles.values())
+        cells = " | ".join(
+            f"{p.ms(room):.2f} | {100 * p.rooms[room] / max(1, p.samples):.0f}%"
+            for p in profiles.values()
+        )
         lines.append(f"| {room} | {cells} |")
-    lines.append("| **all** (unobserved run, /proc) | " + " | ".join(
-        f"**{p.row['cpu_ms_per_turn']:.2f}** | 100%" for p in profiles.values()) + " |")
+    lines.append(
+        "| **all** (unobserved run, /proc) | "
+        + " | ".join(f"**{p.row['cpu_ms_per_turn']:.2f}** | 100%" for p in profiles.values())
+        + " |"
+    )
     return "\n".join(lines)
 
 
@@ -231,40 +310,81 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=30)
     parser.add_argument("--history-bytes", type=int, default=0)
     parser.add_argument("--no-ids", action="store_true")
-    parser.add_argument("--reply-words", type=int, default=0,
-                        help="max_tokens of every turn (default: the benchmark's 32); two runs "
-                             "at different lengths separate per-event from per-turn CPU")
-    parser.add_argument("--rate", type=int, default=250,
-                        help="py-spy samples per second (0: no sampling, the unobserved figures "
-                             "only)")
+    parser.add_argument(
+        "--reply-words",
+        type=int,
+        default=0,
+        help="max_tokens of every turn (default: the benchmark's 32); two runs "
+        "at different lengths separate per-event from per-turn CPU",
+    )
+    parser.add_argument(
+        "--rate",
+        type=int,
+        default=250,
+        help="py-spy samples per second (0: no sampling, the unobserved figures only)",
+    )
     parser.add_argument("--svg", help="also write a flame graph here")
-    parser.add_argument("--native", action="store_true",
-                        help="py-spy --native: C frames too (libev, greenlet, the interpreter)")
-    parser.add_argument("--calls", metavar="N", type=int, default=0,
-                        help="instead of sampling, run the worker under cProfile and print the "
-                             "N functions called most per turn (exact counts)")
-    parser.add_argument("--perf", metavar="PATH",
-                        help="instead of py-spy, `perf record -e cpu-clock` the worker into PATH "
-                             "(C and kernel time too: the interpreter, gevent's loop, the GC)")
-    parser.add_argument("--strace", action="store_true",
-                        help="count the worker's system calls per turn instead of sampling")
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="py-spy --native: C frames too (libev, greenlet, the interpreter)",
+    )
+    parser.add_argument(
+        "--calls",
+        metavar="N",
+        type=int,
+        default=0,
+        help="instead of sampling, run the worker under cProfile and print the "
+        "N functions called most per turn (exact counts)",
+    )
+    parser.add_argument(
+        "--perf",
+        metavar="PATH",
+        help="instead of py-spy, `perf record -e cpu-clock` the worker into PATH "
+        "(C and kernel time too: the interpreter, gevent's loop, the GC)",
+    )
+    parser.add_argument(
+        "--strace",
+        action="store_true",
+        help="count the worker's system calls per turn instead of sampling",
+    )
     parser.add_argument("--raw", help="keep py-spy's collapsed stacks here")
-    parser.add_argument("--option", action="append", default=[],
-                        help="extra gateway setting NAME=VALUE")
+    parser.add_argument(
+        "--option", action="append", default=[], help="extra gateway setting NAME=VALUE"
+    )
     args = parser.parse_args(argv)
     if args.reply_words:
-        os.environ["BENCH_REPLY_WORDS"] = str(args.reply_words)   # read by the load generator
-    system = gateway_system(args.worker_class, args.concurrency, not args.no_ids,
-                            dict(item.partition("=")[::2] for item in args.option))
+        os.environ["BENCH_REPLY_WORDS"] = str(args.reply_words)  # read by the load generator
+    system = gateway_system(
+        args.worker_class,
+        args.concurrency,
+        not args.no_ids,
+        dict(item.partition("=")[::2] for item in args.option),
+    )
     out_dir = tempfile.mkdtemp(prefix="pd-profile-")
-    load = Load(args.concurrency, args.conversations or 2 * args.concurrency, args.turns,
-                args.duration, not args.no_ids, args.history_bytes)
+    load = Load(
+        args.concurrency,
+        args.conversations or 2 * args.concurrency,
+        args.turns,
+        args.duration,
+        not args.no_ids,
+        args.history_bytes,
+    )
     engines = Engines.start(**ENGINE_TIMING)
     try:
         if args.calls or args.strace:
             return exact_counts(args, system, engines, load, out_dir)
-        profile = measure(system, engines, load, out_dir, args.rate or bool(args.perf),
-                          args.perf or args.raw, args.svg, args.native, bool(args.perf))
+        profile = measure(
+            system,
+            engines,
+            load,
+            out_dir,
+            args.rate or bool(args.perf),
+            args.perf or args.raw,
+            args.svg,
+            args.native,
+            bool(args.perf),
+        )
         print(unobserved(profile))
         if args.perf:
             return print(f"perf data in {args.perf}: perf report -i {args.perf} --no-children")
@@ -277,23 +397,35 @@ def main(argv: list[str] | None = None) -> None:
 
 def unobserved(profile: Profile) -> str:
     row = profile.row
-    return (f"unobserved: {row['turns']} turns, {row['errors']} errors, hits "
-            f"{100 * row['hit_rate']:.0f}%, CPU {row['cpu_ms_per_turn']:.2f} ms/turn, events/s/core "
-            f"{row['events_per_core_s']:.0f}, added TTFT p50 {row['added_ttft_p50_ms']:.1f} ms, "
-            f"TTFT p50 {row['ttft_p50_ms']:.1f} ms; the worker's user/system CPU "
-            f"{profile.user_ms:.2f}/{profile.system_ms:.2f} ms/turn")
+    return (
+        f"unobserved: {row['turns']} turns, {row['errors']} errors, hits "
+        f"{100 * row['hit_rate']:.0f}%, CPU {row['cpu_ms_per_turn']:.2f} ms/turn, events/s/core "
+        f"{row['events_per_core_s']:.0f}, added TTFT p50 {row['added_ttft_p50_ms']:.1f} ms, "
+        f"TTFT p50 {row['ttft_p50_ms']:.1f} ms; the worker's user/system CPU "
+        f"{profile.user_ms:.2f}/{profile.system_ms:.2f} ms/turn"
+    )
 
 
-def exact_counts(args: argparse.Namespace, system: System, engines: Engines, load: Load,
-                 out_dir: str) -> None:
+def exact_counts(
+    args: argparse.Namespace, system: System, engines: Engines, load: Load, out_dir: str
+) -> None:
     """--calls (cProfile in the worker) or --strace (system calls of the worker)."""
     stats_path = os.path.join(out_dir, "worker.prof")
-    running = (start_profiled(system.options, engines, stats_path) if args.calls
-               else start(system, engines, out_dir))
+    running = (
+        start_profiled(system.options, engines, stats_path)
+        if args.calls
+        else start(system, engines, out_dir)
+    )
     try:
         worker = worker_pid(running.pid)
-        run_load(system.label, running, engines,
-                 Load(load.concurrency, load.concurrency, 2, 10, load.ids), "warm", out_dir)
+        run_load(
+            system.label,
+            running,
+            engines,
+            Load(load.concurrency, load.concurrency, 2, 10, load.ids),
+            "warm",
+            out_dir,
+        )
         if args.strace:
             return count_syscalls(worker, system, running, engines, load, out_dir)
         plain = run_load(system.label, running, engines, load, "plain", out_dir)

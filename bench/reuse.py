@@ -30,6 +30,7 @@ computes at least 2x fewer prompt tokens, and never above round_robin's.
     python -m bench.reuse [--quick] [--systems gateway,vllm-router] [--replies 32,256]
                           [--scenarios 1,3] [--seed 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,24 +47,27 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-
 from bench import venvs
 from bench.metrics import percentile
-from bench.systems import slug, stop_process, _spawn
+from bench.systems import _spawn, slug, stop_process
 from devtools.processes import GatewayProcess
 from devtools.workload import FIRST_WORDS, TURN_WORDS, Conversation, benchmark_conversation
 from emulator.process import EmulatorProcess, free_port
 
-HOSTS = ("127.0.0.80", "127.0.0.81", "127.0.0.82", "127.0.0.83")   # P, P, D, D
+HOSTS = ("127.0.0.80", "127.0.0.81", "127.0.0.82", "127.0.0.83")  # P, P, D, D
 PROXY_HOST = "127.0.0.1"
 # Engine timings of an 8B model on one 80 GB GPU, so TTFT and ITL mean what they mean there: a
 # 10 ms decode step (the emulator's default), 0.05 ms a computed prompt token (20,000 tokens a
 # second: a 1,000-token miss costs 50 ms), 0.05 ms a pulled block; steps under vLLM's scheduler
 # limits (the emulator's defaults). A 2 ms step, as before issue 44, measured the proxies' CPU
 # per relayed event more than the engines' queues.
-ENGINE = {"itl_ms": 10, "prefill_ms_per_token": 0.05, "pull_ms_per_block": 0.05,
-          "max_model_len": 16384}
-D_CAPACITY = 20_000            # blocks of 16 per D: the emulator's default (an 8B model, 80 GB)
+ENGINE = {
+    "itl_ms": 10,
+    "prefill_ms_per_token": 0.05,
+    "pull_ms_per_block": 0.05,
+    "max_model_len": 16384,
+}
+D_CAPACITY = 20_000  # blocks of 16 per D: the emulator's default (an 8B model, 80 GB)
 TURNS = 6
 BLOCK = 16
 
@@ -71,21 +75,23 @@ BLOCK = 16
 @dataclass(frozen=True)
 class System:
     label: str
-    kind: str                  # gateway | router | seed
+    kind: str  # gateway | router | seed
     bidirectional: bool
     ids: bool = False
     argv: tuple = ()
-    settings: tuple = ()       # the gateway's, as (name, value) pairs
+    settings: tuple = ()  # the gateway's, as (name, value) pairs
 
 
 SYSTEMS = {
     "gateway": System("pd-gateway", "gateway", True),
     # The fixed budget every D had before it was derived from D's reports (docs/d-memory.md).
-    "gateway-static": System("pd-gateway (--pinned-blocks 8192)", "gateway", True,
-                             settings=(("pinned_blocks", 8192),)),
+    "gateway-static": System(
+        "pd-gateway (--pinned-blocks 8192)", "gateway", True, settings=(("pinned_blocks", 8192),)
+    ),
     "vllm-router": System("vllm-router (cache_aware)", "router", False),
-    "vllm-router-rr": System("vllm-router (round_robin)", "router", False,
-                             argv=("--policy", "round_robin")),
+    "vllm-router-rr": System(
+        "vllm-router (round_robin)", "router", False, argv=("--policy", "round_robin")
+    ),
     "seed": System("seed proxy (ids)", "seed", True, ids=True),
 }
 
@@ -93,18 +99,20 @@ SYSTEMS = {
 @dataclass(frozen=True)
 class Scenario:
     label: str
-    live: int                  # conversations in flight at once
-    think: float               # seconds between a reply and the next question
-    p_cache: float             # P's cache as a share of the live conversations' histories
-    long: int = 0              # of the live ones, long-context conversations (a skewed workload)
+    live: int  # conversations in flight at once
+    think: float  # seconds between a reply and the next question
+    p_cache: float  # P's cache as a share of the live conversations' histories
+    long: int = 0  # of the live ones, long-context conversations (a skewed workload)
 
 
-SCENARIOS = (Scenario("16 live, no think, P cache fits", 16, 0.0, 2.0),
-             Scenario("64 live, think 2 s, P cache fits", 64, 2.0, 2.0),
-             Scenario("64 live, think 2 s, P cache 4x over", 64, 2.0, 0.25),
-             # Three long ones over two Ps: any router that pins conversations to a P puts two
-             # of them on the same P.
-             Scenario("skewed: 3 long + 32 short, think 1 s, P cache fits", 35, 1.0, 2.0, long=3))
+SCENARIOS = (
+    Scenario("16 live, no think, P cache fits", 16, 0.0, 2.0),
+    Scenario("64 live, think 2 s, P cache fits", 64, 2.0, 2.0),
+    Scenario("64 live, think 2 s, P cache 4x over", 64, 2.0, 0.25),
+    # Three long ones over two Ps: any router that pins conversations to a P puts two
+    # of them on the same P.
+    Scenario("skewed: 3 long + 32 short, think 1 s, P cache fits", 35, 1.0, 2.0, long=3),
+)
 REPLIES = (32, 256, 1024)
 # What `make bench` runs; gateway-static on ask (docs/d-memory.md compares the two budgets).
 DEFAULT_SYSTEMS = ("gateway", "vllm-router", "vllm-router-rr", "seed")
@@ -120,7 +128,7 @@ LONG_PROMPT = 10_000
 LONG_TURN_WORDS = (600, 800)
 SHORT_FIRST_WORDS = 150
 SHORT_TURN_WORDS = (30, 60)
-DURATION = 300                 # seconds after which no turn starts (a request may take 120 more)
+DURATION = 300  # seconds after which no turn starts (a request may take 120 more)
 
 
 def _last_prompt(first: int, turn_words: tuple[int, int], reply: int) -> int:
@@ -159,22 +167,34 @@ def conversations(scenario: Scenario, reply: int, salt: str, ids: bool) -> list:
     """The scenario's conversations as (kind, Conversation), their text and ids fixed by `salt`:
     the same for every system, so that each system sees the same requests (each on engines of
     its own) and a router that pins by conversation places them the same way in every run."""
+
     def sized(conv: Conversation) -> Conversation:
         conv.max_tokens = reply
         return conv
 
     if not scenario.long:
-        return [("uniform", sized(benchmark_conversation(salt, i, ids)))
-                for i in range(scenario.live)]
+        return [
+            ("uniform", sized(benchmark_conversation(salt, i, ids))) for i in range(scenario.live)
+        ]
     out = []
     for i in range(scenario.live):
         kind = "long" if i < scenario.long else "short"
         first = long_first_words(reply) if kind == "long" else SHORT_FIRST_WORDS
-        out.append((kind, Conversation(
-            cid=f"{kind}-{salt}-{i}", seed=f"{salt}/{i}", first_words=first + i,
-            turn_words=LONG_TURN_WORDS if kind == "long" else SHORT_TURN_WORDS,
-            explicit=ids, session_header=ids, max_tokens=reply,
-            stream_options={"include_usage": False})))
+        out.append(
+            (
+                kind,
+                Conversation(
+                    cid=f"{kind}-{salt}-{i}",
+                    seed=f"{salt}/{i}",
+                    first_words=first + i,
+                    turn_words=LONG_TURN_WORDS if kind == "long" else SHORT_TURN_WORDS,
+                    explicit=ids,
+                    session_header=ids,
+                    max_tokens=reply,
+                    stream_options={"include_usage": False},
+                ),
+            )
+        )
     return out
 
 
@@ -197,6 +217,7 @@ def client(argv: list[str] | None = None) -> None:
     its conversation's kind. Runs in a process of its own, gevent's monkey patching done first
     by importing bench.loadgen (see run())."""
     import gevent
+
     from bench import clients, loadgen
 
     spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
@@ -205,10 +226,22 @@ def client(argv: list[str] | None = None) -> None:
     results: list[list[dict]] = [[] for _ in convs]
     errors: list[str] = []
     started = time.monotonic()
-    gevent.joinall([gevent.spawn_later(start_delay(scenario, i), loadgen.conversation,
-                                       spec["url"], conv, TURNS, started + DURATION, done,
-                                       errors, scenario.think)
-                    for i, ((kind, conv), done) in enumerate(zip(convs, results))])
+    gevent.joinall(
+        [
+            gevent.spawn_later(
+                start_delay(scenario, i),
+                loadgen.conversation,
+                spec["url"],
+                conv,
+                TURNS,
+                started + DURATION,
+                done,
+                errors,
+                scenario.think,
+            )
+            for i, ((kind, conv), done) in enumerate(zip(convs, results))
+        ]
+    )
     turns = [{**turn, "kind": kind} for (kind, _), done in zip(convs, results) for turn in done]
     clients.write_results(spec["out"], started, turns, errors)
 
@@ -217,10 +250,20 @@ def client(argv: list[str] | None = None) -> None:
 def cluster(system: System, scenario: Scenario, reply: int):
     flags = {**ENGINE, "bidirectional_kv_xfer": system.bidirectional}
     with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(EmulatorProcess(
-            role, host=host, advertise_host=host, **flags,
-            kv_capacity_blocks=p_capacity(scenario, reply) if role == "prefill" else D_CAPACITY))
-            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS)]
+        engines = [
+            stack.enter_context(
+                EmulatorProcess(
+                    role,
+                    host=host,
+                    advertise_host=host,
+                    **flags,
+                    kv_capacity_blocks=p_capacity(scenario, reply)
+                    if role == "prefill"
+                    else D_CAPACITY,
+                )
+            )
+            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS)
+        ]
         yield engines[:2], engines[2:]
 
 
@@ -228,26 +271,57 @@ def cluster(system: System, scenario: Scenario, reply: int):
 def started(system: System, prefills: list, decodes: list, log_dir: str):
     """The system in front of the engines; yields its URL."""
     if system.kind == "gateway":
-        with GatewayProcess([p.url for p in prefills], [d.url for d in decodes],
-                            host=PROXY_HOST, workers=1, **dict(system.settings)) as gateway:
+        with GatewayProcess(
+            [p.url for p in prefills],
+            [d.url for d in decodes],
+            host=PROXY_HOST,
+            workers=1,
+            **dict(system.settings),
+        ) as gateway:
             yield gateway.url
         return
     port = free_port(PROXY_HOST, 2)
     url = f"http://{PROXY_HOST}:{port}"
     log = os.path.join(log_dir, f"{slug(system.label)}.log")
     if system.kind == "router":
-        argv = [venvs.ROUTER.bin("vllm-router"), "--host", PROXY_HOST, "--port", str(port),
-                "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-                *[a for p in prefills for a in ("--prefill", p.url)],
-                *[a for d in decodes for a in ("--decode", d.url)],
-                "--prometheus-host", PROXY_HOST, "--prometheus-port", str(port + 1),
-                "--worker-startup-timeout-secs", "20", *system.argv]
+        argv = [
+            venvs.ROUTER.bin("vllm-router"),
+            "--host",
+            PROXY_HOST,
+            "--port",
+            str(port),
+            "--vllm-pd-disaggregation",
+            "--kv-connector",
+            "nixl",
+            *[a for p in prefills for a in ("--prefill", p.url)],
+            *[a for d in decodes for a in ("--decode", d.url)],
+            "--prometheus-host",
+            PROXY_HOST,
+            "--prometheus-port",
+            str(port + 1),
+            "--worker-startup-timeout-secs",
+            "20",
+            *system.argv,
+        ]
     else:
-        hosts = lambda engines: [urlsplit(e.url).hostname for e in engines]   # noqa: E731
+        hosts = lambda engines: [urlsplit(e.url).hostname for e in engines]  # noqa: E731
         ports = lambda engines: [str(urlsplit(e.url).port) for e in engines]  # noqa: E731
-        argv = [venvs.SEED.python(), venvs.seed_script(), "--host", PROXY_HOST, "--port", str(port),
-                "--prefiller-hosts", *hosts(prefills), "--prefiller-ports", *ports(prefills),
-                "--decoder-hosts", *hosts(decodes), "--decoder-ports", *ports(decodes)]
+        argv = [
+            venvs.SEED.python(),
+            venvs.seed_script(),
+            "--host",
+            PROXY_HOST,
+            "--port",
+            str(port),
+            "--prefiller-hosts",
+            *hosts(prefills),
+            "--prefiller-ports",
+            *ports(prefills),
+            "--decoder-hosts",
+            *hosts(decodes),
+            "--decoder-ports",
+            *ports(decodes),
+        ]
     process = _spawn(argv, log, url, "/health")
     try:
         yield url
@@ -280,12 +354,20 @@ class Sampler:
 
 
 def run(system: System, scenario: Scenario, reply: int, out_dir: str, seed: int = 0) -> dict:
-    with cluster(system, scenario, reply) as (prefills, decodes), \
-            started(system, prefills, decodes, out_dir) as url:
+    with (
+        cluster(system, scenario, reply) as (prefills, decodes),
+        started(system, prefills, decodes, out_dir) as url,
+    ):
         tag = f"{scenario.live}-{scenario.long}-{scenario.p_cache}-{reply}"
         out = os.path.join(out_dir, f"reuse-{slug(system.label)}-{tag}.json")
-        spec = {"url": url, "out": out, "reply": reply, "ids": system.ids,
-                "salt": f"s{seed}-{tag}", "scenario": dataclasses.asdict(scenario)}
+        spec = {
+            "url": url,
+            "out": out,
+            "reply": reply,
+            "ids": system.ids,
+            "salt": f"s{seed}-{tag}",
+            "scenario": dataclasses.asdict(scenario),
+        }
         argv = [sys.executable, "-c", CLIENT, json.dumps(spec)]
         sampler = Sampler(decodes)
         subprocess.run(argv, check=True, timeout=DURATION + 300)
@@ -296,67 +378,107 @@ def run(system: System, scenario: Scenario, reply: int, out_dir: str, seed: int 
     turns = load["turns"]
     p_stats, d_stats = stats[:2], stats[2:]
     elapsed = load["ended"] - load["started"]
-    return {"scenario": scenario.label, "reply": reply, "system": system.label,
-            "turns": len(turns), "errors": len(load["errors"]),
-            "computed": sum(s["computed_prompt_tokens"] for s in stats),
-            "prompt": sum(t["prompt_tokens"] for t in turns),
-            "read_turns": sum(s["hits"] for s in p_stats),
-            **latencies(turns, scenario),
-            "d_pinned_peak": pinned,
-            "d_wait_s": round(sum(s["kv_wait_seconds"] for s in d_stats), 2),
-            "wrong_reuse": sum(s["wrong_reuse"] for s in stats),
-            "p_capacity": p_capacity(scenario, reply),
-            # Near 1 the client, not the system, would set the pace (and the ITL); the machine's
-            # load average (other users included) says how far CPU was contended.
-            "client_core_share": round(load["cpu_s"] / elapsed, 2) if elapsed > 0 else None,
-            "load_avg": round(os.getloadavg()[0], 1),
-            "first_error": (load["errors"] or [None])[0]}
+    return {
+        "scenario": scenario.label,
+        "reply": reply,
+        "system": system.label,
+        "turns": len(turns),
+        "errors": len(load["errors"]),
+        "computed": sum(s["computed_prompt_tokens"] for s in stats),
+        "prompt": sum(t["prompt_tokens"] for t in turns),
+        "read_turns": sum(s["hits"] for s in p_stats),
+        **latencies(turns, scenario),
+        "d_pinned_peak": pinned,
+        "d_wait_s": round(sum(s["kv_wait_seconds"] for s in d_stats), 2),
+        "wrong_reuse": sum(s["wrong_reuse"] for s in stats),
+        "p_capacity": p_capacity(scenario, reply),
+        # Near 1 the client, not the system, would set the pace (and the ITL); the machine's
+        # load average (other users included) says how far CPU was contended.
+        "client_core_share": round(load["cpu_s"] / elapsed, 2) if elapsed > 0 else None,
+        "load_avg": round(os.getloadavg()[0], 1),
+        "first_error": (load["errors"] or [None])[0],
+    }
 
 
 def latencies(turns: list[dict], scenario: Scenario) -> dict:
     """TTFT p50/p99 (all turns; the short conversations' where the workload is skewed) and ITL
     p50/p99 over every gap of every stream (pooled as vLLM's benchmark pools them,
     vllm/benchmarks/serve.py:661 and 797-799 in vLLM 0.33.0), in ms."""
+
     def ms(values: list[float], q: float) -> float | None:
         return round(percentile(values, q) * 1000, 1) if values else None
 
     ttft = [t["first"] - t["sent"] for t in turns]
     short = [t["first"] - t["sent"] for t in turns if t["kind"] == "short"]
     gaps = [g for t in turns for g in t["gaps"]]
-    return {"ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
-            "short_ttft_p50_ms": ms(short, 50) if scenario.long else None,
-            "short_ttft_p99_ms": ms(short, 99) if scenario.long else None,
-            "itl_p50_ms": ms(gaps, 50), "itl_p99_ms": ms(gaps, 99)}
+    return {
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "short_ttft_p50_ms": ms(short, 50) if scenario.long else None,
+        "short_ttft_p99_ms": ms(short, 99) if scenario.long else None,
+        "itl_p50_ms": ms(gaps, 50),
+        "itl_p99_ms": ms(gaps, 99),
+    }
 
 
-COLUMNS = ("scenario", "reply", "system", "turns", "errors", "computed", "read_turns",
-           "ttft_p50_ms", "ttft_p99_ms", "short_ttft_p50_ms", "short_ttft_p99_ms", "itl_p50_ms",
-           "itl_p99_ms", "d_pinned_peak", "d_wait_s", "wrong_reuse")
-HEADINGS = {"reply": "reply tokens", "computed": "prompt tokens computed (P + D)",
-            "read_turns": "turns P read D's blocks", "ttft_p50_ms": "TTFT p50 ms",
-            "ttft_p99_ms": "TTFT p99 ms", "short_ttft_p50_ms": "short conv. TTFT p50 ms",
-            "short_ttft_p99_ms": "short conv. TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
-            "itl_p99_ms": "ITL p99 ms", "d_pinned_peak": "D pinned blocks (peak)",
-            "d_wait_s": "D memory wait s", "wrong_reuse": "wrong reuse"}
+COLUMNS = (
+    "scenario",
+    "reply",
+    "system",
+    "turns",
+    "errors",
+    "computed",
+    "read_turns",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "short_ttft_p50_ms",
+    "short_ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "d_pinned_peak",
+    "d_wait_s",
+    "wrong_reuse",
+)
+HEADINGS = {
+    "reply": "reply tokens",
+    "computed": "prompt tokens computed (P + D)",
+    "read_turns": "turns P read D's blocks",
+    "ttft_p50_ms": "TTFT p50 ms",
+    "ttft_p99_ms": "TTFT p99 ms",
+    "short_ttft_p50_ms": "short conv. TTFT p50 ms",
+    "short_ttft_p99_ms": "short conv. TTFT p99 ms",
+    "itl_p50_ms": "ITL p50 ms",
+    "itl_p99_ms": "ITL p99 ms",
+    "d_pinned_peak": "D pinned blocks (peak)",
+    "d_wait_s": "D memory wait s",
+    "wrong_reuse": "wrong reuse",
+}
 
 
 def table(rows: list[dict]) -> str:
     head = "| " + " | ".join(HEADINGS.get(c, c) for c in COLUMNS) + " |"
     lines = [head, "|" + "---|" * len(COLUMNS)]
     for row in rows:
-        cells = [f"{row[c]:,}" if isinstance(row[c], int) and c != "reply"
-                 else "–" if row[c] is None else str(row[c]) for c in COLUMNS]
+        cells = [
+            f"{row[c]:,}"
+            if isinstance(row[c], int) and c != "reply"
+            else "–"
+            if row[c] is None
+            else str(row[c])
+            for c in COLUMNS
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-GOAL_AGAINST_CACHE_AWARE = 0.7     # issue 44: TTFT p99 at most 0.7x cache_aware's ...
-GOAL_FEWER_TOKENS = 2.0            # ... wherever the gateway computes at least 2x fewer tokens
+GOAL_AGAINST_CACHE_AWARE = 0.7  # issue 44: TTFT p99 at most 0.7x cache_aware's ...
+GOAL_FEWER_TOKENS = 2.0  # ... wherever the gateway computes at least 2x fewer tokens
 
 
 def goal(ours: dict, cache_aware: dict | None, round_robin: dict | None) -> str:
     """Issue 44's goal for one row: the gateway's TTFT p99 against each bound that applies,
     PASS or FAIL."""
+
     def p99(row: dict) -> float:
         return row["ttft_p99_ms"] if row["ttft_p99_ms"] is not None else math.inf
 
@@ -369,12 +491,13 @@ def goal(ours: dict, cache_aware: dict | None, round_robin: dict | None) -> str:
         bound = GOAL_AGAINST_CACHE_AWARE * p99(cache_aware)
         parts.append(
             f"against {GOAL_AGAINST_CACHE_AWARE} x cache_aware's ({bound:.1f} ms; "
-            f"{fewer:.2f}x fewer tokens) {verdict(bound)}" if fewer >= GOAL_FEWER_TOKENS else
-            f"against cache_aware's not checked ({fewer:.2f}x fewer tokens, under "
-            f"{GOAL_FEWER_TOKENS:g}x)")
+            f"{fewer:.2f}x fewer tokens) {verdict(bound)}"
+            if fewer >= GOAL_FEWER_TOKENS
+            else f"against cache_aware's not checked ({fewer:.2f}x fewer tokens, under "
+            f"{GOAL_FEWER_TOKENS:g}x)"
+        )
     if round_robin is not None:
-        parts.append(f"against round_robin's ({p99(round_robin)} ms) "
-                     f"{verdict(p99(round_robin))}")
+        parts.append(f"against round_robin's ({p99(round_robin)} ms) {verdict(p99(round_robin))}")
     return ", ".join(parts)
 
 
@@ -389,9 +512,12 @@ def summary(rows: list[dict]) -> str:
         peer = by.get((scenario, reply, SYSTEMS["vllm-router"].label))
         rr = by.get((scenario, reply, SYSTEMS["vllm-router-rr"].label))
         if peer is not None and ours["computed"]:
-            victims = ("" if ours["short_ttft_p99_ms"] is None else
-                       f", the short conversations' {ours['short_ttft_p99_ms']} against "
-                       f"{peer['short_ttft_p99_ms']} ms")
+            victims = (
+                ""
+                if ours["short_ttft_p99_ms"] is None
+                else f", the short conversations' {ours['short_ttft_p99_ms']} against "
+                f"{peer['short_ttft_p99_ms']} ms"
+            )
             lines.append(
                 f"- {scenario}, {reply}-token replies: the gateway computed "
                 f"{ours['computed']:,} prompt tokens, vllm-router (cache_aware) "
@@ -400,12 +526,18 @@ def summary(rows: list[dict]) -> str:
                 f"{ours['ttft_p99_ms']} against {peer['ttft_p99_ms']} ms{victims}; ITL p99 "
                 f"{ours['itl_p99_ms']} against {peer['itl_p99_ms']} ms; P read D's blocks on "
                 f"{ours['read_turns']} of {ours['turns']} turns; D's pinned blocks peaked at "
-                f"{ours['d_pinned_peak']:,} (vllm-router: {peer['d_pinned_peak']:,}).")
+                f"{ours['d_pinned_peak']:,} (vllm-router: {peer['d_pinned_peak']:,})."
+            )
         if peer is not None or rr is not None:
-            itl = ", ".join(f"{label} {row['itl_p99_ms']}" for label, row in
-                            (("cache_aware", peer), ("round_robin", rr)) if row is not None)
-            lines.append(f"  - goal, {scenario}, {reply}-token replies: {goal(ours, peer, rr)}; "
-                         f"ITL p99 {ours['itl_p99_ms']} ms ({itl}).")
+            itl = ", ".join(
+                f"{label} {row['itl_p99_ms']}"
+                for label, row in (("cache_aware", peer), ("round_robin", rr))
+                if row is not None
+            )
+            lines.append(
+                f"  - goal, {scenario}, {reply}-token replies: {goal(ours, peer, rr)}; "
+                f"ITL p99 {ours['itl_p99_ms']} ms ({itl})."
+            )
     return "\n".join(lines)
 
 
@@ -422,8 +554,9 @@ def available(keys: list[str], notes: list[str]) -> list[System]:
     return out
 
 
-def measure(keys: list[str], scenarios, replies, out_dir: str,
-            seed: int = 0) -> tuple[list[dict], list[str]]:
+def measure(
+    keys: list[str], scenarios, replies, out_dir: str, seed: int = 0
+) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
     os.makedirs(out_dir, exist_ok=True)
     systems = available(keys, notes)
@@ -433,33 +566,57 @@ def measure(keys: list[str], scenarios, replies, out_dir: str,
             for system in systems:
                 row = run(system, scenario, reply, out_dir, seed)
                 rows.append(row)
-                print(f"{scenario.label:>36} {reply:>5} {system.label:>26}: "
-                      f"{row['computed']:>8,} computed, {row['read_turns']:>3} read, "
-                      f"TTFT p50 {row['ttft_p50_ms']} ms p99 {row['ttft_p99_ms']} ms "
-                      f"(short p99 {row['short_ttft_p99_ms']}), ITL p99 {row['itl_p99_ms']} ms, "
-                      f"D pinned {row['d_pinned_peak']:,}, {row['errors']} errors", flush=True)
+                print(
+                    f"{scenario.label:>36} {reply:>5} {system.label:>26}: "
+                    f"{row['computed']:>8,} computed, {row['read_turns']:>3} read, "
+                    f"TTFT p50 {row['ttft_p50_ms']} ms p99 {row['ttft_p99_ms']} ms "
+                    f"(short p99 {row['short_ttft_p99_ms']}), ITL p99 {row['itl_p99_ms']} ms, "
+                    f"D pinned {row['d_pinned_peak']:,}, {row['errors']} errors",
+                    flush=True,
+                )
     return rows, notes
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the skewed workload, "
-                        "256-token replies")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                        help=f"comma separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument(
+        "--quick", action="store_true", help="the skewed workload, 256-token replies"
+    )
+    parser.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma separated, of {', '.join(SYSTEMS)}",
+    )
     parser.add_argument("--replies", help="comma separated reply lengths")
-    parser.add_argument("--scenarios", help="comma separated scenario numbers: "
-                        + ", ".join(f"{i} ({s.label})" for i, s in enumerate(SCENARIOS)))
+    parser.add_argument(
+        "--scenarios",
+        help="comma separated scenario numbers: "
+        + ", ".join(f"{i} ({s.label})" for i, s in enumerate(SCENARIOS)),
+    )
     parser.add_argument("--seed", type=int, default=0, help="the conversations' text and ids")
-    parser.add_argument("--itl-ms", type=float, default=ENGINE["itl_ms"],
-                        help="the engines' decode step (their inter-token latency alone)")
+    parser.add_argument(
+        "--itl-ms",
+        type=float,
+        default=ENGINE["itl_ms"],
+        help="the engines' decode step (their inter-token latency alone)",
+    )
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="bench-reuse-"))
     args = parser.parse_args(argv)
     ENGINE["itl_ms"] = args.itl_ms
-    scenarios = (tuple(SCENARIOS[int(i)] for i in args.scenarios.split(",")) if args.scenarios
-                 else tuple(SCENARIOS[i] for i in QUICK_SCENARIOS) if args.quick else SCENARIOS)
-    replies = (tuple(int(r) for r in args.replies.split(",")) if args.replies
-               else QUICK_REPLIES if args.quick else REPLIES)
+    scenarios = (
+        tuple(SCENARIOS[int(i)] for i in args.scenarios.split(","))
+        if args.scenarios
+        else tuple(SCENARIOS[i] for i in QUICK_SCENARIOS)
+        if args.quick
+        else SCENARIOS
+    )
+    replies = (
+        tuple(int(r) for r in args.replies.split(","))
+        if args.replies
+        else QUICK_REPLIES
+        if args.quick
+        else REPLIES
+    )
     os.makedirs(args.out, exist_ok=True)
     rows, notes = measure(args.systems.split(","), scenarios, replies, args.out, args.seed)
     print("\n" + table(rows) + "\n\n" + summary(rows))

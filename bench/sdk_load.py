@@ -7,6 +7,7 @@ the HTTP client has read the end of the chunked body, so no connection is used t
 turn is a new connection, to any server. It measures no timing (use bench.loadgen for TTFT
 and ITL): the history runs take only turns, errors and the proxy's CPU from it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -23,13 +24,17 @@ REQUEST_TIMEOUT = 120.0  # as bench.loadgen
 
 def run_turn(sdk: openai.OpenAI, conv: Conversation) -> dict:
     conv.ask()
-    extra = {"extra_body": {"conversation_id": conv.cid},
-             "extra_headers": conv.headers()} if conv.explicit else {}
+    extra = (
+        {"extra_body": {"conversation_id": conv.cid}, "extra_headers": conv.headers()}
+        if conv.explicit
+        else {}
+    )
     if conv.stream_options is not None:
         extra["stream_options"] = conv.stream_options
     sent = time.monotonic()
-    stream = sdk.chat.completions.create(model=conv.model, messages=conv.messages,
-                                         max_tokens=conv.max_tokens, stream=True, **extra)
+    stream = sdk.chat.completions.create(
+        model=conv.model, messages=conv.messages, max_tokens=conv.max_tokens, stream=True, **extra
+    )
     reply = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     if not reply:
         raise ValueError("no content")
@@ -39,8 +44,9 @@ def run_turn(sdk: openai.OpenAI, conv: Conversation) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = clients.arguments(__doc__.split("\n\n")[0]).parse_args(argv)
-    sdk = openai.OpenAI(base_url=args.url + "/v1", api_key="EMPTY", max_retries=0,
-                        timeout=REQUEST_TIMEOUT)
+    sdk = openai.OpenAI(
+        base_url=args.url + "/v1", api_key="EMPTY", max_retries=0, timeout=REQUEST_TIMEOUT
+    )
     results: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()

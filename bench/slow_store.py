@@ -4,6 +4,7 @@ answering. Every take gives up at --store-timeout: the turn is a miss, never a w
 
     python -m bench.slow_store [--turns 40]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,14 +22,22 @@ from emulator.process import EmulatorProcess
 
 def turns(url: str, count: int) -> list[tuple[float, str]]:
     out = []
-    for i in range(count):
+    for _conversation in range(count):
         messages = [{"role": "user", "content": f"slow store {uuid.uuid4().hex}"}]
-        for _ in range(2):      # a first turn and a follow-up: a take, then a put
+        for _ in range(2):  # a first turn and a follow-up: a take, then a put
             started = time.monotonic()
             reply = ""
-            with requests.post(url + "/v1/chat/completions", stream=True, timeout=60, json={
-                    "model": "emulated-model", "messages": messages, "max_tokens": 8,
-                    "stream": True}) as response:
+            with requests.post(
+                url + "/v1/chat/completions",
+                stream=True,
+                timeout=60,
+                json={
+                    "model": "emulated-model",
+                    "messages": messages,
+                    "max_tokens": 8,
+                    "stream": True,
+                },
+            ) as response:
                 ttft = None
                 for line in response.iter_lines():
                     if not line.startswith(b"data: {"):
@@ -38,8 +47,10 @@ def turns(url: str, count: int) -> list[tuple[float, str]]:
                         reply += (choice.get("delta") or {}).get("content") or ""
                 cache = response.headers["X-Gateway-Cache"]
             out.append((ttft, cache))
-            messages += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": "and then"}]
+            messages += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "and then"},
+            ]
     return out
 
 
@@ -54,13 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     redis = RedisProcess("127.0.0.1")
     flags = dict(bidirectional_kv_xfer=True, itl_ms=1)
     try:
-        with EmulatorProcess("prefill", host="127.0.0.180", **flags) as p, \
-                EmulatorProcess("decode", host="127.0.0.181", **flags) as d, \
-                GatewayProcess([p.url], [d.url], store=redis.url) as gateway:
+        with (
+            EmulatorProcess("prefill", host="127.0.0.180", **flags) as p,
+            EmulatorProcess("decode", host="127.0.0.181", **flags) as d,
+            GatewayProcess([p.url], [d.url], store=redis.url) as gateway,
+        ):
             for label, paused in (("store answering", False), ("store answering in 2 s", True)):
                 stop = threading.Event()
 
-                def pause() -> None:
+                def pause(stop: threading.Event = stop) -> None:
                     while not stop.is_set():
                         redis.client.execute_command("CLIENT", "PAUSE", "2000")
                         stop.wait(1.8)
@@ -76,10 +89,13 @@ def main(argv: list[str] | None = None) -> None:
                         pauser.join()
                 ttfts = [t * 1000 for t, _ in result]
                 hits = sum(c == "hit" for _, c in result)
-                print(f"{label}: {len(result)} turns, {hits} hits, TTFT p50 "
-                      f"{statistics.median(ttfts):.0f} ms, p99 {p99(ttfts):.0f} ms, max "
-                      f"{max(ttfts):.0f} ms", flush=True)
-                time.sleep(2.1)             # the last pause runs out
+                print(
+                    f"{label}: {len(result)} turns, {hits} hits, TTFT p50 "
+                    f"{statistics.median(ttfts):.0f} ms, p99 {p99(ttfts):.0f} ms, max "
+                    f"{max(ttfts):.0f} ms",
+                    flush=True,
+                )
+                time.sleep(2.1)  # the last pause runs out
     finally:
         redis.stop()
 

@@ -4,6 +4,7 @@ one D. Prints bytes per entry from `used_memory` before and after.
 
     python -m bench.store_memory [--entries 20000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,13 +15,21 @@ from gateway.reuse.store import Entry, RedisClusterStore, RedisStore
 
 
 def entry(n: int) -> Entry:
-    params = {"remote_block_ids": [list(range(1000 + n, 1069 + n))],
-              "remote_engine_id": str(uuid.uuid4()), "remote_request_id": f"chatcmpl-{uuid.uuid4().hex}",
-              "remote_host": "10.0.0.7", "remote_port": 5601, "tp_size": 1, "dcp_size": 1,
-              "pp_size": 1, "remote_num_tokens": 1100, "remote_blocks_expiry_time": 12345.6,
-              "transfer_mode": "pull", "remote_registration_generation": 0}
-    return Entry(params, "http://10.0.0.7:8200", uuid.uuid4().hex, 4, True,
-                 uuid.uuid4().hex)
+    params = {
+        "remote_block_ids": [list(range(1000 + n, 1069 + n))],
+        "remote_engine_id": str(uuid.uuid4()),
+        "remote_request_id": f"chatcmpl-{uuid.uuid4().hex}",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5601,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 1100,
+        "remote_blocks_expiry_time": 12345.6,
+        "transfer_mode": "pull",
+        "remote_registration_generation": 0,
+    }
+    return Entry(params, "http://10.0.0.7:8200", uuid.uuid4().hex, 4, True, uuid.uuid4().hex)
 
 
 def used(clients) -> int:
@@ -46,12 +55,16 @@ def main(argv: list[str] | None = None) -> None:
         single.stop()
     cluster = RedisClusterProcesses("127.0.0.1")
     try:
-        primaries = [n.client for n in cluster.nodes.values()
-                     if n.client.info("replication")["role"] == "master"]
-        per = measure(RedisClusterStore(cluster.url, ttl=3600, timeout=5), primaries,
-                      args.entries)
-        print(f"cluster (3 primaries, summed; replicas hold as much again): {per:.0f} bytes "
-              f"an entry, {per * 100_000 / 1e6:.1f} MB per 100k")
+        primaries = [
+            n.client
+            for n in cluster.nodes.values()
+            if n.client.info("replication")["role"] == "master"
+        ]
+        per = measure(RedisClusterStore(cluster.url, ttl=3600, timeout=5), primaries, args.entries)
+        print(
+            f"cluster (3 primaries, summed; replicas hold as much again): {per:.0f} bytes "
+            f"an entry, {per * 100_000 / 1e6:.1f} MB per 100k"
+        )
     finally:
         cluster.stop()
 

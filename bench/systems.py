@@ -1,5 +1,6 @@
 """The systems under test (gateway configurations, the seed proxy, vllm-router, an nginx relay,
 a bare Flask relay) and the engines."""
+
 from __future__ import annotations
 
 import os
@@ -73,10 +74,10 @@ class Engines:
         # memory. These runs measure the proxies' CPU; D's memory is bench.reuse's and
         # bench.d_memory's subject.
         flags = {"bidirectional_kv_xfer": True, "kv_capacity_blocks": 4_000_000, **timing}
-        return cls(EmulatorProcess("prefill", host=PREFILL_HOST, advertise_host=PREFILL_HOST,
-                                   **flags),
-                   EmulatorProcess("decode", host=DECODE_HOST, advertise_host=DECODE_HOST,
-                                   **flags))
+        return cls(
+            EmulatorProcess("prefill", host=PREFILL_HOST, advertise_host=PREFILL_HOST, **flags),
+            EmulatorProcess("decode", host=DECODE_HOST, advertise_host=DECODE_HOST, **flags),
+        )
 
     def __iter__(self):
         return iter((self.prefill, self.decode))
@@ -104,12 +105,13 @@ class System:
 class Running:
     """A started system: where to send turns, which process tree to charge CPU to, how to stop."""
 
-    def __init__(self, url: str, process: subprocess.Popen, stop=None,
-                 helpers: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, url: str, process: subprocess.Popen, stop=None, helpers: tuple[int, ...] = ()
+    ) -> None:
         self.url = url
         self.process = process
         self.stop = stop or (lambda: stop_process(process))
-        self.helpers = helpers   # processes outside its tree that it needs (a Redis store)
+        self.helpers = helpers  # processes outside its tree that it needs (a Redis store)
 
     @property
     def pid(self) -> int:
@@ -127,8 +129,13 @@ def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
 
 
 def start(system: System, engines: Engines, log_dir: str) -> Running:
-    starters = {"gateway": _gateway, "seed": _seed, "router": _router, "nginx": _nginx,
-                "flask": _flask}
+    starters = {
+        "gateway": _gateway,
+        "seed": _seed,
+        "router": _router,
+        "nginx": _nginx,
+        "flask": _flask,
+    }
     return starters[system.kind](system, engines, log_dir)
 
 
@@ -139,13 +146,19 @@ def quiet_ports(count: int) -> int:
 def _gateway(system: System, engines: Engines, log_dir: str) -> Running:
     options = dict(system.options)
     # A Redis (one server, or a cluster of 3 primaries and 3 replicas) of its own.
-    redis = ({"redis": RedisProcess, "redis-cluster": RedisClusterProcesses}[options["store"]](
-        PROXY_HOST) if options.get("store") in ("redis", "redis-cluster") else None)
+    redis = (
+        {"redis": RedisProcess, "redis-cluster": RedisClusterProcesses}[options["store"]](
+            PROXY_HOST
+        )
+        if options.get("store") in ("redis", "redis-cluster")
+        else None
+    )
     if redis is not None:
         options["store"] = redis.url
     port = quiet_ports(1 + options.get("workers", 1))
-    gateway = GatewayProcess([engines.prefill.url], [engines.decode.url], host=PROXY_HOST,
-                             port=port, **options)
+    gateway = GatewayProcess(
+        [engines.prefill.url], [engines.decode.url], host=PROXY_HOST, port=port, **options
+    )
 
     def stop() -> None:
         gateway.stop()
@@ -153,8 +166,11 @@ def _gateway(system: System, engines: Engines, log_dir: str) -> Running:
             redis.stop()
         shutil.copy(gateway.log_path, os.path.join(log_dir, f"{slug(system.label)}.log"))
 
-    helpers = () if redis is None else tuple(
-        node.process.pid for node in getattr(redis, "nodes", {0: redis}).values())
+    helpers = (
+        ()
+        if redis is None
+        else tuple(node.process.pid for node in getattr(redis, "nodes", {0: redis}).values())
+    )
     return Running(gateway.url, gateway.process, stop, helpers=helpers)
 
 
@@ -162,14 +178,21 @@ def slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label).strip("-")
 
 
-def _spawn(argv: list[str], log_path: str, url: str, ready_path: str,
-           env: dict | None = None) -> subprocess.Popen:
+def _spawn(
+    argv: list[str], log_path: str, url: str, ready_path: str, env: dict | None = None
+) -> subprocess.Popen:
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=env)
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
     try:
-        wait_until(lambda: requests.get(url + ready_path, timeout=2).status_code < 500, 30,
-                   argv[0], process, log_path)
+        wait_until(
+            lambda: requests.get(url + ready_path, timeout=2).status_code < 500,
+            30,
+            argv[0],
+            process,
+            log_path,
+        )
     except RuntimeError:
         stop_process(process)  # timed out: don't leave it running behind the next system
         raise
@@ -179,10 +202,22 @@ def _spawn(argv: list[str], log_path: str, url: str, ready_path: str,
 def _seed(system: System, engines: Engines, log_dir: str) -> Running:
     url = f"http://{PROXY_HOST}:{quiet_ports(1)}"
     p, d = urlsplit(engines.prefill.url), urlsplit(engines.decode.url)
-    argv = [venvs.SEED.python(), venvs.seed_script(), "--host", PROXY_HOST,
-            "--port", url.rsplit(":", 1)[1], "--prefiller-host", p.hostname,
-            "--prefiller-port", str(p.port), "--decoder-host", d.hostname,
-            "--decoder-port", str(d.port)]
+    argv = [
+        venvs.SEED.python(),
+        venvs.seed_script(),
+        "--host",
+        PROXY_HOST,
+        "--port",
+        url.rsplit(":", 1)[1],
+        "--prefiller-host",
+        p.hostname,
+        "--prefiller-port",
+        str(p.port),
+        "--decoder-host",
+        d.hostname,
+        "--decoder-port",
+        str(d.port),
+    ]
     return Running(url, _spawn(argv, os.path.join(log_dir, "seed.log"), url, "/health"))
 
 
@@ -192,18 +227,37 @@ def _router(system: System, engines: Engines, log_dir: str) -> Running:
     listener moved off the fixed default port 29000."""
     port = quiet_ports(2)
     url = f"http://{PROXY_HOST}:{port}"
-    argv = [venvs.ROUTER.bin("vllm-router"), "--host", PROXY_HOST, "--port", str(port),
-            "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-            "--prefill", engines.prefill.url, "--decode", engines.decode.url,
-            "--prometheus-host", PROXY_HOST, "--prometheus-port", str(port + 1),
-            "--worker-startup-timeout-secs", "20", *system.options.get("argv", ())]
+    argv = [
+        venvs.ROUTER.bin("vllm-router"),
+        "--host",
+        PROXY_HOST,
+        "--port",
+        str(port),
+        "--vllm-pd-disaggregation",
+        "--kv-connector",
+        "nixl",
+        "--prefill",
+        engines.prefill.url,
+        "--decode",
+        engines.decode.url,
+        "--prometheus-host",
+        PROXY_HOST,
+        "--prometheus-port",
+        str(port + 1),
+        "--worker-startup-timeout-secs",
+        "20",
+        *system.options.get("argv", ()),
+    ]
     # One process (a Python launcher, the Rust router in it on tokio threads): /proc sees it all.
-    return Running(url, _spawn(argv, os.path.join(log_dir, f"{slug(system.label)}.log"), url,
-                               "/health"))
+    return Running(
+        url, _spawn(argv, os.path.join(log_dir, f"{slug(system.label)}.log"), url, "/health")
+    )
 
 
 def _which_nginx() -> str | None:
-    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    return shutil.which("nginx") or (
+        "/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None
+    )
 
 
 def nginx_binary() -> str | None:
@@ -215,8 +269,16 @@ def nginx_binary() -> str | None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", "RUNLEVEL": "1"}
 
     def apt(*args: str) -> bool:
-        return subprocess.run(["apt-get", *args, "-q"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=600).returncode == 0
+        return (
+            subprocess.run(
+                ["apt-get", *args, "-q"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=600,
+            ).returncode
+            == 0
+        )
 
     if not apt("install", "-y", "nginx"):
         apt("update") and apt("install", "-y", "nginx")
@@ -228,10 +290,20 @@ def _nginx(system: System, engines: Engines, log_dir: str) -> Running:
     url = f"http://{PROXY_HOST}:{quiet_ports(1)}"
     conf = os.path.join(work, "nginx.conf")
     with open(conf, "w") as f:
-        f.write(NGINX_CONF.format(dir=work, decode=urlsplit(engines.decode.url).netloc,
-                                  listen=urlsplit(url).netloc))
-    argv = [nginx_binary() or "nginx", "-p", work, "-c", conf, "-e",
-            os.path.join(log_dir, "nginx-error.log")]
+        f.write(
+            NGINX_CONF.format(
+                dir=work, decode=urlsplit(engines.decode.url).netloc, listen=urlsplit(url).netloc
+            )
+        )
+    argv = [
+        nginx_binary() or "nginx",
+        "-p",
+        work,
+        "-c",
+        conf,
+        "-e",
+        os.path.join(log_dir, "nginx-error.log"),
+    ]
     process = _spawn(argv, os.path.join(log_dir, "nginx.log"), url, "/health")
 
     def stop() -> None:
@@ -251,17 +323,42 @@ def _flask(system: System, engines: Engines, log_dir: str) -> Running:
     (gunicorn's own), the same worker connections, keep-alive and heartbeat timeout."""
     url = f"http://{PROXY_HOST}:{quiet_ports(1)}"
     connections = int(system.options.get("worker_connections", WORKER_CONNECTIONS))
-    argv = [sys.executable, "-m", "gunicorn", "--bind", urlsplit(url).netloc,
-            "--worker-class", "gevent", "--workers", "1",
-            "--worker-connections", str(connections), "--keep-alive", "75", "--timeout", "60",
-            "--chdir", ROOT]
-    if _gunicorn_version() >= (25, 1):   # one control socket per user: not for several servers
+    argv = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--bind",
+        urlsplit(url).netloc,
+        "--worker-class",
+        "gevent",
+        "--workers",
+        "1",
+        "--worker-connections",
+        str(connections),
+        "--keep-alive",
+        "75",
+        "--timeout",
+        "60",
+        "--chdir",
+        ROOT,
+    ]
+    if _gunicorn_version() >= (25, 1):  # one control socket per user: not for several servers
         argv.append("--no-control-socket")
-    env = {**os.environ, "FLASK_RELAY_UPSTREAM": engines.decode.url,
-           "FLASK_RELAY_POOL": str(connections)}
-    return Running(url, _spawn([*argv, "bench.flask_relay:app"],
-                               os.path.join(log_dir, f"{slug(system.label)}.log"), url,
-                               "/health", env))
+    env = {
+        **os.environ,
+        "FLASK_RELAY_UPSTREAM": engines.decode.url,
+        "FLASK_RELAY_POOL": str(connections),
+    }
+    return Running(
+        url,
+        _spawn(
+            [*argv, "bench.flask_relay:app"],
+            os.path.join(log_dir, f"{slug(system.label)}.log"),
+            url,
+            "/health",
+            env,
+        ),
+    )
 
 
 def _gunicorn_version() -> tuple[int, ...]:

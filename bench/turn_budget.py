@@ -26,6 +26,7 @@ Prints markdown tables and keeps every run's figures in `--out` (JSON), from whi
 prints them again: several runs' pooled (each run's repeats, the rooms' samples summed), so a
 budget can come from a few short runs instead of one long one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from bench import profile
 from bench.measure import Load, run_load
@@ -47,33 +48,49 @@ from devtools import ROOT, procstat
 
 FLOOR = System("bare Flask relay", "flask", True)
 GATEWAY_LABEL = "pd-gateway"
-REPLY_ENV = "BENCH_REPLY_WORDS"   # the load generator's max_tokens (devtools.workload)
+REPLY_ENV = "BENCH_REPLY_WORDS"  # the load generator's max_tokens (devtools.workload)
 
 
 def _load(concurrency: int, words: int, args: argparse.Namespace, factor: int = 1) -> Load:
     """Short runs: twice the concurrency in conversations (at least `--short-conversations`);
     long ones, which take many times longer, as many as the concurrency (at least 8). Both with
     the same turns each, so the share of first turns (misses, for the gateway) is the same."""
-    conversations = (max(2 * concurrency, args.short_conversations) if words == args.short_words
-                     else max(concurrency, 8))
+    conversations = (
+        max(2 * concurrency, args.short_conversations)
+        if words == args.short_words
+        else max(concurrency, 8)
+    )
     return Load(concurrency, factor * conversations, args.turns, args.duration)
 
 
-def one_run(label: str, running, worker: int, engines: Engines, load: Load, words: int,
-            salt: str, out_dir: str) -> dict:
+def one_run(
+    label: str,
+    running,
+    worker: int,
+    engines: Engines,
+    load: Load,
+    words: int,
+    salt: str,
+    out_dir: str,
+) -> dict:
     os.environ[REPLY_ENV] = str(words)
     user0, system0 = procstat.cpu_split(worker)
     measured = run_load(label, running, engines, load, salt, out_dir)
     user1, system1 = procstat.cpu_split(worker)
     turns = measured.load["turns"]
     n = max(1, len(turns))
-    return {"system": label, "concurrency": load.concurrency, "words": words, "turns": len(turns),
-            "errors": len(measured.load["errors"]),
-            "events": sum(t["events"] for t in turns) / n,
-            "cpu_us": 1e6 * measured.proxy_cpu_s / n,
-            "worker_user_us": 1e6 * (user1 - user0) / n,
-            "worker_system_us": 1e6 * (system1 - system0) / n,
-            "machine_busy": measured.machine_busy}
+    return {
+        "system": label,
+        "concurrency": load.concurrency,
+        "words": words,
+        "turns": len(turns),
+        "errors": len(measured.load["errors"]),
+        "events": sum(t["events"] for t in turns) / n,
+        "cpu_us": 1e6 * measured.proxy_cpu_s / n,
+        "worker_user_us": 1e6 * (user1 - user0) / n,
+        "worker_system_us": 1e6 * (system1 - system0) / n,
+        "machine_busy": measured.machine_busy,
+    }
 
 
 def fit(short: dict, long: dict) -> tuple[float, float]:
@@ -86,13 +103,18 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
     gateway = replace(profile.gateway_system("gevent", 0), label=GATEWAY_LABEL)
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
     rate = args.rate if spy else 0
-    result = {"runs": [], "rooms": [], "engine_timing": ENGINE_TIMING, "args": {
-        k: v for k, v in vars(args).items() if k not in ("tables", "out")},
-        "revision": revision(), "machine": machine(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    result = {
+        "runs": [],
+        "rooms": [],
+        "engine_timing": ENGINE_TIMING,
+        "args": {k: v for k, v in vars(args).items() if k not in ("tables", "out")},
+        "revision": revision(),
+        "machine": machine(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
     engines = Engines.start(**ENGINE_TIMING)
     started = []
-    reply_words = os.environ.get(REPLY_ENV)   # each run sets the load generator's reply length
+    reply_words = os.environ.get(REPLY_ENV)  # each run sets the load generator's reply length
     try:
         for system in (FLOOR, gateway):
             running = start(system, engines, out_dir)
@@ -100,32 +122,61 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
         for concurrency in args.concurrency:
             for system, running, _ in started:
                 os.environ[REPLY_ENV] = str(args.short_words)
-                run_load(system.label, running, engines,
-                         Load(concurrency, concurrency, 2, 10), f"warm-c{concurrency}", out_dir)
+                run_load(
+                    system.label,
+                    running,
+                    engines,
+                    Load(concurrency, concurrency, 2, 10),
+                    f"warm-c{concurrency}",
+                    out_dir,
+                )
             for repeat in range(args.repeats):
                 for words in (args.short_words, args.long_words):
                     order = started if repeat % 2 == 0 else started[::-1]
                     for system, running, worker in order:
                         salt = f"{slug(system.label)}-c{concurrency}-w{words}-r{repeat}"
-                        run = one_run(system.label, running, worker, engines,
-                                      _load(concurrency, words, args), words, salt, out_dir)
+                        run = one_run(
+                            system.label,
+                            running,
+                            worker,
+                            engines,
+                            _load(concurrency, words, args),
+                            words,
+                            salt,
+                            out_dir,
+                        )
                         run["repeat"] = repeat
                         result["runs"].append(run)
-                        print(f"{system.label:>18} C={concurrency:<3} {words:4} words "
-                              f"repeat {repeat}: {run['turns']:5} turns {run['errors']} errors "
-                              f"{run['events']:6.1f} events/turn {run['cpu_us']:8.0f} µs/turn "
-                              f"machine {run['machine_busy']:.0%} busy", flush=True)
+                        print(
+                            f"{system.label:>18} C={concurrency:<3} {words:4} words "
+                            f"repeat {repeat}: {run['turns']:5} turns {run['errors']} errors "
+                            f"{run['events']:6.1f} events/turn {run['cpu_us']:8.0f} µs/turn "
+                            f"machine {run['machine_busy']:.0%} busy",
+                            flush=True,
+                        )
             if not rate:
                 continue
             _, running, worker = started[1]
             for words in (args.short_words, args.long_words):
                 os.environ[REPLY_ENV] = str(words)
                 rooms, samples = profile.sample(
-                    worker, GATEWAY_LABEL, running, engines,
+                    worker,
+                    GATEWAY_LABEL,
+                    running,
+                    engines,
                     _load(concurrency, words, args, args.sample_factor),
-                    out_dir, rate, os.path.join(out_dir, f"stacks-c{concurrency}-w{words}.txt"))
-                result["rooms"].append({"concurrency": concurrency, "words": words,
-                                        "samples": samples, "rooms": dict(rooms)})
+                    out_dir,
+                    rate,
+                    os.path.join(out_dir, f"stacks-c{concurrency}-w{words}.txt"),
+                )
+                result["rooms"].append(
+                    {
+                        "concurrency": concurrency,
+                        "words": words,
+                        "samples": samples,
+                        "rooms": dict(rooms),
+                    }
+                )
     finally:
         for _, running, _ in started:
             running.stop()
@@ -139,6 +190,7 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
 
 
 # The tables, from the runs' figures (one measure() or several, loaded from JSON).
+
 
 def _spread(values: list[float], fmt: str = "{:.0f}") -> str:
     if not values:
@@ -169,45 +221,65 @@ def fits(result: dict) -> list[dict]:
             if not pairs:
                 continue
             ab = [fit(s, l_) for s, l_ in pairs]
-            rows.append({"system": system, "concurrency": concurrency,
-                         "short_words": short, "long_words": long,
-                         "events_short": [s["events"] for s, _ in pairs],
-                         "events_long": [l_["events"] for _, l_ in pairs],
-                         "cpu_short": [s["cpu_us"] for s, _ in pairs],
-                         "cpu_long": [l_["cpu_us"] for _, l_ in pairs],
-                         "a": [a for a, _ in ab], "b": [b for _, b in ab],
-                         "errors": sum(s["errors"] + l_["errors"] for s, l_ in pairs),
-                         "busy": [r["machine_busy"] for p in pairs for r in p]})
+            rows.append(
+                {
+                    "system": system,
+                    "concurrency": concurrency,
+                    "short_words": short,
+                    "long_words": long,
+                    "events_short": [s["events"] for s, _ in pairs],
+                    "events_long": [l_["events"] for _, l_ in pairs],
+                    "cpu_short": [s["cpu_us"] for s, _ in pairs],
+                    "cpu_long": [l_["cpu_us"] for _, l_ in pairs],
+                    "a": [a for a, _ in ab],
+                    "b": [b for _, b in ab],
+                    "errors": sum(s["errors"] + l_["errors"] for s, l_ in pairs),
+                    "busy": [r["machine_busy"] for p in pairs for r in p],
+                }
+            )
     return rows
 
 
 def fit_table(results: list[dict]) -> str:
     rows = [row for result in results for row in fits(result)]
-    lines = ["| system | C | events/turn (short, long) | CPU µs/turn, short | CPU µs/turn, long "
-             "| **per turn a, µs** | **per event b, µs** | errors | machine busy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system | C | events/turn (short, long) | CPU µs/turn, short | CPU µs/turn, long "
+        "| **per turn a, µs** | **per event b, µs** | errors | machine busy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['system']} | {r['concurrency']} | {statistics.median(r['events_short']):.0f}, "
             f"{statistics.median(r['events_long']):.0f} | {_spread(r['cpu_short'])} | "
             f"{_spread(r['cpu_long'])} | **{_spread(r['a'])}** | **{_spread(r['b'], '{:.1f}')}** | "
-            f"{r['errors']} | {min(r['busy']):.0%}–{max(r['busy']):.0%} |")
-    lines += ["", "| pd-gateway / floor | C | CPU per turn, short replies | per turn a "
-              "| per event b |",
-              "|---|---|---|---|---|"]
+            f"{r['errors']} | {min(r['busy']):.0%}–{max(r['busy']):.0%} |"
+        )
+    lines += [
+        "",
+        "| pd-gateway / floor | C | CPU per turn, short replies | per turn a | per event b |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["system"] != GATEWAY_LABEL:
             continue
-        floor = next((f for f in rows if f["system"] == FLOOR.label
-                      and f["concurrency"] == r["concurrency"]), None)
+        floor = next(
+            (
+                f
+                for f in rows
+                if f["system"] == FLOOR.label and f["concurrency"] == r["concurrency"]
+            ),
+            None,
+        )
         if floor is None:
             continue
-        ratio = [g / f for g, f in zip(r["cpu_short"], floor["cpu_short"])]
-        ratio_a = [g / f for g, f in zip(r["a"], floor["a"])]
-        ratio_b = [g / f for g, f in zip(r["b"], floor["b"])]
-        lines.append(f"| pd-gateway / floor | {r['concurrency']} | "
-                     f"**{_spread(ratio, '{:.2f}')}** | {_spread(ratio_a, '{:.2f}')} | "
-                     f"{_spread(ratio_b, '{:.2f}')} |")
+        ratio = [g / f for g, f in zip(r["cpu_short"], floor["cpu_short"], strict=False)]
+        ratio_a = [g / f for g, f in zip(r["a"], floor["a"], strict=False)]
+        ratio_b = [g / f for g, f in zip(r["b"], floor["b"], strict=False)]
+        lines.append(
+            f"| pd-gateway / floor | {r['concurrency']} | "
+            f"**{_spread(ratio, '{:.2f}')}** | {_spread(ratio_a, '{:.2f}')} | "
+            f"{_spread(ratio_b, '{:.2f}')} |"
+        )
     return "\n".join(lines)
 
 
@@ -215,8 +287,14 @@ def room_budget(result: dict, concurrency: int) -> list[tuple[str, float, float]
     """pd-gateway's rooms at `concurrency`: (room, a µs, b µs), largest per turn first."""
     short, long = result["args"]["short_words"], result["args"]["long_words"]
     sampled = {r["words"]: r for r in result["rooms"] if r["concurrency"] == concurrency}
-    row = next((r for r in fits(result) if r["system"] == GATEWAY_LABEL
-                and r["concurrency"] == concurrency), None)
+    row = next(
+        (
+            r
+            for r in fits(result)
+            if r["system"] == GATEWAY_LABEL and r["concurrency"] == concurrency
+        ),
+        None,
+    )
     if row is None or short not in sampled or long not in sampled:
         return None
     e_s, e_l = statistics.median(row["events_short"]), statistics.median(row["events_long"])
@@ -233,43 +311,61 @@ def room_budget(result: dict, concurrency: int) -> list[tuple[str, float, float]
 
 def budget_table(results: list[dict]) -> str:
     """Rooms down, one pair of columns (per turn, per event) per concurrency."""
-    columns = []   # (concurrency, result)
+    columns = []  # (concurrency, result)
     for result in results:
         for concurrency in result["args"]["concurrency"]:
             if room_budget(result, concurrency) is not None:
                 columns.append((concurrency, result))
     if not columns:
         return "(no rooms: the runs were not sampled)"
-    budgets = [dict((room, (a, b)) for room, a, b in room_budget(result, c))
-               for c, result in columns]
+    budgets = [
+        dict((room, (a, b)) for room, a, b in room_budget(result, c)) for c, result in columns
+    ]
     order = [room for room, _, _ in room_budget(columns[0][1], columns[0][0])]
     order += sorted({room for budget in budgets for room in budget} - set(order))
-    head = "| room | " + " | ".join(f"C={c} per turn µs | C={c} per event µs"
-                                    for c, _ in columns) + " |"
+    head = (
+        "| room | "
+        + " | ".join(f"C={c} per turn µs | C={c} per event µs" for c, _ in columns)
+        + " |"
+    )
     lines = [head, "|---|" + "---|---|" * len(columns)]
     for room in order:
-        cells = " | ".join(f"{budget.get(room, (0, 0))[0]:.0f} | {budget.get(room, (0, 0))[1]:.1f}"
-                           for budget in budgets)
+        cells = " | ".join(
+            f"{budget.get(room, (0, 0))[0]:.0f} | {budget.get(room, (0, 0))[1]:.1f}"
+            for budget in budgets
+        )
         lines.append(f"| {room} | {cells} |")
 
     def medians(system: str, c: int, result: dict) -> tuple[float, float] | None:
         """The fit through the median CPU per turn and events per turn at each length (what
         the rooms are split from)."""
-        row = next((r for r in fits(result) if r["system"] == system and r["concurrency"] == c),
-                   None)
+        row = next(
+            (r for r in fits(result) if r["system"] == system and r["concurrency"] == c), None
+        )
         if row is None:
             return None
-        return fit(*({"cpu_us": statistics.median(row[f"cpu_{n}"]),
-                      "events": statistics.median(row[f"events_{n}"])} for n in ("short", "long")))
+        return fit(
+            *(
+                {
+                    "cpu_us": statistics.median(row[f"cpu_{n}"]),
+                    "events": statistics.median(row[f"events_{n}"]),
+                }
+                for n in ("short", "long")
+            )
+        )
 
-    for system, label in ((GATEWAY_LABEL, "**pd-gateway, all** (sum of the rooms)"),
-                          (FLOOR.label, "**bare Flask relay, all** (the floor)")):
+    for system, label in (
+        (GATEWAY_LABEL, "**pd-gateway, all** (sum of the rooms)"),
+        (FLOOR.label, "**bare Flask relay, all** (the floor)"),
+    ):
         cells = []
         for c, result in columns:
             if system == GATEWAY_LABEL:
                 budget = room_budget(result, c)
-                cells.append(f"**{sum(a for _, a, _ in budget):.0f}** | "
-                             f"**{sum(b for _, _, b in budget):.1f}**")
+                cells.append(
+                    f"**{sum(a for _, a, _ in budget):.0f}** | "
+                    f"**{sum(b for _, _, b in budget):.1f}**"
+                )
             else:
                 ab = medians(system, c, result)
                 cells.append(f"**{ab[0]:.0f}** | **{ab[1]:.1f}**" if ab else "– | –")
@@ -280,10 +376,15 @@ def budget_table(results: list[dict]) -> str:
         excess.append(f"{gw[0] - fl[0]:+.0f} | {gw[1] - fl[1]:+.1f}" if gw and fl else "– | –")
     lines.append("| pd-gateway over the floor | " + " | ".join(excess) + " |")
     counts = "; ".join(
-        f"C={c}: " + ", ".join(f"{r['words']} words {r['samples']:,} in {r.get('runs', 1)} "
-                               f"run{'s' * (r.get('runs', 1) > 1)}"
-                               for r in result["rooms"] if r["concurrency"] == c)
-        for c, result in columns)
+        f"C={c}: "
+        + ", ".join(
+            f"{r['words']} words {r['samples']:,} in {r.get('runs', 1)} "
+            f"run{'s' * (r.get('runs', 1) > 1)}"
+            for r in result["rooms"]
+            if r["concurrency"] == c
+        )
+        for c, result in columns
+    )
     return "\n".join(lines) + f"\n\npy-spy samples of the worker: {counts}."
 
 
@@ -292,15 +393,28 @@ def pooled(results: list[dict]) -> dict:
     lengths = {(r["args"]["short_words"], r["args"]["long_words"]) for r in results}
     if len(lengths) != 1:
         raise SystemExit(f"the runs have different reply lengths: {sorted(lengths)}")
-    merged = {"args": {**results[0]["args"], "concurrency": sorted(
-                  {c for r in results for c in r["args"]["concurrency"]})},
-              "runs": [{**run, "repeat": f"{i}.{run['repeat']}"}
-                       for i, r in enumerate(results) for run in r["runs"]],
-              "rooms": []}
+    merged = {
+        "args": {
+            **results[0]["args"],
+            "concurrency": sorted({c for r in results for c in r["args"]["concurrency"]}),
+        },
+        "runs": [
+            {**run, "repeat": f"{i}.{run['repeat']}"}
+            for i, r in enumerate(results)
+            for run in r["runs"]
+        ],
+        "rooms": [],
+    }
     for r in results:
         for sampled in r["rooms"]:
-            into = next((x for x in merged["rooms"] if x["concurrency"] == sampled["concurrency"]
-                         and x["words"] == sampled["words"]), None)
+            into = next(
+                (
+                    x
+                    for x in merged["rooms"]
+                    if x["concurrency"] == sampled["concurrency"] and x["words"] == sampled["words"]
+                ),
+                None,
+            )
             if into is None:
                 merged["rooms"].append({**sampled, "rooms": dict(sampled["rooms"]), "runs": 1})
                 continue
@@ -313,34 +427,62 @@ def pooled(results: list[dict]) -> dict:
 
 def tables(results: list[dict]) -> str:
     """The tables of one run's figures, or of several runs' pooled (repeats, samples)."""
-    runs = "; ".join(f"{r.get('date', '?')}, {r.get('revision', '?')}, C="
-                     + ",".join(map(str, r["args"]["concurrency"])) for r in results)
+    runs = "; ".join(
+        f"{r.get('date', '?')}, {r.get('revision', '?')}, C="
+        + ",".join(map(str, r["args"]["concurrency"]))
+        for r in results
+    )
     merged = [pooled(results)]
     return f"Runs: {runs}.\n\n" + fit_table(merged) + "\n\n" + budget_table(merged)
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", default="8",
-                        help="conversations in flight, comma separated (e.g. 8,64)")
-    parser.add_argument("--short-words", type=int, default=32,
-                        help="max_tokens of the short runs (D streams that many events + 2)")
+    parser.add_argument(
+        "--concurrency", default="8", help="conversations in flight, comma separated (e.g. 8,64)"
+    )
+    parser.add_argument(
+        "--short-words",
+        type=int,
+        default=32,
+        help="max_tokens of the short runs (D streams that many events + 2)",
+    )
     parser.add_argument("--long-words", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    parser.add_argument("--short-conversations", type=int, default=64,
-                        help="short runs: at least this many conversations (else twice the "
-                             "concurrency; long runs: the concurrency, at least 8)")
-    parser.add_argument("--duration", type=float, default=60,
-                        help="no turn starts after this many seconds of a run")
+    parser.add_argument(
+        "--short-conversations",
+        type=int,
+        default=64,
+        help="short runs: at least this many conversations (else twice the "
+        "concurrency; long runs: the concurrency, at least 8)",
+    )
+    parser.add_argument(
+        "--duration", type=float, default=60, help="no turn starts after this many seconds of a run"
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rate", type=int, default=1000,
-                        help="py-spy samples per second for the rooms (0: no rooms)")
-    parser.add_argument("--sample-factor", type=int, default=2,
-                        help="the sampled runs have this many times the conversations")
-    parser.add_argument("--out", help="where to keep the runs' figures (JSON); default "
-                        "bench/out/turn-budget-c<concurrency>-<UTC time>.json")
-    parser.add_argument("--tables", nargs="+", metavar="JSON",
-                        help="print the tables of these earlier runs instead of measuring")
+    parser.add_argument(
+        "--rate",
+        type=int,
+        default=1000,
+        help="py-spy samples per second for the rooms (0: no rooms)",
+    )
+    parser.add_argument(
+        "--sample-factor",
+        type=int,
+        default=2,
+        help="the sampled runs have this many times the conversations",
+    )
+    parser.add_argument(
+        "--out",
+        help="where to keep the runs' figures (JSON); default "
+        "bench/out/turn-budget-c<concurrency>-<UTC time>.json",
+    )
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        metavar="JSON",
+        help="print the tables of these earlier runs instead of measuring",
+    )
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     if args.long_words <= args.short_words:
@@ -350,9 +492,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     """Measure as `args` says, and keep the figures (JSON) where --out says."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    out = args.out or os.path.join(ROOT, "bench", "out", "turn-budget-c"
-                                   + "-".join(map(str, args.concurrency)) + f"-{stamp}.json")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    out = args.out or os.path.join(
+        ROOT,
+        "bench",
+        "out",
+        "turn-budget-c" + "-".join(map(str, args.concurrency)) + f"-{stamp}.json",
+    )
     out_dir = tempfile.mkdtemp(prefix="pd-turn-budget-")
     clock = time.monotonic()
     result = measure(args, out_dir)

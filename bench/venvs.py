@@ -1,4 +1,5 @@
 """The peers' own virtual environments (the seed proxy, vllm-router), created on first use."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,12 @@ class Venv:
         """(Re)create the venv unless it holds what it should; the reason it can't, or None."""
         if not self._satisfied():
             subprocess.run([sys.executable, "-m", "venv", "--clear", self.path], check=True)
-            done = subprocess.run([self.python(), "-m", "pip", "install", "--quiet",
-                                   *self.requirements],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            done = subprocess.run(
+                [self.python(), "-m", "pip", "install", "--quiet", *self.requirements],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             if done.returncode != 0:
                 return f"pip install {' '.join(self.requirements)} failed: {done.stderr[-500:]}"
         return None
@@ -45,8 +49,10 @@ class Venv:
         if not os.path.exists(self.python()):
             return {}
         names = [spec.split("==")[0] for spec in self.requirements]
-        code = ("import json, importlib.metadata as m; "
-                f"print(json.dumps({{p: m.version(p) for p in {names!r}}}))")
+        code = (
+            "import json, importlib.metadata as m; "
+            f"print(json.dumps({{p: m.version(p) for p in {names!r}}}))"
+        )
         done = subprocess.run([self.python(), "-c", code], capture_output=True, text=True)
         return json.loads(done.stdout) if done.returncode == 0 else {}
 

@@ -8,6 +8,7 @@ hashing words, not a Rust tokenizer, so its share of the TTFT is shown apart.
 
     python -m bench.verify_cost [--conversations 4] [--turns 5] [--sizes 1000 10000 50000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,51 +24,79 @@ from devtools.processes import GatewayProcess
 from devtools.workload import MODEL
 from emulator.process import EmulatorProcess
 from emulator.tokens import VOCAB
+
 # Not vLLM's defaults: P without a prefix cache and kv_recompute_threshold 0, so that every
 # reuse is a read of D's blocks whose proof is what this measures.
-ENGINE = {"itl_ms": 8, "prefill_ms_per_token": 0.02, "pull_ms_per_block": 0.05,
-          "max_model_len": 200_000, "recompute_threshold": 0}
+ENGINE = {
+    "itl_ms": 8,
+    "prefill_ms_per_token": 0.02,
+    "pull_ms_per_block": 0.05,
+    "max_model_len": 200_000,
+    "recompute_threshold": 0,
+}
 
 
 def conversation(url: str, size: int, turns: int, seed: int) -> tuple[list[float], int]:
     """TTFT of every turn after the first (seconds), and how many of those hit."""
     rng = random.Random(seed)
-    messages = [{"role": "user", "content": " ".join(rng.choice(VOCAB) for _ in range(size))
-                 + f" {seed} {time.time_ns()}"}]
+    messages = [
+        {
+            "role": "user",
+            "content": " ".join(rng.choice(VOCAB) for _ in range(size))
+            + f" {seed} {time.time_ns()}",
+        }
+    ]
     ttfts, hits = [], 0
     session = requests.Session()
     for turn in range(turns):
-        timed = sse.timed_turn(session, url + "/v1/chat/completions", timeout=120, body={
-            "model": MODEL, "messages": messages, "max_tokens": 32, "stream": True})
+        timed = sse.timed_turn(
+            session,
+            url + "/v1/chat/completions",
+            timeout=120,
+            body={"model": MODEL, "messages": messages, "max_tokens": 32, "stream": True},
+        )
         text = timed.text
         if turn:
             ttfts.append(timed.ttft)
             hits += timed.headers.get("X-Gateway-Cache") == "hit"
-        messages += [{"role": "assistant", "content": text.strip()},
-                     {"role": "user", "content": " ".join(rng.choice(VOCAB) for _ in range(20))}]
+        messages += [
+            {"role": "assistant", "content": text.strip()},
+            {"role": "user", "content": " ".join(rng.choice(VOCAB) for _ in range(20))},
+        ]
     return ttfts, hits
 
 
 def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+        if len(values) > 1
+        else values[0]
+    )
 
 
-def measure(p: EmulatorProcess, d: EmulatorProcess, mode: str, size: int, conversations: int,
-            turns: int) -> dict:
+def measure(
+    p: EmulatorProcess, d: EmulatorProcess, mode: str, size: int, conversations: int, turns: int
+) -> dict:
     with GatewayProcess([p.url], [d.url], verify_reuse=mode, workers=1) as gateway:
-        conversation(gateway.url, 50, 2, seed=-1)             # warm up (and probe the template)
+        conversation(gateway.url, 50, 2, seed=-1)  # warm up (and probe the template)
         worker = procstat.children(gateway.process.pid)[0]
         p.reset_stats()
         cpu0 = procstat.cpu_seconds([worker])
         with ThreadPoolExecutor(conversations) as pool:
-            results = list(pool.map(lambda i: conversation(gateway.url, size, turns, i),
-                                    range(conversations)))
+            results = list(
+                pool.map(lambda i: conversation(gateway.url, size, turns, i), range(conversations))
+            )
         cpu = procstat.cpu_seconds([worker]) - cpu0
         tokenize = p.stats()["tokenize_requests"]
     ttfts = [t for r, _ in results for t in r]
-    return {"ttft_p50": percentile(ttfts, 50) * 1000, "ttft_p99": percentile(ttfts, 99) * 1000,
-            "cpu_ms": cpu / (conversations * turns) * 1000,
-            "hits": sum(h for _, h in results), "later": len(ttfts), "tokenize": tokenize}
+    return {
+        "ttft_p50": percentile(ttfts, 50) * 1000,
+        "ttft_p99": percentile(ttfts, 99) * 1000,
+        "cpu_ms": cpu / (conversations * turns) * 1000,
+        "hits": sum(h for _, h in results),
+        "later": len(ttfts),
+        "tokenize": tokenize,
+    }
 
 
 def tokenize_ms(p: EmulatorProcess, size: int) -> float:
@@ -87,21 +116,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10_000, 50_000])
     args = parser.parse_args(argv)
-    print(f"{args.conversations} conversations at once x {args.turns} turns; TTFT of turns 2+; "
-          "gateway CPU per turn (1 gevent worker)")
-    print("| history tokens | verify_reuse | hits | TTFT p50 ms | TTFT p99 ms | gateway CPU ms/turn "
-          "| /tokenize calls | emulator /tokenize ms |")
+    print(
+        f"{args.conversations} conversations at once x {args.turns} turns; TTFT of turns 2+; "
+        "gateway CPU per turn (1 gevent worker)"
+    )
+    print(
+        "| history tokens | verify_reuse | hits | TTFT p50 ms | TTFT p99 ms | gateway CPU ms/turn "
+        "| /tokenize calls | emulator /tokenize ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2",
-                         enable_prefix_caching=False, **ENGINE) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3", **ENGINE) as d:
+    with (
+        EmulatorProcess(
+            "prefill",
+            bidirectional_kv_xfer=True,
+            host="127.0.0.2",
+            enable_prefix_caching=False,
+            **ENGINE,
+        ) as p,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3", **ENGINE) as d,
+    ):
         for size in args.sizes:
             own = tokenize_ms(p, size)
             for mode in ("off", "auto", "always"):
                 m = measure(p, d, mode, size, args.conversations, args.turns)
-                print(f"| {size:,} | {mode} | {m['hits']}/{m['later']} | {m['ttft_p50']:.1f} | "
-                      f"{m['ttft_p99']:.1f} | {m['cpu_ms']:.2f} | {m['tokenize']} | "
-                      f"{own if mode == 'always' else 0:.1f} |", flush=True)
+                print(
+                    f"| {size:,} | {mode} | {m['hits']}/{m['later']} | {m['ttft_p50']:.1f} | "
+                    f"{m['ttft_p99']:.1f} | {m['cpu_ms']:.2f} | {m['tokenize']} | "
+                    f"{own if mode == 'always' else 0:.1f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""`make run`: emulated (or real) engines, the gateway under gunicorn, and a live multi-turn chat."""
+"""`make run`: emulated (or real) engines, the gateway under gunicorn, and a live multi-turn
+chat."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,19 +36,26 @@ def chat(gateway: GatewayProcess, model: str) -> None:
     messages = [{"role": "system", "content": "You are a terse assistant."}]
 
     def counters() -> dict:
-        return {"prompt": gateway.metric("pd_gateway_prefill_tokens_total", kind="prompt"),
-                "cached": gateway.metric("pd_gateway_prefill_tokens_total", kind="cached"),
-                **{result: gateway.metric("pd_gateway_kv_reads_total", result=result)
-                   for result in ("read", "recomputed", "own_cache", "unreported")}}
+        return {
+            "prompt": gateway.metric("pd_gateway_prefill_tokens_total", kind="prompt"),
+            "cached": gateway.metric("pd_gateway_prefill_tokens_total", kind="cached"),
+            **{
+                result: gateway.metric("pd_gateway_kv_reads_total", result=result)
+                for result in ("read", "recomputed", "own_cache", "unreported")
+            },
+        }
 
-    print(f"\n{'turn':>4}  {'cache':5}  {'TTFT ms':>8}  {'P prompt':>8}  {'P cached':>8}  "
-          f"{'D blocks':10}  reply")
+    print(
+        f"\n{'turn':>4}  {'cache':5}  {'TTFT ms':>8}  {'P prompt':>8}  {'P cached':>8}  "
+        f"{'D blocks':10}  reply"
+    )
     for turn, question in enumerate(QUESTIONS, 1):
         messages.append({"role": "user", "content": question})
         before = counters()
         start = time.perf_counter()
         raw = client.chat.completions.with_raw_response.create(
-            model=model, messages=messages, stream=True, max_tokens=80)
+            model=model, messages=messages, stream=True, max_tokens=80
+        )
         ttft, reply = None, []
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
@@ -56,10 +65,11 @@ def chat(gateway: GatewayProcess, model: str) -> None:
         messages.append({"role": "assistant", "content": text})
         after = counters()
         delta = {k: int(after[k] - before[k]) for k in after}
-        read = next((k for k in ("read", "recomputed", "own_cache", "unreported") if delta[k]),
-                    "-")
-        print(f"{turn:>4}  {raw.headers.get('X-Gateway-Cache', '?'):5}  {ttft or 0:8.1f}  "
-              f"{delta['prompt']:>8}  {delta['cached']:>8}  {read:10}  {text.strip()[:40]}...")
+        read = next((k for k in ("read", "recomputed", "own_cache", "unreported") if delta[k]), "-")
+        print(
+            f"{turn:>4}  {raw.headers.get('X-Gateway-Cache', '?'):5}  {ttft or 0:8.1f}  "
+            f"{delta['prompt']:>8}  {delta['cached']:>8}  {read:10}  {text.strip()[:40]}..."
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,26 +90,41 @@ def main(argv: list[str] | None = None) -> None:
             # remote_host ("localhost" as vLLM reports it) to P's real address.
             # Bidirectional transfer on, as the README's `vllm serve` command has it; the rest
             # vLLM's defaults (prefix caching on, kv_recompute_threshold 64).
-            p = stack.enter_context(EmulatorProcess("prefill", bidirectional_kv_xfer=True,
-                                                    host="127.0.0.2"))
-            d = stack.enter_context(EmulatorProcess("decode", bidirectional_kv_xfer=True,
-                                                    host="127.0.0.3"))
+            p = stack.enter_context(
+                EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.2")
+            )
+            d = stack.enter_context(
+                EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.3")
+            )
             prefill, decode = [p.url], [d.url]
             print(f"emulated prefill engine on {p.url}, decode engine on {d.url}")
         # The preflight an operator runs first (README, "The vLLM engines"): whether reuse
         # will work with these engines, and what fixes it where it will not.
         print(f"\n$ pd-gateway check --prefill {' '.join(prefill)} --decode {' '.join(decode)}")
-        checked = subprocess.run([sys.executable, "-m", "gateway.cli", "check",
-                                  "--prefill", *prefill, "--decode", *decode])
+        checked = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "check",
+                "--prefill",
+                *prefill,
+                "--decode",
+                *decode,
+            ]
+        )
         if checked.returncode:
             print("\n(reuse will not work with these engines, as it says; the demo goes on)")
-        gateway = stack.enter_context(GatewayProcess(prefill, decode, port=args.port,
-                                                     workers=args.workers))
+        gateway = stack.enter_context(
+            GatewayProcess(prefill, decode, port=args.port, workers=args.workers)
+        )
         print(f"gateway (gunicorn) on {gateway.url}, logs in {gateway.log_path}")
         model = requests.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         chat(gateway, model)
-        print(f"\nThe gateway keeps serving on {gateway.url} (OpenAI API at {gateway.url}/v1); "
-              f"Ctrl-C stops it{' and the emulated engines' if emulated else ''}.")
+        print(
+            f"\nThe gateway keeps serving on {gateway.url} (OpenAI API at {gateway.url}/v1); "
+            f"Ctrl-C stops it{' and the emulated engines' if emulated else ''}."
+        )
         try:
             while gateway.process.poll() is None:
                 time.sleep(0.5)

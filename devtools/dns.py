@@ -1,6 +1,7 @@
 """A tiny DNS server on loopback (dnslib, a test extra) whose answers a test changes while the
 gateway runs: the stand-in for a Kubernetes headless Service, one A record per pod.
 """
+
 from __future__ import annotations
 
 import threading
@@ -14,8 +15,8 @@ from emulator.process import free_port
 class _Records(BaseResolver):
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.names: dict[str, list[str]] = {}     # "decode.test." -> ["127.0.0.11", ...]
-        self.failing = False                     # answer SERVFAIL to everything
+        self.names: dict[str, list[str]] = {}  # "decode.test." -> ["127.0.0.11", ...]
+        self.failing = False  # answer SERVFAIL to everything
         self.queries = 0
 
     def resolve(self, request, handler):
@@ -32,7 +33,7 @@ class _Records(BaseResolver):
         elif request.q.qtype == QTYPE.A:
             for address in addresses:
                 reply.add_answer(RR(name, QTYPE.A, rdata=A(address), ttl=1))
-        return reply                         # AAAA: no records (NOERROR, empty)
+        return reply  # AAAA: no records (NOERROR, empty)
 
 
 class LoopbackDNS:
@@ -43,9 +44,12 @@ class LoopbackDNS:
         self.records = _Records()
         self.port = free_port(host)
         self.nameserver = f"{host}:{self.port}"
-        self.server = DNSServer(self.records, address=host, port=self.port,
-                                logger=DNSLogger("-request,-reply,-truncated,-error,-recv,-send,"
-                                                 "-data"))
+        self.server = DNSServer(
+            self.records,
+            address=host,
+            port=self.port,
+            logger=DNSLogger("-request,-reply,-truncated,-error,-recv,-send,-data"),
+        )
         self.server.start_thread()
 
     def set(self, name: str, addresses: list[str]) -> None:

@@ -1,5 +1,6 @@
 """Synthetic conversation-store entries, shaped like real ones: the benchmark's cached-conversations
 runs fill a worker's store with them, and the store tests size them."""
+
 from __future__ import annotations
 
 import secrets
@@ -22,12 +23,19 @@ def synthetic_entry(i: int, decode_url: str) -> tuple[str, Entry]:
     emulator's and a vLLM free list's do (gateway.reuse.packing).
     """
     blocks = -(-HISTORY_TOKENS // BLOCK_SIZE)
-    params = {"remote_block_ids": [list(range(i * blocks + 1000, (i + 1) * blocks + 1000))],
-              "remote_engine_id": str(uuid.uuid4()),
-              "remote_request_id": f"chatcmpl-{uuid.uuid4().hex}-{secrets.token_hex(4)}",
-              "remote_host": "127.0.0.3", "remote_port": 40000 + i % 20000, "tp_size": 1,
-              "dcp_size": 1, "pp_size": 1, "remote_num_tokens": HISTORY_TOKENS,
-              "remote_blocks_expiry_time": time.monotonic() + 480, "transfer_mode": "pull"}
+    params = {
+        "remote_block_ids": [list(range(i * blocks + 1000, (i + 1) * blocks + 1000))],
+        "remote_engine_id": str(uuid.uuid4()),
+        "remote_request_id": f"chatcmpl-{uuid.uuid4().hex}-{secrets.token_hex(4)}",
+        "remote_host": "127.0.0.3",
+        "remote_port": 40000 + i % 20000,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": HISTORY_TOKENS,
+        "remote_blocks_expiry_time": time.monotonic() + 480,
+        "transfer_mode": "pull",
+    }
     key = blake2b(f"bench-fill-{i}".encode(), digest_size=16).hexdigest()
     digest = blake2b(f"bench-history-{i}".encode(), digest_size=16).hexdigest()
     return key, Entry(params=params, decode_url=decode_url, history_digest=digest, history_len=10)

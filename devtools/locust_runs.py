@@ -1,5 +1,6 @@
 """locust runs, bounded and headless, read back from their CSV files: `make load` (bench.load) and
 tests/test_load_short.py run locustfile.py through it."""
+
 from __future__ import annotations
 
 import csv
@@ -22,14 +23,14 @@ class LoadResult:
     """What one locust run measured, read back from its CSV files."""
 
     returncode: int
-    turns: int = 0                 # streamed chat turns sent
-    failures: int = 0              # failed turns plus errors raised inside users
+    turns: int = 0  # streamed chat turns sent
+    failures: int = 0  # failed turns plus errors raised inside users
     turns_per_s: float = 0.0
     turn_p50: float | None = None  # ms, a whole turn (to its [DONE])
     ttft_p50: float | None = None
     ttft_p99: float | None = None
     tpot_p50: float | None = None
-    stats: dict = field(default_factory=dict)     # locust's stats rows by (Type, Name)
+    stats: dict = field(default_factory=dict)  # locust's stats rows by (Type, Name)
     problems: list = field(default_factory=list)  # failure and exception lines
 
     @property
@@ -37,9 +38,16 @@ class LoadResult:
         return self.returncode == 0 and self.failures == 0 and self.turns > 0
 
 
-def run_locust(host: str, users: int, spawn_rate: float, duration: str, csv_prefix: Path,
-               extra: list[str] = (), timeout: float = 600,
-               locustfile: Path = LOCUSTFILE) -> LoadResult:
+def run_locust(
+    host: str,
+    users: int,
+    spawn_rate: float,
+    duration: str,
+    csv_prefix: Path,
+    extra: list[str] = (),
+    timeout: float = 600,
+    locustfile: Path = LOCUSTFILE,
+) -> LoadResult:
     """Run `locustfile` headless and bounded against `host`, from its own directory, and read
     its CSV output.
 
@@ -47,13 +55,40 @@ def run_locust(host: str, users: int, spawn_rate: float, duration: str, csv_pref
     `--stop-timeout` lets turns in flight at the deadline finish instead of being cut.
     """
     csv_prefix.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless",
-               "--host", host, "-u", str(users), "-r", str(spawn_rate), "-t", duration,
-               "--stop-timeout", "10", "--only-summary", "--csv", str(csv_prefix),
-               "--loglevel", "WARNING", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(locustfile),
+        "--headless",
+        "--host",
+        host,
+        "-u",
+        str(users),
+        "-r",
+        str(spawn_rate),
+        "-t",
+        duration,
+        "--stop-timeout",
+        "10",
+        "--only-summary",
+        "--csv",
+        str(csv_prefix),
+        "--loglevel",
+        "WARNING",
+        *extra,
+    ]
     # Not check=True: a failed run (locust exits 1 on any failure) is read like a good one.
-    done = subprocess.run(command, cwd=locustfile.parent, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    done = subprocess.run(
+        command,
+        cwd=locustfile.parent,
+        timeout=timeout,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+    )
     result = LoadResult(done.returncode)
     rows = result.stats = {(r["Type"], r["Name"]): r for r in _rows(csv_prefix, "stats")}
     chat = rows.get(CHAT_ROW)
@@ -67,8 +102,9 @@ def run_locust(host: str, users: int, spawn_rate: float, duration: str, csv_pref
         result.ttft_p50, result.ttft_p99 = _ms(ttft["50%"]), _ms(ttft["99%"])
     if TPOT in rows:
         result.tpot_p50 = _ms(rows[TPOT]["50%"])
-    result.problems = [f"{r['Occurrences']} x {r['Name']}: {r['Error']}"
-                       for r in _rows(csv_prefix, "failures")]
+    result.problems = [
+        f"{r['Occurrences']} x {r['Name']}: {r['Error']}" for r in _rows(csv_prefix, "failures")
+    ]
     exceptions = _rows(csv_prefix, "exceptions")
     result.failures += sum(int(r["Count"]) for r in exceptions)
     result.problems += [f"{r['Count']} x exception {r['Message']}" for r in exceptions]

@@ -1,4 +1,5 @@
 """CPU time and resident memory of processes (and their children) from /proc, and machine load."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ def _stat(pid: int) -> list[str] | None:
     except OSError:
         return None  # exited
     # The command name may hold spaces and parentheses: fields start after the last ")".
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def children(pid: int) -> list[int]:

@@ -4,6 +4,7 @@ An event is the JSON of a `data:` field, or the string "[DONE]", which ends the 
 after it is kept. A source is a whole body (bytes), a `requests` response (read as it
 arrives), or any iterable of byte chunks. Not the gateway's own relay (`gateway/flow/sse.py`).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ class Parser:
 
     def __init__(self) -> None:
         self._buffer = b""
-        self.done = False          # "[DONE]" has been seen; later bytes are ignored
+        self.done = False  # "[DONE]" has been seen; later bytes are ignored
 
     def feed(self, data: bytes) -> list[Event]:
         if self.done:
@@ -36,7 +37,7 @@ class Parser:
         for block in blocks:
             fields = [line[5:] for line in block.split(b"\n") if line.startswith(b"data:")]
             if not fields:
-                continue                            # a comment or a keep-alive
+                continue  # a comment or a keep-alive
             data = b"\n".join(f[1:] if f.startswith(b" ") else f for f in fields)
             if data == DONE.encode():
                 self.done = True
@@ -49,7 +50,7 @@ class Parser:
 def _chunks(source) -> Iterator[bytes]:
     if isinstance(source, bytes):
         return iter([source])
-    if hasattr(source, "iter_content"):             # a requests response
+    if hasattr(source, "iter_content"):  # a requests response
         # 512: what iter_lines reads; a chunked body yields each chunk as it comes.
         return iter(source.iter_content(512))
     return iter(source)
@@ -79,8 +80,8 @@ class TimedTurn:
     """One streamed turn as a client saw it (seconds from sending the request)."""
 
     headers: Mapping[str, str]
-    ttft: float                    # to the first event (the role chunk of a chat stream)
-    gaps: list[float]              # between consecutive events before "[DONE]"
+    ttft: float  # to the first event (the role chunk of a chat stream)
+    gaps: list[float]  # between consecutive events before "[DONE]"
     text: str
 
 
@@ -91,9 +92,12 @@ def timed_turn(session, url: str, body: dict, timeout: float = 300) -> TimedTurn
         response.raise_for_status()
         timed = timed_events(response)
     arrivals = [t for t, event in timed if event != DONE]
-    return TimedTurn(response.headers, timed[0][0] - started,
-                     [b - a for a, b in pairwise(arrivals)],
-                     reply(event for _, event in timed))
+    return TimedTurn(
+        response.headers,
+        timed[0][0] - started,
+        [b - a for a, b in pairwise(arrivals)],
+        reply(event for _, event in timed),
+    )
 
 
 def events(source) -> list[Event]:
@@ -105,8 +109,10 @@ def content(event: Event) -> str:
     """The reply text one event carries: chat deltas' content, or completions' text."""
     if not isinstance(event, dict):
         return ""
-    return "".join((choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                   for choice in event.get("choices") or ())
+    return "".join(
+        (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        for choice in event.get("choices") or ()
+    )
 
 
 def reply(events: Iterable[Event]) -> str:

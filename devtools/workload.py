@@ -5,6 +5,7 @@ connection (the tests' client, driven by `drive` and `run`); the benchmark's cli
 (bench.loadgen) sends `body()` and `headers()` with its own. locustfile.py has a small model of
 its own: it imports nothing outside locust and the standard library.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,25 +44,25 @@ class Conversation:
     so a benchmark sends the same text in every run.
     """
 
-    url: str = ""                  # where turn() sends; other clients send body() themselves
+    url: str = ""  # where turn() sends; other clients send body() themselves
     cid: str = field(default_factory=lambda: uuid.uuid4().hex)
     seed: str = ""
     first_words: int = 3
     turn_words: tuple[int, int] = (2, 2)
     stream: bool = True
-    explicit: bool = True          # conversation_id in the body
-    session_header: bool = False   # the id as an X-Session-ID header
+    explicit: bool = True  # conversation_id in the body
+    session_header: bool = False  # the id as an X-Session-ID header
     max_tokens: int = 6
     model: str = MODEL
     stream_options: dict | None = None
-    retries: int = 0               # turn() sends again only when no response came at all
+    retries: int = 0  # turn() sends again only when no response came at all
     messages: list[dict] = field(default_factory=list)
-    caches: list = field(default_factory=list)     # X-Gateway-Cache of each turn
-    paths: list = field(default_factory=list)      # X-Gateway-Path of each turn
-    kvs: list = field(default_factory=list)        # X-Gateway-KV of each turn
+    caches: list = field(default_factory=list)  # X-Gateway-Cache of each turn
+    paths: list = field(default_factory=list)  # X-Gateway-Path of each turn
+    kvs: list = field(default_factory=list)  # X-Gateway-KV of each turn
     errors: list = field(default_factory=list)
     _rng: random.Random = field(init=False, repr=False)
-    _covered: int = field(default=0, init=False)   # prompt tokens the previous turn left in KV
+    _covered: int = field(default=0, init=False)  # prompt tokens the previous turn left in KV
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed or self.cid)
@@ -75,8 +76,12 @@ class Conversation:
         self.messages.append({"role": "user", "content": f"{head} {words(self._rng, count)}"})
 
     def body(self) -> dict:
-        body = {"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens,
-                "stream": self.stream}
+        body = {
+            "model": self.model,
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            "stream": self.stream,
+        }
         if self.stream_options is not None:
             body["stream_options"] = self.stream_options
         if self.explicit:
@@ -93,8 +98,9 @@ class Conversation:
         """Prompt tokens a perfect reuse computes: all of turn 1, then what the client added."""
         return prompt_tokens - min(self._covered, prompt_tokens - 1)
 
-    def add_reply(self, reply: str, cache: str | None = None,
-                  prompt_tokens: int | None = None) -> None:
+    def add_reply(
+        self, reply: str, cache: str | None = None, prompt_tokens: int | None = None
+    ) -> None:
         """A finished turn: the reply joins the history and its X-Gateway-Cache the caches;
         `prompt_tokens` (this turn's) feeds ideal_computed for the next turn."""
         if prompt_tokens is not None:
@@ -118,7 +124,7 @@ class Conversation:
                 text = sse.reply(events)
             else:
                 text = response.json()["choices"][0]["message"]["content"]
-        except Exception as exc:   # recorded; the tests assert there are none
+        except Exception as exc:  # recorded; the tests assert there are none
             self.errors.append(f"{self.cid} turn {len(self.caches)}: {exc!r}")
             return False
         self.add_reply(text, response.headers.get("X-Gateway-Cache"))
@@ -131,15 +137,21 @@ def _post(url: str, body: dict, headers: dict, stream: bool, retries: int) -> re
     """POST on a new connection; like the OpenAI SDK, retry only when no response came at all."""
     for attempt in range(retries + 1):
         try:
-            return requests.post(url + "/v1/chat/completions", json=body, stream=stream,
-                                 timeout=60, headers={"Connection": "close", **headers})
+            return requests.post(
+                url + "/v1/chat/completions",
+                json=body,
+                stream=stream,
+                timeout=60,
+                headers={"Connection": "close", **headers},
+            )
         except requests.ConnectionError:
             if attempt == retries:
                 raise
 
 
-def benchmark_conversation(salt: str, index: int, ids: bool,
-                           history_bytes: int = 0) -> Conversation:
+def benchmark_conversation(
+    salt: str, index: int, ids: bool, history_bytes: int = 0
+) -> Conversation:
     """The benchmark's conversation number `index`, its text the same in every run.
 
     `salt` keeps the text unique across systems sharing the engines: they are shared by every
@@ -147,10 +159,16 @@ def benchmark_conversation(salt: str, index: int, ids: bool,
     the second ride on the first's cache. `ids`: send conversation_id and X-Session-ID.
     `history_bytes`: start from about this much earlier history (growth runs).
     """
-    conv = Conversation(cid=f"conv-{salt}-{index}", seed=f"{salt}/{index}",
-                        first_words=FIRST_WORDS + index % 400, turn_words=TURN_WORDS,
-                        explicit=ids, session_header=ids, max_tokens=REPLY_WORDS,
-                        stream_options={"include_usage": False})
+    conv = Conversation(
+        cid=f"conv-{salt}-{index}",
+        seed=f"{salt}/{index}",
+        first_words=FIRST_WORDS + index % 400,
+        turn_words=TURN_WORDS,
+        explicit=ids,
+        session_header=ids,
+        max_tokens=REPLY_WORDS,
+        stream_options={"include_usage": False},
+    )
     rng = random.Random(f"history/{salt}/{index}")
     while sum(len(m["content"]) for m in conv.messages) < history_bytes:
         role = "user" if len(conv.messages) % 2 == 0 else "assistant"
@@ -160,10 +178,12 @@ def benchmark_conversation(salt: str, index: int, ids: bool,
     return conv
 
 
-def drive(conversations: list[Conversation], turns: int, concurrency: int = 16,
-          before_turn=None) -> None:
+def drive(
+    conversations: list[Conversation], turns: int, concurrency: int = 16, before_turn=None
+) -> None:
     """Run `turns` more turns of every conversation, `concurrency` conversations at a time;
     `before_turn(conversation)` runs before each turn. A conversation stops at its first failure."""
+
     def one(conversation: Conversation) -> None:
         for _ in range(turns):
             if before_turn:
@@ -176,8 +196,9 @@ def drive(conversations: list[Conversation], turns: int, concurrency: int = 16,
             f.result()
 
 
-def run(url: str, conversations: int = 200, turns: int = 5, concurrency: int = 16,
-        **options) -> list[Conversation]:
+def run(
+    url: str, conversations: int = 200, turns: int = 5, concurrency: int = 16, **options
+) -> list[Conversation]:
     """`conversations` new conversations of `turns` turns each; `options` are Conversation's."""
     convs = [Conversation(url, **options) for _ in range(conversations)]
     drive(convs, turns, concurrency)

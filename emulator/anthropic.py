@@ -28,14 +28,29 @@ from .tokens import Template
 
 # vLLM's default VLLM_MAX_STOP_STRINGS (vllm/envs.py:1157), protocol.py:249-251.
 MAX_STOP_STRINGS = 4
-BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
-               "redacted_thinking", "tool_addition", "tool_removal")       # protocol.py:68-78
-BILLING_HEADER = "x-anthropic-billing-header"                               # serving.py:398-401
+BLOCK_TYPES = (
+    "text",
+    "image",
+    "tool_use",
+    "tool_result",
+    "tool_reference",
+    "thinking",
+    "redacted_thinking",
+    "tool_addition",
+    "tool_removal",
+)  # protocol.py:68-78
+BILLING_HEADER = "x-anthropic-billing-header"  # serving.py:398-401
 
 # Anthropic's error.type by HTTP status (protocol.py:34-53).
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def error_type(status: int) -> str:
@@ -59,6 +74,7 @@ class MessagesError(EngineError):
 
 # --- the request --------------------------------------------------------------------------------
 
+
 def _blocks(value: object, where: str) -> list[dict]:
     if not isinstance(value, list):
         raise ValidationError(where, "Input should be a valid string or a valid list")
@@ -80,13 +96,21 @@ def _check(body: dict, count_tokens: bool) -> None:
     """AnthropicMessagesRequest's / AnthropicCountTokensRequest's validation (protocol.py:240-362,
     562-593); unknown fields are ignored (a plain pydantic BaseModel)."""
     if not optional(body, "model", str):
-        raise ValidationError("model", "Model is required")          # protocol.py:326-331
+        raise ValidationError("model", "Model is required")  # protocol.py:326-331
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise ValidationError("messages", "Field required" if messages is None else "Input should be a valid list")
+        raise ValidationError(
+            "messages", "Field required" if messages is None else "Input should be a valid list"
+        )
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
-            raise ValidationError(f"messages.{i}.role", "Input should be 'user', 'assistant' or 'system'")
+        if not isinstance(message, dict) or message.get("role") not in (
+            "user",
+            "assistant",
+            "system",
+        ):
+            raise ValidationError(
+                f"messages.{i}.role", "Input should be 'user', 'assistant' or 'system'"
+            )
         _content(message.get("content"), f"messages.{i}.content")
     if body.get("system") is not None:
         _content(body["system"], "system")
@@ -98,16 +122,22 @@ def _check(body: dict, count_tokens: bool) -> None:
     choice = optional(body, "tool_choice", dict)
     if choice is not None:
         if choice.get("type") not in ("auto", "any", "tool", "none"):
-            raise ValidationError("tool_choice.type", "Input should be 'auto', 'any', 'tool' or 'none'")
+            raise ValidationError(
+                "tool_choice.type", "Input should be 'auto', 'any', 'tool' or 'none'"
+            )
         if choice["type"] == "tool" and not choice.get("name"):
             raise ValidationError("tool_choice", "tool_choice.name is required when type is 'tool'")
     thinking = optional(body, "thinking", dict)
     if thinking is not None:
         if thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise ValidationError("thinking.type", "Input tag does not match 'enabled', 'disabled', 'adaptive'")
+            raise ValidationError(
+                "thinking.type", "Input tag does not match 'enabled', 'disabled', 'adaptive'"
+            )
         budget = thinking.get("budget_tokens")
         if thinking["type"] == "enabled" and not (isinstance(budget, int) and budget >= 1024):
-            raise ValidationError("thinking.enabled.budget_tokens", "Input should be greater than or equal to 1024")
+            raise ValidationError(
+                "thinking.enabled.budget_tokens", "Input should be greater than or equal to 1024"
+            )
     if count_tokens:
         return
     max_tokens = body.get("max_tokens")
@@ -116,10 +146,16 @@ def _check(body: dict, count_tokens: bool) -> None:
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
         raise ValidationError("max_tokens", "Input should be a valid integer")
     if max_tokens <= 0:
-        raise ValidationError("max_tokens", "Value error, max_tokens must be positive")  # protocol.py:333-338
+        raise ValidationError(
+            "max_tokens", "Value error, max_tokens must be positive"
+        )  # protocol.py:333-338
     stops = optional(body, "stop_sequences", list)
-    if stops is not None and (len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops)):
-        raise ValidationError("stop_sequences", f"List should have at most {MAX_STOP_STRINGS} strings")
+    if stops is not None and (
+        len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops)
+    ):
+        raise ValidationError(
+            "stop_sequences", f"List should have at most {MAX_STOP_STRINGS} strings"
+        )
     optional(body, "stream", bool)
     params = optional(body, "kv_transfer_params", dict)
     salt = optional(body, "cache_salt", str)
@@ -129,8 +165,14 @@ def _check(body: dict, count_tokens: bool) -> None:
     # decode leg carries the client's max_tokens and is still checked."
     if params and params.get("do_remote_decode"):
         return
-    if thinking is not None and thinking["type"] == "enabled" and thinking["budget_tokens"] >= max_tokens:
-        raise ValidationError("", "Value error, thinking.budget_tokens must be less than max_tokens")
+    if (
+        thinking is not None
+        and thinking["type"] == "enabled"
+        and thinking["budget_tokens"] >= max_tokens
+    ):
+        raise ValidationError(
+            "", "Value error, thinking.budget_tokens must be less than max_tokens"
+        )
 
 
 def _system_text(content: str | list[dict]) -> str | None:
@@ -138,8 +180,11 @@ def _system_text(content: str | list[dict]) -> str | None:
     (serving.py:380-432)."""
     if isinstance(content, str):
         return None if content.startswith(BILLING_HEADER) else content
-    parts = [b["text"] for b in content
-             if b["type"] == "text" and b.get("text") and not b["text"].startswith(BILLING_HEADER)]
+    parts = [
+        b["text"]
+        for b in content
+        if b["type"] == "text" and b.get("text") and not b["text"].startswith(BILLING_HEADER)
+    ]
     return "".join(parts) or None
 
 
@@ -159,23 +204,39 @@ def _tool_result(block: dict, out: list[dict]) -> None:
     elif isinstance(content, list):
         items = [item for item in content if isinstance(item, dict)]
         text = "\n".join(item.get("text", "") for item in items if item.get("type") == "text")
-        images = [url for item in items if item.get("type") == "image"
-                  if (url := _image_url(item.get("source", {})))]
-        references = [{"type": "tool_reference", "name": name} for item in items
-                      if item.get("type") == "tool_reference"
-                      if (name := item.get("tool_name") or item.get("name"))]
-    out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": text or ""})
+        images = [
+            url
+            for item in items
+            if item.get("type") == "image"
+            if (url := _image_url(item.get("source", {})))
+        ]
+        references = [
+            {"type": "tool_reference", "name": name}
+            for item in items
+            if item.get("type") == "tool_reference"
+            if (name := item.get("tool_name") or item.get("name"))
+        ]
+    out.append(
+        {"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": text or ""}
+    )
     if images:
-        out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in images]})
+        out.append(
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": u}} for u in images],
+            }
+        )
     if references:
-        out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": references})
+        out.append(
+            {"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": references}
+        )
 
 
 def _message(message: dict, out: list[dict]) -> None:
     """One Anthropic message as chat messages (serving.py:434-534): tool results go out first as
     tool messages, and a user message left with no content is dropped."""
     role, content = message["role"], message["content"]
-    if role == "system":        # kept in place: the emulator's template takes inline system turns
+    if role == "system":  # kept in place: the emulator's template takes inline system turns
         if text := _system_text(content):
             out.append({"role": "system", "content": text})
         return
@@ -191,13 +252,22 @@ def _message(message: dict, out: list[dict]) -> None:
             if kind == "text" and block.get("text"):
                 parts.append({"type": "text", "text": block["text"]})
             elif kind == "image" and block.get("source"):
-                parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
+                parts.append(
+                    {"type": "image_url", "image_url": {"url": _image_url(block["source"])}}
+                )
             elif kind == "thinking" and block.get("thinking") is not None:
                 reasoning.append(block["thinking"])
             elif kind == "tool_use":
-                calls.append({"id": block.get("id") or f"call_{int(time.time())}", "type": "function",
-                              "function": {"name": block.get("name") or "",
-                                           "arguments": json.dumps(block.get("input") or {})}})
+                calls.append(
+                    {
+                        "id": block.get("id") or f"call_{int(time.time())}",
+                        "type": "function",
+                        "function": {
+                            "name": block.get("name") or "",
+                            "arguments": json.dumps(block.get("input") or {}),
+                        },
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 _tool_result(block, out)
             elif kind == "tool_result":
@@ -207,7 +277,9 @@ def _message(message: dict, out: list[dict]) -> None:
         if calls:
             chat["tool_calls"] = calls
         if parts:
-            chat["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+            chat["content"] = (
+                parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+            )
     if not (role == "user" and "content" not in chat):
         out.append(chat)
 
@@ -218,9 +290,14 @@ def _tools(body: dict) -> list[dict] | None:
         return None
     tools = []
     for tool in body["tools"]:
-        function = {"name": tool["name"], "description": tool.get("description"),
-                    "parameters": {"type": "object", **tool["input_schema"]}}
-        function.update({k: tool[k] for k in ("strict", "defer_loading") if tool.get(k) is not None})
+        function = {
+            "name": tool["name"],
+            "description": tool.get("description"),
+            "parameters": {"type": "object", **tool["input_schema"]},
+        }
+        function.update(
+            {k: tool[k] for k in ("strict", "defer_loading") if tool.get(k) is not None}
+        )
         tools.append({"type": "function", "function": function})
     return tools
 
@@ -237,13 +314,19 @@ def to_chat_body(body: dict, *, count_tokens: bool = False) -> dict:
     chat: dict = {"model": body["model"], "messages": messages}
     if body.get("chat_template_kwargs") is not None:
         chat["chat_template_kwargs"] = body["chat_template_kwargs"]
-    if not count_tokens:        # serving.py:626-655, 701-714
-        chat.update(max_tokens=body["max_tokens"], max_completion_tokens=body["max_tokens"],
-                    stop=body.get("stop_sequences"), kv_transfer_params=body.get("kv_transfer_params"),
-                    cache_salt=body.get("cache_salt"))
+    if not count_tokens:  # serving.py:626-655, 701-714
+        chat.update(
+            max_tokens=body["max_tokens"],
+            max_completion_tokens=body["max_tokens"],
+            stop=body.get("stop_sequences"),
+            kv_transfer_params=body.get("kv_transfer_params"),
+            cache_salt=body.get("cache_salt"),
+        )
         if body.get("stream"):
-            chat.update(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
-    effort = (body.get("output_config") or {}).get("effort")          # serving.py:682-699
+            chat.update(
+                stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+            )
+    effort = (body.get("output_config") or {}).get("effort")  # serving.py:682-699
     thinking = body.get("thinking") or {}
     if thinking.get("type") == "disabled":
         # serving.py:657-680: the effort DisabledThinkingEffortResolver probes for; the emulator's
@@ -252,12 +335,14 @@ def to_chat_body(body: dict, *, count_tokens: bool = False) -> dict:
         effort = "none"
     if effort is not None:
         chat["reasoning_effort"] = effort
-    choice = body.get("tool_choice")                                      # serving.py:716-743
+    choice = body.get("tool_choice")  # serving.py:716-743
     if choice is not None:
         chat["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
-        chat["tool_choice"] = ({"type": "function", "function": {"name": choice["name"]}}
-                               if choice["type"] == "tool"
-                               else {"auto": "auto", "any": "required", "none": "none"}[choice["type"]])
+        chat["tool_choice"] = (
+            {"type": "function", "function": {"name": choice["name"]}}
+            if choice["type"] == "tool"
+            else {"auto": "auto", "any": "required", "none": "none"}[choice["type"]]
+        )
     if (tools := _tools(body)) is not None:
         chat["tools"] = tools
         chat.setdefault("tool_choice", "auto")
@@ -266,17 +351,22 @@ def to_chat_body(body: dict, *, count_tokens: bool = False) -> dict:
 
 # --- the reply ----------------------------------------------------------------------------------
 
+
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None) -> dict:
     """_build_anthropic_usage (serving.py:75-111): input_tokens leaves out the cache reads,
     which show only with --enable-prompt-tokens-details."""
     if cached is None:
         return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}
-    return {"input_tokens": max(0, prompt_tokens - cached), "output_tokens": completion_tokens,
-            "cache_read_input_tokens": cached}
+    return {
+        "input_tokens": max(0, prompt_tokens - cached),
+        "output_tokens": completion_tokens,
+        "cache_read_input_tokens": cached,
+    }
 
 
-def stop_reason(finish_reason: str | None, stop: str | None, tool_used: bool,
-                tool_complete: bool) -> tuple[str | None, str | None]:
+def stop_reason(
+    finish_reason: str | None, stop: str | None, tool_used: bool, tool_complete: bool
+) -> tuple[str | None, str | None]:
     """_to_anthropic_stop_reason (serving.py:114-143)."""
     if finish_reason == "length":
         return "max_tokens", None
@@ -309,17 +399,17 @@ class MessagesFramer:
     produces. Neither the stream's events nor its message carry kv_transfer_params: the
     converter never reads them off the chat chunks; only a body does (serving.py:870)."""
 
-    chat = True                 # the chat role chunk opens the stream: message_start
+    chat = True  # the chat role chunk opens the stream: message_start
     reports_cached = False
     cuts_after_error = False
 
     def __init__(self, response_id: str, model: str, req: CompletionRequest) -> None:
         self.response_id, self.model, self.prompt_tokens = response_id, model, len(req.tokens)
         self.started = False
-        self.index = 0                      # the next content block's index
-        self.block: str | None = None       # the open block's type
+        self.index = 0  # the next content block's index
+        self.block: str | None = None  # the open block's type
         self.tool_use_id: str | None = None
-        self.signature: str | None = None   # a thinking block's, sent when it closes
+        self.signature: str | None = None  # a thinking block's, sent when it closes
         self.tool_used = False
         self.last_tool_args: list[str] = []
         self.finish_reason: str | None = None
@@ -330,10 +420,21 @@ class MessagesFramer:
         """message_start; its usage is the role chunk's, which continuous_usage_stats gives
         the prompt's count and no cache details (chat serving.py:623-634)."""
         self.started = True
-        return _event({"type": "message_start", "message": {
-            "id": self.response_id, "type": "message", "role": "assistant", "content": [],
-            "model": self.model, "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
+        return _event(
+            {
+                "type": "message_start",
+                "message": {
+                    "id": self.response_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [],
+                    "model": self.model,
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+                },
+            }
+        )
 
     @staticmethod
     def fast(delta: dict) -> None:
@@ -350,9 +451,13 @@ class MessagesFramer:
             return b""
         out = b""
         if self.signature is not None:
-            out = _event({"type": "content_block_delta",
-                          "delta": {"type": "signature_delta", "signature": self.signature},
-                          "index": self.index})
+            out = _event(
+                {
+                    "type": "content_block_delta",
+                    "delta": {"type": "signature_delta", "signature": self.signature},
+                    "index": self.index,
+                }
+            )
         self.block = self.tool_use_id = self.signature = None
         self.index += 1
         return out + _event({"type": "content_block_stop", "index": self.index - 1})

@@ -1,4 +1,5 @@
-"""The engine's HTTP API: OpenAI completions as vLLM streams them, plus health, models, stats and faults.
+"""The engine's HTTP API: OpenAI completions as vLLM streams them, plus health, models, stats and
+faults.
 
 A little over 300 lines because it is vLLM's completion surface in one place (both endpoints,
 streamed and not, /tokenize, faults); split, each part would be read beside the others anyway.
@@ -71,7 +72,9 @@ def _cutter(environ: dict) -> Callable[[], None]:
         if sock is None:
             raise ConnectionAbortedError("emulated fault: connection cut")
         try:
-            sock.shutdown(socket.SHUT_RDWR)  # FIN now; the server's later writes fail quietly (EPIPE)
+            sock.shutdown(
+                socket.SHUT_RDWR
+            )  # FIN now; the server's later writes fail quietly (EPIPE)
         except OSError:
             pass
 
@@ -123,7 +126,7 @@ def _token_ids(req: CompletionRequest) -> bool:
 
 def _shown(req: CompletionRequest, delta: dict | None) -> dict | None:
     if delta is not None and "reasoning" in delta and not req.include_reasoning:
-        return None   # include_reasoning=false: the reasoning span is generated, never shown
+        return None  # include_reasoning=false: the reasoning span is generated, never shown
     return delta
 
 
@@ -135,8 +138,14 @@ def _cached(engine: Engine, turn: Turn, framer) -> int | None:
     return None
 
 
-def _stream(engine: Engine, turn: Turn, framer: AnyFramer, req: CompletionRequest,
-            cut: Callable[[], None], environ: dict) -> Iterator[bytes]:
+def _stream(
+    engine: Engine,
+    turn: Turn,
+    framer: AnyFramer,
+    req: CompletionRequest,
+    cut: Callable[[], None],
+    environ: dict,
+) -> Iterator[bytes]:
     """SSE in vLLM's order: role chunk, content chunks, finish chunk, [usage], [params], [DONE]."""
     stats, placement = engine.stats, engine.config.stream_params
     itl = engine.config.itl_ms / 1000.0
@@ -145,7 +154,9 @@ def _stream(engine: Engine, turn: Turn, framer: AnyFramer, req: CompletionReques
     lossy = engine.config.stream_token_ids == "lossy"
     steps = [*gen.tokens, *((EOS,) if gen.stopped else ())]
     # Completions put the prompt's ids on the first chunk's choice; chat on the role chunk.
-    prompt_ids = {"choice": {"prompt_token_ids": turn.prompt_ids}} if ids and not framer.chat else None
+    prompt_ids = (
+        {"choice": {"prompt_token_ids": turn.prompt_ids}} if ids and not framer.chat else None
+    )
     stats.stream_opened()
     outcome = "aborted"
     try:
@@ -185,15 +196,22 @@ def _stream(engine: Engine, turn: Turn, framer: AnyFramer, req: CompletionReques
                     continue
                 delta = {}
             chunk = None if ids else framer.fast(delta)
-            yield chunk or framer.chunk(delta, [token_id(steps[i])] if ids else None, extra=prompt_ids)
+            yield chunk or framer.chunk(
+                delta, [token_id(steps[i])] if ids else None, extra=prompt_ids
+            )
             prompt_ids = None
         params = engine.finish(turn)
-        if gen.stopped:   # EOS: no text
+        if gen.stopped:  # EOS: no text
             final = {} if gen.tool_calls else ({"content": ""} if framer.chat else {"text": ""})
         else:
             final = _shown(req, gen.deltas[last]) or {}
-        extra = {**(prompt_ids or {}), **({"params": params} if placement == "final" and params is not None else {})}
-        yield framer.chunk(final, [token_id(steps[last])] if ids else None, gen.finish_reason, extra)
+        extra = {
+            **(prompt_ids or {}),
+            **({"params": params} if placement == "final" and params is not None else {}),
+        }
+        yield framer.chunk(
+            final, [token_id(steps[last])] if ids else None, gen.finish_reason, extra
+        )
         yield framer.tail(
             gen,
             req.include_usage,
@@ -220,8 +238,14 @@ def _failed(framer, envelope: dict, cut: Callable[[], None]) -> Iterator[bytes]:
         cut()
 
 
-def _body(engine: Engine, turn: Turn, framer: Framer, req: CompletionRequest, cut: Callable[[], None],
-          headers: dict) -> Response:
+def _body(
+    engine: Engine,
+    turn: Turn,
+    framer: AnyFramer,
+    req: CompletionRequest,
+    cut: Callable[[], None],
+    headers: dict,
+) -> Response:
     fault = turn.fault
     if fault.mode == "error_after" and fault.tokens < turn.completion_tokens:
         engine.wait_token(turn, fault.tokens)

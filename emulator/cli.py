@@ -1,4 +1,5 @@
-"""`python -m emulator.cli` (from a checkout): serve one emulated engine (HTTP API and KV port) from one gevent process."""
+"""`python -m emulator.cli` (from a checkout): serve one emulated engine (HTTP API and KV port) from
+one gevent process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The emulated engine: prefill with real KV pulls, deterministic decoding, leases and kv_transfer_params."""
+"""The emulated engine: prefill with real KV pulls, deterministic decoding, leases and
+kv_transfer_params."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import gevent
 import requests
@@ -17,7 +18,7 @@ from .config import EngineConfig
 from .errors import ClientGone, KVLoadError
 from .faults import Fault, FaultState
 from .kvport import PullError, flat_block_ids, make_session, pull, release
-from .kvstore import Blocks, BlockPool, Lease, LeaseStore
+from .kvstore import BlockPool, Blocks, Lease, LeaseStore
 from .protocol import CompletionRequest
 from .scheduler import Scheduler, Seq
 from .stats import Stats
@@ -36,7 +37,8 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class Turn:
-    """One request after prefill: its prompt, where the prompt's KV came from, and the reply to emit."""
+    """One request after prefill: its prompt, where the prompt's KV came from, and the reply to
+    emit."""
 
     kind: str
     internal_id: str
@@ -95,8 +97,11 @@ def _remote_groups(params: dict) -> list[list[int]] | None:
     if not ids or any(params.get(k) is None for k in REMOTE_FIELDS):
         return None
     try:
-        groups = ([list(flat_block_ids(g)) for g in ids] if all(isinstance(g, list) for g in ids)
-                  else [list(flat_block_ids(ids))])
+        groups = (
+            [list(flat_block_ids(g)) for g in ids]
+            if all(isinstance(g, list) for g in ids)
+            else [list(flat_block_ids(ids))]
+        )
         int(params["remote_port"])
     except (TypeError, ValueError):
         return None
@@ -104,12 +109,18 @@ def _remote_groups(params: dict) -> list[list[int]] | None:
 
 
 class Engine:
-    """One engine's state: config, KV memory, leases, counters and faults; clock and sleep injected."""
+    """One engine's state: config, KV memory, leases, counters and faults; clock and sleep
+    injected."""
 
-    def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = gevent.sleep,
-                 session: requests.Session | None = None,
-                 background: Callable[..., object] = gevent.spawn) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = gevent.sleep,
+        session: requests.Session | None = None,
+        background: Callable[..., object] = gevent.spawn,
+    ) -> None:
         self.config = config
         # A notification with nothing to read goes out beside the request, as NIXL's send_notif
         # does (nixl/pull_worker.py ~L452-476): it never holds up the prefill.
@@ -118,8 +129,9 @@ class Engine:
         self.clock = clock
         self.sleep = sleep
         self.template = Template(frozenset(config.template_quirks))
-        self.pool = BlockPool(config.block_size, config.kv_capacity_blocks,
-                              caching=config.enable_prefix_caching)
+        self.pool = BlockPool(
+            config.block_size, config.kv_capacity_blocks, caching=config.enable_prefix_caching
+        )
         self.leases = LeaseStore(config.block_size, clock=clock, on_free=self._lease_freed)
         self.stats = Stats()
         self.faults = FaultState(config.fault)
@@ -128,28 +140,48 @@ class Engine:
         # streams, and a request beyond the token budget or max_num_seqs waits its turn.
         self.scheduler = Scheduler(
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, step_s=self._step_s,
+            max_num_seqs=config.max_num_seqs,
+            step_s=self._step_s,
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            on_step=self._stepped)
+            on_step=self._stepped,
+        )
         # Requests waiting for KV memory, first come first served: vLLM's scheduler stops at
         # the first waiting request it cannot allocate (v1/core/sched/scheduler.py ~L1454-1461).
         self._waiting: deque[Event] = deque()
-        self.deferred = 0        # waiting for a remote KV load (vLLM's "deferred" waiting)
+        self.deferred = 0  # waiting for a remote KV load (vLLM's "deferred" waiting)
 
-    def start(self, req: CompletionRequest, internal_id: str, fault: Fault, arrival: float,
-              gone: Callable[[], bool] = lambda: False) -> Turn:
+    def start(
+        self,
+        req: CompletionRequest,
+        internal_id: str,
+        fault: Fault,
+        arrival: float,
+        gone: Callable[[], bool] = lambda: False,
+    ) -> Turn:
         """Admit the request into KV memory, prefill it (pulling what it can) and decide the
         reply; raises KVLoadError, or ClientGone if the client left while it waited for memory
         (nothing held then)."""
-        turn = Turn(req.kind, internal_id, req.tokens, req.kv_transfer_params, fault, arrival,
-                    salt=req.cache_salt)
+        turn = Turn(
+            req.kind,
+            internal_id,
+            req.tokens,
+            req.kv_transfer_params,
+            fault,
+            arrival,
+            salt=req.cache_salt,
+        )
         count, finish = self._reply_length(req)
         cfg = self.config
         if req.kind == "chat":
-            turn.gen = generate_chat(req.tokens, count, finish == "stop",
-                                     reasoning_share=cfg.reasoning_share if req.thinking else 0.0,
-                                     tool_names=req.tool_names, tool_call_share=cfg.tool_call_share)
+            turn.gen = generate_chat(
+                req.tokens,
+                count,
+                finish == "stop",
+                reasoning_share=cfg.reasoning_share if req.thinking else 0.0,
+                tool_names=req.tool_names,
+                tool_call_share=cfg.tool_call_share,
+            )
         else:
             turn.gen = generate_completion(req.tokens, count, finish == "stop")
         try:
@@ -178,7 +210,9 @@ class Engine:
         waiting in line while the pool cannot hold them. Returns the local prefix hit in blocks."""
         n, bs = len(turn.tokens), self.config.block_size
         need = cdiv(n + turn.completion_tokens, bs)
-        limit = (n - 1) // bs    # the last prompt token is always computed (kv_cache_manager.py ~L296-302)
+        limit = (
+            n - 1
+        ) // bs  # the last prompt token is always computed (kv_cache_manager.py ~L296-302)
         waiter: Event | None = None
         started = self.clock()
         waited = False
@@ -196,7 +230,7 @@ class Engine:
                 waited = True
                 waiter.clear()
                 waiter.wait(self._until_next_expiry())
-                if gone():      # vLLM aborts a request whose client left, waiting or not
+                if gone():  # vLLM aborts a request whose client left, waiting or not
                     self.stats.aborted_streams += 1
                     raise ClientGone(f"{turn.internal_id}: the client left while it waited")
         finally:
@@ -264,15 +298,17 @@ class Engine:
         self.stats.prefix_cache_hits += local
         p_node = _flag(params, "do_remote_decode")
         groups = _remote_groups(params)
-        count = 0   # prompt tokens to load from the remote engine
+        count = 0  # prompt tokens to load from the remote engine
         if (p_node or _flag(params, "do_remote_prefill")) and groups is None:
             if any(params.get(k) is not None for k in ("remote_block_ids", *REMOTE_FIELDS)):
                 log.warning("Got invalid KVTransferParams for %s: %s", turn.internal_id, params)
         elif p_node and not cfg.bidirectional_kv_xfer:
             # update_state_after_alloc queues a read of D's blocks only with bidirectional
             # transfer on (nixl/pull_scheduler.py ~L130-134): nothing is read, nothing notified.
-            log.warning("%s: D's params on an engine without bidirectional_kv_xfer; ignored",
-                        turn.internal_id)
+            log.warning(
+                "%s: D's params on an engine without bidirectional_kv_xfer; ignored",
+                turn.internal_id,
+            )
         elif p_node:
             # Turn 2+ on P (nixl/pull_scheduler.py ~L85-103): what D holds beyond P's own hit,
             # unless that is under kv_recompute_threshold. Either way P's connector queues a
@@ -285,7 +321,7 @@ class Engine:
             if count <= 0:
                 self.background(release, self.session, params)
         elif _flag(params, "do_remote_prefill"):
-            count = n - local     # D loads the whole prompt it lacks, no threshold (~L59-65)
+            count = n - local  # D loads the whole prompt it lacks, no threshold (~L59-65)
         ready = local
         # Every new request of an engine with a connector queries it (scheduler.py ~L1212-1214).
         self.stats.external_prefix_cache_queries += n - local
@@ -325,8 +361,9 @@ class Engine:
         window = self.config.sliding_window
         return cdiv(window, self.config.block_size) + 1 if window else 0
 
-    def _read(self, turn: Turn, params: dict, groups: list[list[int]], local: int,
-              count: int) -> tuple[int, bool]:
+    def _read(
+        self, turn: Turn, params: dict, groups: list[list[int]], local: int, count: int
+    ) -> tuple[int, bool]:
         """Read the blocks for prompt tokens [local, local + count) as vLLM's worker maps them:
         in each KV-cache group, this request's new blocks take the *last* entries of the remote
         group (the suffix trim, nixl/base_worker.py ~L3786-3793), which is right only when the
@@ -338,19 +375,23 @@ class Engine:
         first, end = local // bs, cdiv(local + count, bs)
         if len(groups) != 1 + bool(window):
             self.stats.kv_load_errors += 1
-            raise KVLoadError(f"KV transfer failed for request {turn.internal_id}: "
-                              f"AssertionError: Number of KV cache groups must match "
-                              f"({len(groups)} remote, {1 + bool(window)} here)")
-        wanted: list[tuple[list[int], int]] = []      # (remote ids to read, first position)
+            raise KVLoadError(
+                f"KV transfer failed for request {turn.internal_id}: "
+                f"AssertionError: Number of KV cache groups must match "
+                f"({len(groups)} remote, {1 + bool(window)} here)"
+            )
+        wanted: list[tuple[list[int], int]] = []  # (remote ids to read, first position)
         for i, group in enumerate(groups):
             new = end - first if i == 0 else min(end - first, window)
             if len(group) < new:
                 # base_worker.py ~L3791: `assert num_decode_blocks <= len(prefill_group)`.
                 self.stats.kv_load_errors += 1
-                raise KVLoadError(f"KV transfer failed for request {turn.internal_id}: "
-                                  f"AssertionError: {new} blocks to read, the remote group "
-                                  f"has {len(group)}")
-            wanted.append((group[len(group) - new:], end - new))
+                raise KVLoadError(
+                    f"KV transfer failed for request {turn.internal_id}: "
+                    f"AssertionError: {new} blocks to read, the remote group "
+                    f"has {len(group)}"
+                )
+            wanted.append((group[len(group) - new :], end - new))
         expiry = params.get("remote_blocks_expiry_time")
         # Same host, so D's time.monotonic and ours are one clock (vLLM converts with an offset).
         if isinstance(expiry, (int, float)) and self.clock() + EXPIRY_MARGIN_S >= expiry:
@@ -366,17 +407,25 @@ class Engine:
         read = sum(len(ids) for ids, _ in wanted)
         self.stats.pulled_blocks += read
         self.stats.pulled_tokens += count
-        expected = [turn.tokens[b * bs:min((b + 1) * bs, local + count)]
-                    for ids, start in wanted for b in range(start, start + len(ids))]
-        if (len(got) == len(expected) and got_salt == turn.salt
-                and all(block[:len(want)] == want for block, want in zip(got, expected))):
+        expected = [
+            turn.tokens[b * bs : min((b + 1) * bs, local + count)]
+            for ids, start in wanted
+            for b in range(start, start + len(ids))
+        ]
+        if (
+            len(got) == len(expected)
+            and got_salt == turn.salt
+            and all(block[: len(want)] == want for block, want in zip(got, expected, strict=True))
+        ):
             return read, True
         # A real engine would attend over someone else's KV and emit garbage (or, across cache
         # salts, leak one tenant's cache to another).
         self.stats.wrong_reuse += 1
-        log.warning("wrong reuse in %s: the blocks read do not hold this prompt's tokens%s; "
-                    "recomputing", turn.internal_id,
-                    "" if got_salt == turn.salt else " (another cache_salt)")
+        log.warning(
+            "wrong reuse in %s: the blocks read do not hold this prompt's tokens%s; recomputing",
+            turn.internal_id,
+            "" if got_salt == turn.salt else " (another cache_salt)",
+        )
         return read, False
 
     def _count_path(self, params: dict, p_node: bool) -> None:
@@ -404,7 +453,9 @@ class Engine:
     def finish(self, turn: Turn) -> dict | None:
         """The request finished (stop or length): keep its blocks for one read and describe
         them, as the connector's request_finished does (nixl/pull_scheduler.py ~L191-293)."""
-        kv_tokens = turn.sequence[:-1]  # the last sampled token has no KV yet: prompt + generated - 1
+        kv_tokens = turn.sequence[
+            :-1
+        ]  # the last sampled token has no KV yet: prompt + generated - 1
         self.pool.commit(turn.blocks, self.pool.hashes(kv_tokens, turn.salt))
         self.stats.generated_tokens += turn.completion_tokens
         params = turn.params_in
@@ -412,7 +463,7 @@ class Engine:
             return None  # no params, nothing kept: the blocks are freed (and stay cached)
         p_node = _flag(params, "do_remote_decode")
         if not p_node and not self.config.bidirectional_kv_xfer:
-            return None   # a D keeps nothing without bidirectional transfer (~L232-233)
+            return None  # a D keeps nothing without bidirectional transfer (~L232-233)
         if p_node:
             ttl = self.config.kv_lease_duration
         elif _flag(params, "do_remote_prefill"):
@@ -423,23 +474,37 @@ class Engine:
             # request in reqs_in_batch (~L119-125), so the worker sets no expiry and ignores a
             # reader's notification (pull_worker.py ~L97-121, ~L670-681): held for good.
             ttl = None
-            log.warning("%s: kv_transfer_params without do_remote_prefill or do_remote_decode; "
-                        "its %d blocks will never be freed", turn.internal_id, len(turn.blocks))
-        lease = self.leases.put(turn.internal_id, kv_tokens, ttl, turn.salt, turn.blocks,
-                                window=self.window_blocks)
+            log.warning(
+                "%s: kv_transfer_params without do_remote_prefill or do_remote_decode; "
+                "its %d blocks will never be freed",
+                turn.internal_id,
+                len(turn.blocks),
+            )
+        lease = self.leases.put(
+            turn.internal_id, kv_tokens, ttl, turn.salt, turn.blocks, window=self.window_blocks
+        )
         turn.blocks = None
         out = {
-            "do_remote_prefill": p_node, "do_remote_decode": not p_node,
-            "remote_block_ids": lease.groups, "remote_engine_id": self.engine_id,
-            "remote_request_id": turn.internal_id, "remote_host": self.config.advertise_host,
-            "remote_port": self.config.kv_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+            "do_remote_prefill": p_node,
+            "do_remote_decode": not p_node,
+            "remote_block_ids": lease.groups,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": turn.internal_id,
+            "remote_host": self.config.advertise_host,
+            "remote_port": self.config.kv_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
             "remote_num_tokens": len(kv_tokens),
             # The scheduler stamps the deadline whether or not the worker will ever keep it.
-            "remote_blocks_expiry_time": None if p_node else (
-                self.clock() + self.config.decoder_kv_blocks_ttl),
+            "remote_blocks_expiry_time": None
+            if p_node
+            else (self.clock() + self.config.decoder_kv_blocks_ttl),
             # Bumped when an engine registers its KV cache again (after a sleep); the
             # emulator never does (nixl/pull_scheduler.py ~L291).
-            "remote_registration_generation": 0, "transfer_mode": "pull"}
+            "remote_registration_generation": 0,
+            "transfer_mode": "pull",
+        }
         if p_node:
             # P's cache hits, for D to report as its own (v1/core/sched/scheduler.py ~L2476-2487).
             out["remote_prefill_cached_tokens"] = turn.cached_tokens
@@ -458,26 +523,41 @@ class Engine:
         """The request is over: free what no lease took, and keep one line for benchmarks
         (GET /stats/requests)."""
         self._release(turn)
-        self.stats.recent.append({
-            "request_id": turn.internal_id, "kind": turn.kind, "outcome": outcome,
-            "arrival": turn.arrival, "prefill_ms": round(turn.prefill_s * 1000, 3),
-            "kv_wait_ms": round(turn.waited_s * 1000, 3),
-            "total_ms": round((self.clock() - turn.arrival) * 1000, 3),
-            "prompt_tokens": len(turn.tokens), "local_prefix_tokens": turn.local,
-            "pulled_tokens": turn.pulled, "computed_prompt_tokens": turn.computed,
-            "completion_tokens": turn.completion_tokens, "finish_reason": turn.finish_reason})
+        self.stats.recent.append(
+            {
+                "request_id": turn.internal_id,
+                "kind": turn.kind,
+                "outcome": outcome,
+                "arrival": turn.arrival,
+                "prefill_ms": round(turn.prefill_s * 1000, 3),
+                "kv_wait_ms": round(turn.waited_s * 1000, 3),
+                "total_ms": round((self.clock() - turn.arrival) * 1000, 3),
+                "prompt_tokens": len(turn.tokens),
+                "local_prefix_tokens": turn.local,
+                "pulled_tokens": turn.pulled,
+                "computed_prompt_tokens": turn.computed,
+                "completion_tokens": turn.completion_tokens,
+                "finish_reason": turn.finish_reason,
+            }
+        )
 
     def snapshot(self) -> dict:
         self.scheduler.advance(self.clock())
         waiting = len(self._waiting) + len(self.scheduler.waiting)
         held = self.leases.held()
         self.stats.leases_expired_unread = held.pop("leases_expired_unread")
-        return {"role": self.config.role, "engine_id": self.engine_id, **self.stats.snapshot(),
-                **held, "kv_blocks_used": self.pool.used, "kv_capacity_blocks": self.pool.capacity,
-                "kv_cache_usage": round(self.pool.usage(), 6),
-                "prefix_cache_blocks": self.pool.cached,
-                "requests_running": len(self.scheduler.running),
-                "requests_waiting": waiting + self.deferred,
-                "requests_waiting_capacity": waiting,
-                "requests_waiting_deferred": self.deferred,
-                "fault": self.faults.current.mode}
+        return {
+            "role": self.config.role,
+            "engine_id": self.engine_id,
+            **self.stats.snapshot(),
+            **held,
+            "kv_blocks_used": self.pool.used,
+            "kv_capacity_blocks": self.pool.capacity,
+            "kv_cache_usage": round(self.pool.usage(), 6),
+            "prefix_cache_blocks": self.pool.cached,
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": waiting + self.deferred,
+            "requests_waiting_capacity": waiting,
+            "requests_waiting_deferred": self.deferred,
+            "fault": self.faults.current.mode,
+        }

@@ -15,8 +15,14 @@ class EngineError(Exception):
         self.param = param
 
     def envelope(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class BadRequest(EngineError):

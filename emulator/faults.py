@@ -22,7 +22,7 @@ class Fault:
     def from_dict(cls, data: object) -> Fault:
         """Validate a POST /faults body (or a parsed --fault spec); ValueError names the bad key."""
         if not isinstance(data, dict):
-            raise ValueError("fault must be a JSON object like {\"mode\": \"down\"}")
+            raise ValueError('fault must be a JSON object like {"mode": "down"}')
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(data) - set(known))
         if unknown:
@@ -66,7 +66,8 @@ def parse_fault_spec(spec: str) -> Fault:
 
 
 class FaultState:
-    """The engine's current fault; `take()` hands each completion request the fault it must suffer."""
+    """The engine's current fault; `take()` hands each completion request the fault it must
+    suffer."""
 
     def __init__(self, fault: Fault | None = None) -> None:
         self.current = fault or Fault()

@@ -1,4 +1,5 @@
-"""The KV port: a tiny HTTP protocol standing in for NIXL reads, both the serving side and the reader.
+"""The KV port: a tiny HTTP protocol standing in for NIXL reads, both the serving side and the
+reader.
 
 ``POST /kv/pull``    {"remote_engine_id", "remote_request_id", "block_ids": [ids to read, in order]}
                      -> 200 {"engine_id", "request_id", "blocks": [[tokens of each]], "tokens":
@@ -159,7 +160,8 @@ def pull(
 
 
 def release(session: requests.Session, params: dict) -> None:
-    """Tell the owner to free blocks we decided not to read; best effort, as vLLM's notification is."""
+    """Tell the owner to free blocks we decided not to read; best effort, as vLLM's notification
+    is."""
     body = {
         "remote_engine_id": params["remote_engine_id"],
         "remote_request_id": params["remote_request_id"],

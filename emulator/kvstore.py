@@ -39,15 +39,18 @@ class Blocks:
 
 
 class BlockPool:
-    """`capacity` blocks of `block_size` tokens. Not thread-safe: the engine runs on one gevent hub."""
+    """`capacity` blocks of `block_size` tokens. Not thread-safe: the engine runs on one gevent
+    hub."""
 
     def __init__(self, block_size: int, capacity: int, caching: bool = True) -> None:
         self.block_size = block_size
         self.capacity = capacity
         self.caching = caching
-        self._refs: dict[int, int] = {}                 # hashed blocks in use: hash -> references
-        self._free: OrderedDict[int, None] = OrderedDict()  # hashed free blocks, first evicted first
-        self._private = 0                               # unhashed blocks in use
+        self._refs: dict[int, int] = {}  # hashed blocks in use: hash -> references
+        self._free: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # hashed free blocks, first evicted first
+        self._private = 0  # unhashed blocks in use
 
     def hashes(self, tokens, salt: str | None = None) -> list[int]:
         """Chained hashes of the full blocks of `tokens`; vLLM mixes cache_salt into the first."""
@@ -55,7 +58,7 @@ class BlockPool:
         out = []
         bs = self.block_size
         for start in range(0, len(tokens) - bs + 1, bs):
-            previous = hash((previous, tuple(tokens[start:start + bs])))
+            previous = hash((previous, tuple(tokens[start : start + bs])))
             out.append(previous)
         return out
 
@@ -91,7 +94,7 @@ class BlockPool:
             self._touch(block_hash)
         empty = self.capacity - self.used - len(self._free)
         for _ in range(max(0, new - empty)):
-            self._free.popitem(last=False)             # evicted: no longer found by the cache
+            self._free.popitem(last=False)  # evicted: no longer found by the cache
         self._private += new
         return Blocks(list(hit), new)
 
@@ -100,7 +103,7 @@ class BlockPool:
         another block already holds leaves this copy unhashed, as vLLM keeps duplicates."""
         if not self.caching:
             return
-        for block_hash in hashes[len(blocks.hashed):len(blocks)]:
+        for block_hash in hashes[len(blocks.hashed) : len(blocks)]:
             if blocks.private == 0 or block_hash in self._refs or block_hash in self._free:
                 break
             blocks.private -= 1
@@ -135,8 +138,8 @@ class Lease:
     request_id: str
     tokens: tuple[str, ...]
     block_ids: tuple[int, ...]
-    expires_at: float | None          # None: untracked, never freed (see `LeaseStore.put`)
-    salt: str | None = None           # the request's cache_salt
+    expires_at: float | None  # None: untracked, never freed (see `LeaseStore.put`)
+    salt: str | None = None  # the request's cache_salt
     blocks: Blocks = field(default_factory=Blocks, compare=False, repr=False)
     # A hybrid model's sliding-window group: its ids for the sequence's last blocks only (the
     # window's exports are clipped to them, nixl/base_scheduler.py ~L270-286). Their memory is
@@ -158,7 +161,7 @@ class Lease:
             if block_id not in index:
                 raise LeaseMismatch(f"{self.request_id} holds no block {block_id}")
             i = index[block_id]
-            out.append(list(self.tokens[i * block_size:(i + 1) * block_size]))
+            out.append(list(self.tokens[i * block_size : (i + 1) * block_size]))
         return out
 
     def read(self, block_ids: list[int], block_size: int) -> list[str]:
@@ -202,12 +205,16 @@ class LeaseStore:
     """Leases by internal request id. A tracked lease is freed by its reader's notification or
     when its TTL passes on `clock`; an untracked one stays until the engine stops (vLLM's leak)."""
 
-    def __init__(self, block_size: int, clock: Callable[[], float] = time.monotonic,
-                 on_free: Callable[[Lease], None] = lambda lease: None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_free: Callable[[Lease], None] = lambda lease: None,
+    ) -> None:
         self.block_size = block_size
         self._clock = clock
         self._on_free = on_free
-        self.expired = 0                       # freed at their TTL, unread (since start)
+        self.expired = 0  # freed at their TTL, unread (since start)
         # The blocks tracked leases hold, each once (as `held` counts them), kept as leases
         # come and go, and the most they held at once since start or `reset_peak`.
         self._refs: dict[int, int] = {}
@@ -216,7 +223,7 @@ class LeaseStore:
         self._leases = _FreeingCache(clock, self._expired)
         self._untracked: dict[str, Lease] = {}
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()          # the KV port and the API share it (one gevent hub)
+        self._lock = threading.Lock()  # the KV port and the API share it (one gevent hub)
 
     def _expired(self, lease: Lease) -> None:
         self.expired += 1
@@ -243,8 +250,15 @@ class LeaseStore:
     def reset_peak(self) -> None:
         self.peak_blocks = self.blocks()
 
-    def put(self, request_id: str, tokens: tuple[str, ...], ttl: float | None,
-            salt: str | None = None, blocks: Blocks | None = None, window: int = 0) -> Lease:
+    def put(
+        self,
+        request_id: str,
+        tokens: tuple[str, ...],
+        ttl: float | None,
+        salt: str | None = None,
+        blocks: Blocks | None = None,
+        window: int = 0,
+    ) -> Lease:
         """Keep `blocks` for one read of `tokens`: for `ttl` seconds, or for good when None;
         `window`: the last blocks a sliding-window group exports (0: no such group). Ids start
         at 1: 0 is vLLM's null block."""
@@ -306,10 +320,14 @@ class LeaseStore:
             self._leases.expire()
             tracked = list(self._leases.values())
             leaked = list(self._untracked.values())
-        return {"kv_leases": len(tracked), "kv_lease_blocks": _distinct(tracked),
-                "kv_lease_blocks_peak": self.peak_blocks,
-                "leaked_leases": len(leaked), "leaked_blocks": _distinct(leaked),
-                "leases_expired_unread": self.expired}
+        return {
+            "kv_leases": len(tracked),
+            "kv_lease_blocks": _distinct(tracked),
+            "kv_lease_blocks_peak": self.peak_blocks,
+            "leaked_leases": len(leaked),
+            "leaked_blocks": _distinct(leaked),
+            "leases_expired_unread": self.expired,
+        }
 
     def __len__(self) -> int:
         with self._lock:

@@ -27,9 +27,9 @@ from .protocol import DONE, ValidationError, check_model, dumps
 from .protocol import json_body as parse_json
 from .tokens import VOCAB, token_id
 
-EMBEDDING_SIZE = 16     # the emulated model's hidden size: what `dimensions` may shorten
+EMBEDDING_SIZE = 16  # the emulated model's hidden size: what `dimensions` may shorten
 SSE = "text/event-stream; charset=utf-8"
-_BY_ID = {token_id(word): word for word in VOCAB}    # /detokenize's vocabulary
+_BY_ID = {token_id(word): word for word in VOCAB}  # /detokenize's vocabulary
 
 
 def _json(payload: object, status: int = 200) -> Response:
@@ -39,15 +39,20 @@ def _json(payload: object, status: int = 200) -> Response:
 def _usage(prompt_tokens: int) -> dict:
     """vLLM's UsageInfo for a pooling request (vllm/entrypoints/serve/engine/protocol.py
     L135-140; pooling/utils.py get_pooling_usage: no completion)."""
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
-            "completion_tokens": 0, "prompt_tokens_details": None}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
 
 
 def _items(value: object, name: str) -> list[object]:
     """One input or a batch of them: a string, a list of strings, token ids or lists of ids
     (vllm/entrypoints/pooling/base/protocol.py L212-214)."""
-    if isinstance(value, str) or (isinstance(value, list) and value
-                                  and all(isinstance(i, int) for i in value)):
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(isinstance(i, int) for i in value)
+    ):
         return [value]
     if isinstance(value, list) and value and all(isinstance(i, (str, list)) for i in value):
         return list(value)
@@ -69,7 +74,9 @@ def vector(item: object, size: int = EMBEDDING_SIZE) -> list[float]:
 
 def _similarity(first: object, second: object) -> float:
     """A score in (0, 1): the two inputs' cosine, moved there."""
-    return round((1 + sum(a * b for a, b in zip(vector(first), vector(second), strict=True))) / 2, 6)
+    return round(
+        (1 + sum(a * b for a, b in zip(vector(first), vector(second), strict=True))) / 2, 6
+    )
 
 
 def add_routes(app: Flask, engine: Engine) -> None:
@@ -84,7 +91,8 @@ def add_routes(app: Flask, engine: Engine) -> None:
         if fault.mode in ("down", "error500"):
             stats.fault_responses += 1
             raise (Unavailable if fault.mode == "down" else InternalError)(
-                f"emulated fault: {fault.mode}")
+                f"emulated fault: {fault.mode}"
+            )
         if fault.mode == "slow":
             engine.sleep(fault.delay_s)
 
@@ -122,32 +130,50 @@ def add_routes(app: Flask, engine: Engine) -> None:
         items = _items(body.get("input"), "input")
         size = body.get("dimensions") or EMBEDDING_SIZE
         if not isinstance(size, int) or not 0 < size <= EMBEDDING_SIZE:
-            raise BadRequest(f"dimensions must be 1..{EMBEDDING_SIZE} for this model",
-                             "dimensions")
+            raise BadRequest(f"dimensions must be 1..{EMBEDDING_SIZE} for this model", "dimensions")
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
-            raise ValidationError("encoding_format", "must be float or base64 (bytes are not "
-                                                     "emulated)")
+            raise ValidationError(
+                "encoding_format", "must be float or base64 (bytes are not emulated)"
+            )
         data = []
         for index, item in enumerate(items):
             values = vector(item)[:size]
-            embedding: object = values if encoding == "float" else base64.b64encode(
-                struct.pack(f"={len(values)}f", *values)).decode()
+            embedding: object = (
+                values
+                if encoding == "float"
+                else base64.b64encode(struct.pack(f"={len(values)}f", *values)).decode()
+            )
             data.append({"index": index, "object": "embedding", "embedding": embedding})
-        return _json({"id": f"embd-{uuid.uuid4().hex}", "object": "list",
-                      "created": int(time.time()), "model": cfg.model, "data": data,
-                      "usage": _usage(sum(map(_tokens, items)))})
+        return _json(
+            {
+                "id": f"embd-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": cfg.model,
+                "data": data,
+                "usage": _usage(sum(map(_tokens, items))),
+            }
+        )
 
     @app.post("/pooling")
     def pooling() -> Response:
         """vllm/entrypoints/pooling/pooling/protocol.py L102-114 (PoolingResponse)."""
         begin()
         items = _items(json_body().get("input"), "input")
-        return _json({"id": f"pool-{uuid.uuid4().hex}", "object": "list",
-                      "created": int(time.time()), "model": cfg.model,
-                      "data": [{"index": i, "object": "pooling", "data": vector(item)}
-                               for i, item in enumerate(items)],
-                      "usage": _usage(sum(map(_tokens, items)))})
+        return _json(
+            {
+                "id": f"pool-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": cfg.model,
+                "data": [
+                    {"index": i, "object": "pooling", "data": vector(item)}
+                    for i, item in enumerate(items)
+                ],
+                "usage": _usage(sum(map(_tokens, items))),
+            }
+        )
 
     def score() -> Response:
         """vllm/entrypoints/pooling/scoring/protocol.py L84-135 (queries/documents, or
@@ -155,8 +181,12 @@ def add_routes(app: Flask, engine: Engine) -> None:
         pair, a single first input against each of the second."""
         begin()
         body = json_body()
-        for first_name, second_name in (("queries", "documents"), ("queries", "items"),
-                                        ("data_1", "data_2"), ("text_1", "text_2")):
+        for first_name, second_name in (
+            ("queries", "documents"),
+            ("queries", "items"),
+            ("data_1", "data_2"),
+            ("text_1", "text_2"),
+        ):
             if first_name in body and second_name in body:
                 break
         else:
@@ -167,11 +197,19 @@ def add_routes(app: Flask, engine: Engine) -> None:
             firsts = firsts * len(seconds)
         if len(firsts) != len(seconds):
             raise BadRequest("the two inputs must pair one to one, or the first be one input")
-        return _json({"id": f"score-{uuid.uuid4().hex}", "object": "list",
-                      "created": int(time.time()), "model": cfg.model,
-                      "data": [{"index": i, "object": "score", "score": _similarity(a, b)}
-                               for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))],
-                      "usage": _usage(sum(map(_tokens, firsts + seconds)))})
+        return _json(
+            {
+                "id": f"score-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": cfg.model,
+                "data": [
+                    {"index": i, "object": "score", "score": _similarity(a, b)}
+                    for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))
+                ],
+                "usage": _usage(sum(map(_tokens, firsts + seconds))),
+            }
+        )
 
     def rerank() -> Response:
         """vllm/entrypoints/pooling/scoring/protocol.py L138-169 (RerankRequest, RerankResponse);
@@ -185,14 +223,27 @@ def add_routes(app: Flask, engine: Engine) -> None:
         top_n = body.get("top_n", 0)
         if not isinstance(top_n, int) or top_n < 0:
             raise ValidationError("top_n", "must be an integer >= 0")
-        results = sorted(({"index": i, "document": {"text": d, "multi_modal": None},
-                           "relevance_score": _similarity(query, d)}
-                          for i, d in enumerate(documents)),
-                         key=itemgetter("relevance_score"), reverse=True)
+        results = sorted(
+            (
+                {
+                    "index": i,
+                    "document": {"text": d, "multi_modal": None},
+                    "relevance_score": _similarity(query, d),
+                }
+                for i, d in enumerate(documents)
+            ),
+            key=itemgetter("relevance_score"),
+            reverse=True,
+        )
         tokens = _tokens(query) * len(documents) + sum(map(_tokens, documents))
-        return _json({"id": f"rerank-{uuid.uuid4().hex}", "model": cfg.model,
-                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                      "results": results[:top_n or len(results)]})
+        return _json(
+            {
+                "id": f"rerank-{uuid.uuid4().hex}",
+                "model": cfg.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "results": results[: top_n or len(results)],
+            }
+        )
 
     # vllm/entrypoints/pooling/scoring/api_router.py L37-115.
     for path in ("/score", "/v1/score"):
@@ -210,18 +261,26 @@ def add_routes(app: Flask, engine: Engine) -> None:
             raise ValidationError("file", "Field required")
         check_model({"model": request.form.get("model")}, cfg.model)
         audio_bytes = len(request.files["file"].read())
-        words = [VOCAB[b % len(VOCAB)] for b in hashlib.blake2b(
-            str(audio_bytes).encode(), digest_size=6).digest()]
-        seconds = max(1, audio_bytes // 32000)       # 16 kHz, 16-bit mono
+        words = [
+            VOCAB[b % len(VOCAB)]
+            for b in hashlib.blake2b(str(audio_bytes).encode(), digest_size=6).digest()
+        ]
+        seconds = max(1, audio_bytes // 32000)  # 16 kHz, 16-bit mono
         if request.form.get("stream", "false").lower() != "true":
             text = " ".join(words)
-            return _json({"text": text} if kind == "translation" else
-                         {"text": text, "usage": {"type": "duration", "seconds": seconds}})
-        head = {"id": f"{kind[:4]}-{uuid.uuid4().hex}", "object": f"{kind}.chunk",
-                "created": int(time.time()), "model": cfg.model}
+            return _json(
+                {"text": text}
+                if kind == "translation"
+                else {"text": text, "usage": {"type": "duration", "seconds": seconds}}
+            )
+        head = {
+            "id": f"{kind[:4]}-{uuid.uuid4().hex}",
+            "object": f"{kind}.chunk",
+            "created": int(time.time()),
+            "model": cfg.model,
+        }
         itl = cfg.itl_ms / 1000.0
-        return Response(_audio_stream(head, words, lambda: engine.sleep(itl)),
-                        content_type=SSE)
+        return Response(_audio_stream(head, words, lambda: engine.sleep(itl)), content_type=SSE)
 
     @app.post("/v1/audio/transcriptions")
     def transcriptions() -> Response:
@@ -237,7 +296,9 @@ def _audio_stream(head: dict, words: list[str], wait: Callable[[], None]) -> Ite
         if i:
             wait()
         last = i == len(words) - 1
-        choice = {"delta": {"content": word if i == 0 else " " + word},
-                  **({"finish_reason": "stop", "stop_reason": None} if last else {})}
+        choice = {
+            "delta": {"content": word if i == 0 else " " + word},
+            **({"finish_reason": "stop", "stop_reason": None} if last else {}),
+        }
         yield b"data: " + dumps({**head, "choices": [choice]}) + b"\n\n"
     yield DONE

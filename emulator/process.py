@@ -1,4 +1,5 @@
-"""EmulatorProcess: run one emulated engine as a child process for tests and benchmarks, and drive it.
+"""EmulatorProcess: run one emulated engine as a child process for tests and benchmarks, and drive
+it.
 
 With the two helpers every child process of the tooling needs, here because EmulatorProcess is
 their lowest user: a free port (`free_port`) and a bounded wait until it answers (`wait_until`).
@@ -61,8 +62,13 @@ def free_port(host: str = "127.0.0.1", run: int = 1, low: int = 20000, high: int
 _CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def wait_until(ready, timeout: float, what: str, process: subprocess.Popen | None = None,
-               log_path: str | None = None):
+def wait_until(
+    ready,
+    timeout: float,
+    what: str,
+    process: subprocess.Popen | None = None,
+    log_path: str | None = None,
+):
     """Poll `ready()` until it returns something true, and return that.
 
     A `requests` error counts as not ready yet. Raises RuntimeError, with the tail of
@@ -112,9 +118,17 @@ class EmulatorProcess:
     ``--access-log``). Output goes to ``log_path``, never to a pipe that could fill up.
     """
 
-    def __init__(self, role: str, host: str = "127.0.0.1", port: int | None = None,
-                 kv_port: int | None = None, *, startup_timeout: float = 20.0,
-                 log_path: str | None = None, **flags: object) -> None:
+    def __init__(
+        self,
+        role: str,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        kv_port: int | None = None,
+        *,
+        startup_timeout: float = 20.0,
+        log_path: str | None = None,
+        **flags: object,
+    ) -> None:
         self.role = role
         self.host = host
         if port is None or kv_port is None:
@@ -128,8 +142,19 @@ class EmulatorProcess:
             fd, log_path = tempfile.mkstemp(prefix=f"emulator-{role}-{port}-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "emulator.cli", "--role", role, "--host", host,
-                     "--port", str(port), "--kv-port", str(kv_port)]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "--role",
+            role,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--kv-port",
+            str(kv_port),
+        ]
         self.argv += _argv(flags)
         self._starts_down = str(flags.get("fault") or "").split(",")[0] == "down"
         self._http = requests.Session()
@@ -154,16 +179,27 @@ class EmulatorProcess:
         if self.running:
             return
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                               "PYTHONPATH": _CHECKOUT + os.pathsep
-                                               + os.environ.get("PYTHONPATH", "")})
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "PYTHONPATH": _CHECKOUT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                },
+            )
         # An engine started with --fault down answers /health with 503; /faults shows it is up.
         probe = "/faults" if self._starts_down else "/health"
         try:
-            wait_until(lambda: self._http.get(self.url + probe, timeout=0.5).status_code == 200,
-                       self.startup_timeout, repr(self), self._proc, self.log_path)
+            wait_until(
+                lambda: self._http.get(self.url + probe, timeout=0.5).status_code == 200,
+                self.startup_timeout,
+                repr(self),
+                self._proc,
+                self.log_path,
+            )
         except RuntimeError:
             self.kill()
             raise
@@ -187,7 +223,8 @@ class EmulatorProcess:
         return self._call("GET", "/stats/requests")
 
     def set_fault(self, mode: str, **opts: object) -> dict:
-        """Switch the fault at run time, e.g. ``set_fault("die_after", tokens=3)``; "none" clears it."""
+        """Switch the fault at run time, e.g. ``set_fault("die_after", tokens=3)``; "none" clears
+        it."""
         return self._call("POST", "/faults", json={"mode": mode, **opts})
 
     def fault(self) -> dict:

@@ -1,4 +1,5 @@
-"""The OpenAI surface as vLLM serves it: request validation, and response bodies and SSE chunks as bytes.
+"""The OpenAI surface as vLLM serves it: request validation, and response bodies and SSE chunks as
+bytes.
 
 A little over 300 lines: every byte a client sees mirrors one vLLM serving module
 (serving_chat/serving_completion), and keeping them together keeps the mirror checkable.
@@ -36,13 +37,14 @@ class ValidationError(BadRequest):
     type = "Bad Request"
 
     def __init__(self, param: str, problem: str) -> None:
-        where = f"body.{param}" if param else "body"   # "": a model validator's error
+        where = f"body.{param}" if param else "body"  # "": a model validator's error
         super().__init__(f"1 validation error: {where}: {problem}", where)
 
 
 @dataclass
 class CompletionRequest:
-    """What the engine needs from a chat or completions body; unknown fields were accepted and dropped."""
+    """What the engine needs from a chat or completions body; unknown fields were accepted and
+    dropped."""
 
     kind: str  # "chat" or "completion"
     tokens: list[str]
@@ -53,8 +55,10 @@ class CompletionRequest:
     include_usage: bool
     kv_transfer_params: dict | None
     return_token_ids: bool = False
-    tool_names: list[str] = field(default_factory=list)   # tools the model may call (tool_choice not "none")
-    thinking: bool = True                                  # chat_template_kwargs.enable_thinking is not false
+    tool_names: list[str] = field(
+        default_factory=list
+    )  # tools the model may call (tool_choice not "none")
+    thinking: bool = True  # chat_template_kwargs.enable_thinking is not false
     include_reasoning: bool = True
     cache_salt: str | None = None
 
@@ -95,7 +99,9 @@ def _check_messages(body: dict) -> list[dict]:
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise ValidationError(f"{where}.content.{j}", "must be an object with a string type")
+                    raise ValidationError(
+                        f"{where}.content.{j}", "must be an object with a string type"
+                    )
                 if part["type"] in TEXT_PARTS and not isinstance(part.get("text"), str):
                     raise ValidationError(f"{where}.content.{j}.text", "must be a string")
         elif content is not None and not isinstance(content, str):
@@ -110,7 +116,9 @@ def _check_messages(body: dict) -> list[dict]:
 def _check_prompt(body: dict) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]  # vLLM also takes a batch; one prompt is the only batch the emulator serves
+        prompt = prompt[
+            0
+        ]  # vLLM also takes a batch; one prompt is the only batch the emulator serves
     if prompt is None:
         raise ValidationError("prompt", "Field required")
     if not isinstance(prompt, str):
@@ -143,12 +151,19 @@ def render_body(kind: str, body: dict, template: Template) -> list[str]:
     add_generation_prompt = optional(body, "add_generation_prompt", bool, True)
     continue_final_message = optional(body, "continue_final_message", bool, False)
     if add_generation_prompt and continue_final_message and "add_generation_prompt" in body:
-        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
     kwargs = optional(body, "chat_template_kwargs", dict, {})
     effort = optional(body, "reasoning_effort", str)
-    return template.render(_check_messages(body), body.get("tools"), add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, kwargs=kwargs,
-                           reasoning_effort=effort)
+    return template.render(
+        _check_messages(body),
+        body.get("tools"),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        kwargs=kwargs,
+        reasoning_effort=effort,
+    )
 
 
 def _truncate(body: dict, tokens: list[str], max_model_len: int) -> list[str]:
@@ -166,19 +181,26 @@ def _truncate(body: dict, tokens: list[str], max_model_len: int) -> list[str]:
 def _tool_names(body: dict) -> list[str]:
     if body.get("tool_choice") == "none" or not isinstance(body.get("tools"), list):
         return []
-    return [t["function"]["name"] for t in body["tools"]
-            if isinstance(t, dict) and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str)]
+    return [
+        t["function"]["name"]
+        for t in body["tools"]
+        if isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    ]
 
 
-def parse_request(kind: str, raw: bytes, model: str, max_model_len: int,
-                  template: Template = Template()) -> CompletionRequest:
-    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body; raise the 400/404 vLLM would."""
+def parse_request(
+    kind: str, raw: bytes, model: str, max_model_len: int, template: Template = Template()
+) -> CompletionRequest:
+    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body; raise the 400/404 vLLM
+    would."""
     return request_from_body(kind, json_body(raw), model, max_model_len, template)
 
 
-def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
-                      template: Template = Template()) -> CompletionRequest:
+def request_from_body(
+    kind: str, body: dict, model: str, max_model_len: int, template: Template = Template()
+) -> CompletionRequest:
     """parse_request on a decoded body; the Anthropic and Responses routes, which vLLM turns into
     chat requests, come in here with the chat body they convert to."""
     check_model(body, model)
@@ -194,12 +216,15 @@ def request_from_body(kind: str, body: dict, model: str, max_model_len: int,
         raise ValidationError("stream_options.include_usage", "must be bool")
     if len(tokens) + (max_tokens or 1) > max_model_len:
         raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{len(tokens) + (max_tokens or 1)} tokens ({len(tokens)} in the messages, "
-            f"{max_tokens or 1} in the completion). Please reduce the length of the messages or completion.")
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {len(tokens) + (max_tokens or 1)} tokens "
+            f"({len(tokens)} in the messages, {max_tokens or 1} in the completion). "
+            f"Please reduce the length of the messages or completion."
+        )
     kwargs = optional(body, "chat_template_kwargs", dict, {})
     return CompletionRequest(
-        kind=kind, tokens=tokens,
+        kind=kind,
+        tokens=tokens,
         stream=bool(optional(body, "stream", bool, False)),
         max_tokens=max_tokens,
         min_tokens=_count(body, "min_tokens", 0) or 0,
@@ -224,12 +249,22 @@ class Call:
     framer: AnyFramer
 
 
-def chat_call(kind: str, raw: bytes, xid: str, model: str, max_model_len: int, template: Template,
-              reasoning_field: str) -> Call:
-    """/v1/chat/completions and /v1/completions: ids from X-Request-Id (serve/engine/serving.py:133-142)."""
+def chat_call(
+    kind: str,
+    raw: bytes,
+    xid: str,
+    model: str,
+    max_model_len: int,
+    template: Template,
+    reasoning_field: str,
+) -> Call:
+    """/v1/chat/completions and /v1/completions: ids from X-Request-Id
+    (serve/engine/serving.py:133-142)."""
     req = parse_request(kind, raw, model, max_model_len, template)
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{xid}"
-    return Call(req, response_id, Framer(kind, response_id, model, int(time.time()), reasoning_field))
+    return Call(
+        req, response_id, Framer(kind, response_id, model, int(time.time()), reasoning_field)
+    )
 
 
 def parse_tokenize(raw: bytes, model: str, max_model_len: int, template: Template) -> list[str]:
@@ -240,13 +275,18 @@ def parse_tokenize(raw: bytes, model: str, max_model_len: int, template: Templat
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
 
 
 # A content delta of a vocabulary word, bare or spaced, pre-serialised: the streaming hot path.
-CONTENT_JSON: dict[str, bytes] = {**{w: v for w, v in BARE_JSON.items()},
-                                  **{" " + w: v for w, v in SPACED_JSON.items()}}
+CONTENT_JSON: dict[str, bytes] = {
+    **{w: v for w, v in BARE_JSON.items()},
+    **{" " + w: v for w, v in SPACED_JSON.items()},
+}
 
 
 class Framer:
@@ -256,10 +296,16 @@ class Framer:
     (anthropic.py, responses.py), which turn the chat chunks into their own events as vLLM's
     converters do."""
 
-    reports_cached = False   # cached_tokens only with --enable-prompt-tokens-details
+    reports_cached = False  # cached_tokens only with --enable-prompt-tokens-details
 
-    def __init__(self, kind: str, response_id: str, model: str, created: int,
-                 reasoning_field: str = "reasoning") -> None:
+    def __init__(
+        self,
+        kind: str,
+        response_id: str,
+        model: str,
+        created: int,
+        reasoning_field: str = "reasoning",
+    ) -> None:
         self.chat = kind == "chat"
         self.reasoning_field = reasoning_field
         self.head = {
@@ -303,7 +349,8 @@ class Framer:
         finish_reason: str | None = None,
         extra: dict | None = None,
     ) -> bytes:
-        """One streamed chunk: a chat delta ({} for a token a parser swallowed) or a completions text."""
+        """One streamed chunk: a chat delta ({} for a token a parser swallowed) or a completions
+        text."""
         if self.chat:
             choice = {
                 "index": 0,
@@ -394,7 +441,8 @@ class Framer:
         output_token_ids: list[int] | None = None,
         cached: int | None = None,
     ) -> bytes:
-        """The non-streaming response: one line, null fields included, top-level kv_transfer_params."""
+        """The non-streaming response: one line, null fields included, top-level
+        kv_transfer_params."""
         if self.chat:
             message = {
                 "role": "assistant",

@@ -27,7 +27,7 @@ from .tokens import END_THINK, THINK, Template
 
 
 def random_uuid() -> str:
-    return uuid.uuid4().hex       # vllm.utils.random_uuid
+    return uuid.uuid4().hex  # vllm.utils.random_uuid
 
 
 class ResponseNotFound(NotFound):
@@ -69,6 +69,7 @@ class ResponseStore:
 
 # --- the request --------------------------------------------------------------------------------
 
+
 def _text(content: object) -> str | None:
     if isinstance(content, str):
         return content
@@ -87,8 +88,11 @@ def _item_message(item: object, prev: dict | None) -> dict | None:
     if kind == "function_call":
         if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
             raise ValidationError("input", "function_call needs call_id, name and arguments")
-        call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]},
-                "type": "function"}
+        call = {
+            "id": item["call_id"],
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+            "type": "function",
+        }
         if assistant is not None:
             assistant.setdefault("tool_calls", []).append(call)
             return None
@@ -112,12 +116,16 @@ def _item_message(item: object, prev: dict | None) -> dict | None:
                 return None
             return {"role": "assistant", "content": text}
     if "role" in item:
-        return item     # a user, system or developer message goes to the template as it is
+        return item  # a user, system or developer message goes to the template as it is
     raise InvalidRequest(f"Unsupported input item type: {kind}", "input")
 
 
-def input_messages(instructions: str | None, request_input: str | list, prev_messages: list[dict] | None,
-                   prev_output: list[dict] | None) -> list[dict]:
+def input_messages(
+    instructions: str | None,
+    request_input: str | list,
+    prev_messages: list[dict] | None,
+    prev_output: list[dict] | None,
+) -> list[dict]:
     """construct_input_messages (utils.py:263-305): instructions, the previous request's messages
     less their system ones, the previous reply's message items (reasoning and function calls are
     skipped), then this input."""
@@ -127,7 +135,9 @@ def input_messages(instructions: str | None, request_input: str | list, prev_mes
     messages += [dict(m) for m in prev_messages or () if m.get("role") != "system"]
     for item in prev_output or ():
         if item.get("type") == "message":
-            messages += [{"role": "assistant", "content": part.get("text")} for part in item["content"]]
+            messages += [
+                {"role": "assistant", "content": part.get("text")} for part in item["content"]
+            ]
     if isinstance(request_input, str):
         messages.append({"role": "user", "content": request_input})
         return messages
@@ -141,11 +151,17 @@ def input_messages(instructions: str | None, request_input: str | list, prev_mes
 
 def _continues_final(request_input: str | list) -> bool:
     """should_continue_final_message (utils.py:216-260)."""
-    if isinstance(request_input, str) or not request_input or not isinstance(request_input[-1], dict):
+    if (
+        isinstance(request_input, str)
+        or not request_input
+        or not isinstance(request_input[-1], dict)
+    ):
         return False
     last = request_input[-1]
-    return last.get("type", "message") in ("message", "reasoning") and \
-        last.get("status") in ("in_progress", "incomplete")
+    return last.get("type", "message") in ("message", "reasoning") and last.get("status") in (
+        "in_progress",
+        "incomplete",
+    )
 
 
 def _tool_choice(body: dict) -> object:
@@ -154,14 +170,20 @@ def _tool_choice(body: dict) -> object:
     named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
     if body.get("tools"):
         if named and choice.get("name") not in {t.get("name") for t in body["tools"]}:
-            raise ValidationError("tool_choice", "Tool choice 'function' not found in 'tools' parameter.")
+            raise ValidationError(
+                "tool_choice", "Tool choice 'function' not found in 'tools' parameter."
+            )
         return choice
     if choice in ("auto", "none"):
         return "none"
     if choice == "required":
-        raise ValidationError("tool_choice", "Tool choice 'required' must be specified with 'tools' parameter.")
+        raise ValidationError(
+            "tool_choice", "Tool choice 'required' must be specified with 'tools' parameter."
+        )
     if named:
-        raise ValidationError("tool_choice", "Tool choice 'function' not found in 'tools' parameter.")
+        raise ValidationError(
+            "tool_choice", "Tool choice 'function' not found in 'tools' parameter."
+        )
     return choice
 
 
@@ -175,17 +197,26 @@ class Parsed:
             raise ValidationError("input", "Field required")
         if not isinstance(body["input"], (str, list)):
             raise ValidationError("input", "Input should be a valid string or a valid list")
-        for name, kind in (("instructions", str), ("previous_response_id", str), ("max_output_tokens", int),
-                           ("store", bool), ("stream", bool), ("background", bool), ("tools", list),
-                           ("kv_transfer_params", dict), ("request_id", str), ("include_reasoning", bool)):
+        for name, kind in (
+            ("instructions", str),
+            ("previous_response_id", str),
+            ("max_output_tokens", int),
+            ("store", bool),
+            ("stream", bool),
+            ("background", bool),
+            ("tools", list),
+            ("kv_transfer_params", dict),
+            ("request_id", str),
+            ("include_reasoning", bool),
+        ):
             optional(body, name, kind)
-        if body.get("prompt") is not None:                    # protocol.py:691-700
+        if body.get("prompt") is not None:  # protocol.py:691-700
             raise ValidationError("prompt", "prompt template is not supported")
-        if body.get("background") and body.get("store", True) is False:     # protocol.py:677-689
+        if body.get("background") and body.get("store", True) is False:  # protocol.py:677-689
             raise ValidationError("background", "background can only be used when `store` is true")
         self.body = body
         self.tool_choice = _tool_choice(body)
-        self.response_id = body.get("request_id") or f"resp_{random_uuid()}"   # protocol.py:357-364
+        self.response_id = body.get("request_id") or f"resp_{random_uuid()}"  # protocol.py:357-364
         self.store = False
         self.messages: list[dict] = []
 
@@ -200,26 +231,41 @@ class Parsed:
                 raise InvalidRequest(
                     "This vLLM engine does not support `store=True` and therefore does not support "
                     "the background mode. To enable these features, set the environment variable "
-                    "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.", "background")
+                    "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+                    "background",
+                )
             raise NotImplementedByEmulator("background mode is not emulated")
-        # store=True without VLLM_ENABLE_RESPONSES_API_STORE is dropped silently (serving.py:355-362).
+        # store=True without VLLM_ENABLE_RESPONSES_API_STORE is dropped silently
+        # (serving.py:355-362).
         self.store = bool(body.get("store", True)) and store.enabled
         prev_id = body.get("previous_response_id")
-        prev = store.get(prev_id) if prev_id is not None else None            # serving.py:364-372
-        self.messages = input_messages(body.get("instructions"), body["input"],
-                                       store.messages.get(prev_id) if prev and prev_id is not None else None,
-                                       prev["output"] if prev else None)
+        prev = store.get(prev_id) if prev_id is not None else None  # serving.py:364-372
+        self.messages = input_messages(
+            body.get("instructions"),
+            body["input"],
+            store.messages.get(prev_id) if prev and prev_id is not None else None,
+            prev["output"] if prev else None,
+        )
 
     def chat_body(self, max_tokens: int | None) -> dict:
-        """The chat request vLLM's renderer builds (online_renderer.py:329-392; protocol.py:482-523):
-        tools flattened to chat tools (utils.py:489-514), reasoning.effort as reasoning_effort."""
+        """The chat request vLLM's renderer builds (online_renderer.py:329-392;
+        protocol.py:482-523): tools flattened to chat tools (utils.py:489-514), reasoning.effort as
+        reasoning_effort."""
         body = self.body
-        chat: dict = {"model": body.get("model"), "messages": self.messages, "stream": bool(body.get("stream")),
-                      "max_tokens": max_tokens, "kv_transfer_params": body.get("kv_transfer_params"),
-                      "cache_salt": body.get("cache_salt"),
-                      "include_reasoning": body.get("include_reasoning", True)}
-        tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-                 for t in body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"]
+        chat: dict = {
+            "model": body.get("model"),
+            "messages": self.messages,
+            "stream": bool(body.get("stream")),
+            "max_tokens": max_tokens,
+            "kv_transfer_params": body.get("kv_transfer_params"),
+            "cache_salt": body.get("cache_salt"),
+            "include_reasoning": body.get("include_reasoning", True),
+        }
+        tools = [
+            {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+            for t in body.get("tools") or ()
+            if isinstance(t, dict) and t.get("type") == "function"
+        ]
         if tools:
             chat.update(tools=tools, tool_choice=self.tool_choice)
         kwargs = dict(body.get("chat_template_kwargs") or {})
@@ -236,29 +282,53 @@ class Parsed:
 
 # --- the reply ----------------------------------------------------------------------------------
 
+
 def _event(payload: dict) -> bytes:
     """_convert_stream_to_sse_events (api_router.py:34-45)."""
     return b"event: " + payload["type"].encode() + b"\ndata: " + dumps(payload) + b"\n\n"
 
 
 def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"     # utils.py:103-107
+    return "incomplete" if finish_reason == "length" else "completed"  # utils.py:103-107
 
 
 def _message(item_id: str, text: str, status: str, logprobs: object = None) -> dict:
-    content = [{"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}] if text else []
-    return {"id": item_id, "content": content, "role": "assistant", "status": status, "type": "message"}
+    content = (
+        [{"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}]
+        if text
+        else []
+    )
+    return {
+        "id": item_id,
+        "content": content,
+        "role": "assistant",
+        "status": status,
+        "type": "message",
+    }
 
 
 def _reasoning(item_id: str, text: str | None, status: str | None) -> dict:
     content = None if text is None else [{"text": text, "type": "reasoning_text"}]
-    return {"id": item_id, "summary": [], "type": "reasoning", "content": content,
-            "encrypted_content": None, "status": status}
+    return {
+        "id": item_id,
+        "summary": [],
+        "type": "reasoning",
+        "content": content,
+        "encrypted_content": None,
+        "status": status,
+    }
 
 
 def _call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"arguments": arguments, "call_id": call_id, "name": name, "type": "function_call",
-            "id": item_id, "namespace": None, "status": status}
+    return {
+        "arguments": arguments,
+        "call_id": call_id,
+        "name": name,
+        "type": "function_call",
+        "id": item_id,
+        "namespace": None,
+        "status": status,
+    }
 
 
 def reasoning_tokens(tokens: list[str]) -> int:
@@ -282,68 +352,106 @@ class ResponsesFramer:
     response.created and response.in_progress events, built before the engine finishes, carry
     null."""
 
-    chat = True                 # the role chunk's place: response.created, response.in_progress
-    reports_cached = True       # usage.input_tokens_details.cached_tokens always (context.py:204, 220)
+    chat = True  # the role chunk's place: response.created, response.in_progress
+    reports_cached = True  # usage.input_tokens_details.cached_tokens always (context.py:204, 220)
     # A failure mid-stream is a GenerationError whose `{"error": ...}` JSON vLLM then validates as
     # a stream event (serving.py:1418-1423); that raises, and the stream breaks off unterminated.
     cuts_after_error = True
 
-    def __init__(self, parsed: Parsed, req: CompletionRequest, store: ResponseStore, model: str,
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        parsed: Parsed,
+        req: CompletionRequest,
+        store: ResponseStore,
+        model: str,
+        max_model_len: int,
+    ) -> None:
         self.parsed, self.store, self.model = parsed, store, model
         self.created = int(time.time())
         # sampling_params.max_tokens: the request's, capped by what the context leaves
         # (serving.py:429-442; serve/utils/api_utils.py:234-270).
-        self.max_output_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - len(req.tokens)
+        self.max_output_tokens = (
+            req.max_tokens if req.max_tokens is not None else max_model_len - len(req.tokens)
+        )
         self.sequence = 0
         self.started = False
-        self.items: list[dict] = []           # output items closed so far
-        self.state: str | None = None         # "content", "reasoning", "tool_call" or None
+        self.items: list[dict] = []  # output items closed so far
+        self.state: str | None = None  # "content", "reasoning", "tool_call" or None
         self.item_id = ""
         self.text = ""
         self.call: dict = {}
         self.finish_reason: str | None = None
         if parsed.store:
-            store.messages[parsed.response_id] = parsed.messages    # serving.py:540-542
+            store.messages[parsed.response_id] = parsed.messages  # serving.py:540-542
 
-    def response(self, status: str, output: list[dict], usage: dict | None, params: dict | None) -> dict:
+    def response(
+        self, status: str, output: list[dict], usage: dict | None, params: dict | None
+    ) -> dict:
         """ResponsesResponse.from_request (protocol.py:966-1031), dumped with its nulls."""
         body = self.parsed.body
         return {
-            "id": self.parsed.response_id, "created_at": self.created,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.get("instructions"), "metadata": body.get("metadata"), "model": self.model,
-            "object": "response", "output": output,
+            "id": self.parsed.response_id,
+            "created_at": self.created,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": body.get("instructions"),
+            "metadata": body.get("metadata"),
+            "model": self.model,
+            "object": "response",
+            "output": output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "temperature": body.get("temperature") if body.get("temperature") is not None else 1.0,
-            "tool_choice": self.parsed.tool_choice, "tools": body.get("tools") or [],
+            "tool_choice": self.parsed.tool_choice,
+            "tools": body.get("tools") or [],
             "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
-            "background": False, "max_output_tokens": self.max_output_tokens,
-            "max_tool_calls": body.get("max_tool_calls"), "previous_response_id": body.get("previous_response_id"),
-            "prompt": None, "prompt_cache_options": body.get("prompt_cache_options"),
+            "background": False,
+            "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": body.get("max_tool_calls"),
+            "previous_response_id": body.get("previous_response_id"),
+            "prompt": None,
+            "prompt_cache_options": body.get("prompt_cache_options"),
             "prompt_cache_key": body.get("prompt_cache_key"),
-            "prompt_cache_retention": body.get("prompt_cache_retention"), "reasoning": body.get("reasoning"),
-            "safety_identifier": body.get("safety_identifier"), "service_tier": body.get("service_tier", "auto"),
-            "status": status, "text": body.get("text"), "top_logprobs": None,
-            "truncation": body.get("truncation") or "disabled", "usage": usage, "user": body.get("user"),
+            "prompt_cache_retention": body.get("prompt_cache_retention"),
+            "reasoning": body.get("reasoning"),
+            "safety_identifier": body.get("safety_identifier"),
+            "service_tier": body.get("service_tier", "auto"),
+            "status": status,
+            "text": body.get("text"),
+            "top_logprobs": None,
+            "truncation": body.get("truncation") or "disabled",
+            "usage": usage,
+            "user": body.get("user"),
             "presence_penalty": body.get("presence_penalty") or 0.0,
             "frequency_penalty": body.get("frequency_penalty") or 0.0,
-            "kv_transfer_params": params, "ec_transfer_params": None,
-            "input_messages": None, "output_messages": None}
+            "kv_transfer_params": params,
+            "ec_transfer_params": None,
+            "input_messages": None,
+            "output_messages": None,
+        }
 
     def _usage(self, gen, prompt_tokens: int, cached: int | None) -> dict:
         """serving.py:883-920; cache writes (cache_write_tokens) are not emulated: 0."""
-        return {"input_tokens": prompt_tokens,
-                "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0,
-                                         "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
-                "output_tokens": gen.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens(gen.tokens),
-                                          "tool_output_tokens": 0, "output_tokens_per_turn": [],
-                                          "tool_output_tokens_per_turn": []},
-                "total_tokens": prompt_tokens + gen.completion_tokens}
+        return {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {
+                "cached_tokens": cached or 0,
+                "cache_write_tokens": 0,
+                "input_tokens_per_turn": [],
+                "cached_tokens_per_turn": [],
+            },
+            "output_tokens": gen.completion_tokens,
+            "output_tokens_details": {
+                "reasoning_tokens": reasoning_tokens(gen.tokens),
+                "tool_output_tokens": 0,
+                "output_tokens_per_turn": [],
+                "tool_output_tokens_per_turn": [],
+            },
+            "total_tokens": prompt_tokens + gen.completion_tokens,
+        }
 
     def _finished(self, response: dict) -> dict:
-        if self.parsed.store:                                       # serving.py:944-949
+        if self.parsed.store:  # serving.py:944-949
             self.store.responses[response["id"]] = response
         return response
 
@@ -357,8 +465,9 @@ class ResponsesFramer:
     def role(self, prompt_token_ids: list[int] | None = None) -> bytes:
         self.started = True
         initial = self.response("in_progress", [], None, None)
-        return (self._emit({"response": initial, "sequence_number": 0, "type": "response.created"})
-                + self._emit({"response": initial, "sequence_number": 0, "type": "response.in_progress"}))
+        return self._emit(
+            {"response": initial, "sequence_number": 0, "type": "response.created"}
+        ) + self._emit({"response": initial, "sequence_number": 0, "type": "response.in_progress"})
 
     @staticmethod
     def fast(delta: dict) -> None:

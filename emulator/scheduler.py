@@ -11,16 +11,16 @@ state at its start, so a request that arrives during a step joins the next one a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(eq=False)
 class Seq:
     """One request in the scheduler: prompt tokens to compute, then tokens to sample."""
 
-    prompt: int   # prompt tokens to compute here (neither cached nor loaded), at least 1
-    output: int   # tokens to sample; the first comes with the step that ends the prompt
+    prompt: int  # prompt tokens to compute here (neither cached nor loaded), at least 1
+    output: int  # tokens to sample; the first comes with the step that ends the prompt
     computed: int = 0
     generated: int = 0
     removed: bool = False
@@ -41,10 +41,16 @@ class Scheduler:
     told each step's (prefill_tokens, decode_tokens, duration) when it starts.
     """
 
-    def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 step_s: Callable[[int, int], float], enable_chunked_prefill: bool = True,
-                 long_prefill_token_threshold: int = 0,
-                 on_step: Callable[[int, int, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        step_s: Callable[[int, int], float],
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        on_step: Callable[[int, int, float], None] | None = None,
+    ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunked = enable_chunked_prefill
@@ -53,7 +59,7 @@ class Scheduler:
         self.on_step = on_step
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
-        self.step_end: float | None = None    # when the step in progress ends; None: idle
+        self.step_end: float | None = None  # when the step in progress ends; None: idle
         self._batch: list[tuple[Seq, int]] = []
 
     def add(self, seq: Seq, now: float) -> None:
@@ -111,12 +117,13 @@ class Scheduler:
         ~L1549-1570)."""
         budget = self.max_num_batched_tokens
         # The cap applies only when another request could use the budget (~L754-763).
-        threshold = (self.long_prefill_token_threshold
-                     if len(self.running) + len(self.waiting) > 1 else 0)
+        threshold = (
+            self.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        )
         batch: list[tuple[Seq, int]] = []
         for seq in self.running:
             if budget <= 0:
-                break   # later running requests, decodes too, sit this step out (~L795)
+                break  # later running requests, decodes too, sit this step out (~L795)
             n = seq.prompt - seq.computed if seq.prefilling else 1
             n = min(threshold if 0 < threshold < n else n, budget)
             batch.append((seq, n))
@@ -127,7 +134,7 @@ class Scheduler:
             if 0 < threshold < n:
                 n = threshold
             if not self.chunked and n > budget:
-                break   # without chunked prefill a prompt goes whole or waits (~L1337-1344)
+                break  # without chunked prefill a prompt goes whole or waits (~L1337-1344)
             self.waiting.popleft()
             self.running.append(seq)
             batch.append((seq, min(n, budget)))

@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, fields
 
-GAUGES = ("streams_in_flight", "leases_expired_unread")  # describe the present, so a reset keeps them
+GAUGES = (
+    "streams_in_flight",
+    "leases_expired_unread",
+)  # describe the present, so a reset keeps them
 
 
 @dataclass
 class Stats:
-    """Cumulative since start or the last POST /stats/reset (single-threaded under gevent: no lock)."""
+    """Cumulative since start or the last POST /stats/reset (single-threaded under gevent: no
+    lock)."""
 
     requests: int = 0  # completion requests received, including bad and faulted ones
     completed: int = 0  # answered in full (non-stream body sent, or stream reached [DONE])
@@ -45,7 +49,9 @@ class Stats:
     prefix_cache_hits: int = 0
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
-    leases_expired_unread: int = 0  # kept for a pull that never came, freed at their TTL (since start)
+    leases_expired_unread: int = (
+        0  # kept for a pull that never came, freed at their TTL (since start)
+    )
     generated_tokens: int = 0
     prefill_seconds: float = 0.0  # emulated compute + pull time before the first token
     first_token_seconds: float = 0.0  # arrival to first byte, as the engine saw it

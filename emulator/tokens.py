@@ -16,8 +16,8 @@ from functools import lru_cache
 
 EOS = "<|end|>"  # ends every rendered message, and is the token a reply stops with
 GENERATION_PROMPT = "<|assistant|>"
-THINK, END_THINK = "<think>", "</think>"            # Qwen3 / DeepSeek-R1 reasoning markers
-TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"   # Hermes / Qwen tool-call markers
+THINK, END_THINK = "<think>", "</think>"  # Qwen3 / DeepSeek-R1 reasoning markers
+TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"  # Hermes / Qwen tool-call markers
 
 # Plain lowercase words so a reply is easy to read in logs and never contains a template marker.
 VOCAB: tuple[str, ...] = tuple(
@@ -25,7 +25,8 @@ VOCAB: tuple[str, ...] = tuple(
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu amber basil "
     "cedar dune ember fern grove harbor island jasper kelp lagoon meadow nectar orchid pebble "
     "quartz river saffron thistle umber valley willow yarrow zephyr acorn brook clover dawn "
-    "elm frost glade heath iris juniper".split())
+    "elm frost glade heath iris juniper".split()
+)
 
 # Pre-serialised JSON strings for the streaming hot path: a token costs a dict lookup.
 BARE_JSON: dict[str, bytes] = {w: json.dumps(w).encode() for w in VOCAB}
@@ -193,7 +194,8 @@ def generate(tokens: list[str], count: int) -> list[str]:
 
 
 def reply_text(kind: str, words: list[str]) -> str:
-    """The reply as the client sees it: chat "w1 w2", completions " w1 w2" (appended to the prompt)."""
+    """The reply as the client sees it: chat "w1 w2", completions " w1 w2" (appended to the
+    prompt)."""
     text = " ".join(words)
     return text if kind == "chat" else (" " + text if words else "")
 
@@ -262,8 +264,9 @@ def generate_chat(
             *generated_call_text(tool_names[0], arguments).split(),
             END_TOOL_CALL,
         ]
+        digest = hashlib.blake2b(" ".join(prompt).encode(), digest_size=16).hexdigest()
         call = {
-            "id": f"chatcmpl-tool-{hashlib.blake2b(' '.join(prompt).encode(), digest_size=16).hexdigest()}",
+            "id": f"chatcmpl-tool-{digest}",
             "type": "function",
             "function": {
                 "name": tool_names[0],

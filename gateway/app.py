@@ -1,4 +1,5 @@
 """`create_app(settings)`: the gateway as an app of its own, the extension mounted at the root."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -16,8 +17,11 @@ from gateway.support.errors import GatewayError
 from gateway.views import unknown_route
 
 
-def create_app(settings: Settings | None = None, store: ConversationStore | None = None,
-               transport: EngineTransport | None = None) -> Flask:
+def create_app(
+    settings: Settings | None = None,
+    store: ConversationStore | None = None,
+    transport: EngineTransport | None = None,
+) -> Flask:
     """Build the gateway app; `settings` default to the GATEWAY_* environment; `store` and
     `transport` replace the conversation store and the engine calls' transport (tests)."""
     settings = settings if settings is not None else Settings.from_env()
@@ -30,10 +34,10 @@ def create_app(settings: Settings | None = None, store: ConversationStore | None
         # Routing errors (404, 405) happen before any blueprint: the app answers them, and
         # here the whole app is the gateway's.
         if exc.code in (404, 405):
-            return unknown_route().response()      # what the gateway serves, named
+            return unknown_route().response()  # what the gateway serves, named
         response = GatewayError.from_http(exc).response()
         for name, value in exc.get_headers():
-            if name.lower() != "content-type":     # e.g. 405's Allow
+            if name.lower() != "content-type":  # e.g. 405's Allow
                 response.headers[name] = value
         return response
 

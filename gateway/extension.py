@@ -6,6 +6,7 @@ variables, then the app's PD_GATEWAY_* config keys, then keyword arguments. Each
 its own `Gateway` on first use (a pid check), so an app made before gunicorn forks (--preload)
 gives every worker its own engine pools, store, prober and worker slot.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -25,15 +26,21 @@ from gateway.slots import SLOT_ENV
 from gateway.views import create_blueprint
 
 log = logging.getLogger(__name__)
-EXTENSION = "pd_gateway"   # the key in app.extensions
+EXTENSION = "pd_gateway"  # the key in app.extensions
 
 
 class PDGateway:
     """Mounts the gateway's routes on Flask apps; keeps nothing per app itself."""
 
-    def __init__(self, app: Flask | None = None, *, url_prefix: str | None = None,
-                 conversation_store: ConversationStore | None = None,
-                 transport: EngineTransport | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        url_prefix: str | None = None,
+        conversation_store: ConversationStore | None = None,
+        transport: EngineTransport | None = None,
+        **settings: Any,
+    ) -> None:
         """`settings` are Settings fields, over the app's config; `conversation_store`
         replaces the store the `store` setting describes, `transport` the engine calls' own
         (tests: gateway.engines.transport)."""
@@ -47,26 +54,34 @@ class PDGateway:
     def init_app(self, app: Flask, *, url_prefix: str | None = None) -> None:
         """Mount the routes on `app` (under `url_prefix`, default the constructor's); the app's
         `app.extensions["pd_gateway"]` is then its `MountedGateway`."""
-        mounted = MountedGateway(Settings.from_mapping(app.config, **self.settings),
-                                 self.conversation_store, self.transport)
+        mounted = MountedGateway(
+            Settings.from_mapping(app.config, **self.settings),
+            self.conversation_store,
+            self.transport,
+        )
         app.extensions[EXTENSION] = mounted
         prefix = url_prefix if url_prefix is not None else self.url_prefix
         # Under a prefix, every path below it is the gateway's to answer, unknown ones too;
         # at a host app's root, the host's own 404 stays its own.
-        app.register_blueprint(create_blueprint(lambda: mounted.gateway,
-                                                unknown=bool(prefix and prefix.strip("/"))),
-                               url_prefix=prefix)
+        app.register_blueprint(
+            create_blueprint(lambda: mounted.gateway, unknown=bool(prefix and prefix.strip("/"))),
+            url_prefix=prefix,
+        )
 
 
 class MountedGateway:
     """One app's settings, and the `Gateway` of the process serving it, built on first use."""
 
-    def __init__(self, settings: Settings, store: ConversationStore | None = None,
-                 transport: EngineTransport | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        store: ConversationStore | None = None,
+        transport: EngineTransport | None = None,
+    ) -> None:
         self.settings = settings
         self._store = store
         self._transport = transport
-        self._current: tuple[int, Gateway] | None = None   # (pid, its Gateway): read at once
+        self._current: tuple[int, Gateway] | None = None  # (pid, its Gateway): read at once
         self._lock = threading.Lock()
 
     @property
@@ -85,16 +100,18 @@ class MountedGateway:
 
     def _build(self) -> Gateway:
         if SLOT_ENV not in os.environ and "gunicorn.arbiter" in sys.modules:
-            log.warning("pd-gateway runs under gunicorn without its hooks: no worker affinity "
-                        "(a conversation hits only on the worker it lands on), /metrics of one "
-                        "worker, no check against sync workers. Add `install(globals())` from "
-                        "gateway.gunicorn_conf to gunicorn.conf.py (docs/embedding.md).")
+            log.warning(
+                "pd-gateway runs under gunicorn without its hooks: no worker affinity "
+                "(a conversation hits only on the worker it lands on), /metrics of one "
+                "worker, no check against sync workers. Add `install(globals())` from "
+                "gateway.gunicorn_conf to gunicorn.conf.py (docs/embedding.md)."
+            )
         gateway = Gateway(self.settings, self._store, self._transport)
         atexit.register(self._close_at_exit, os.getpid())
         return gateway
 
     def _close_at_exit(self, pid: int) -> None:
-        if pid == os.getpid():      # not in a child forked after the build: not its Gateway
+        if pid == os.getpid():  # not in a child forked after the build: not its Gateway
             self.close()
 
     def close(self) -> None:

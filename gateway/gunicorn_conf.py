@@ -10,6 +10,7 @@ its settings and the same call; a host app's `gunicorn.conf.py` ends with it (do
 Importing this module imports neither requests nor the app, so gevent can still be patched
 after it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,10 +38,18 @@ from gateway.slots import (
 
 # prometheus_client's own variable; it reads it once, when first imported.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-HOOKS = ("on_starting", "on_reload", "pre_fork", "post_fork", "post_worker_init",
-         "nworkers_changed", "child_exit", "on_exit")
+HOOKS = (
+    "on_starting",
+    "on_reload",
+    "pre_fork",
+    "post_fork",
+    "post_worker_init",
+    "nworkers_changed",
+    "child_exit",
+    "on_exit",
+)
 _MARK = "_pd_gateway_hook"
-_own_metrics_dir: str | None = None    # made by install(), removed by on_exit
+_own_metrics_dir: str | None = None  # made by install(), removed by on_exit
 
 
 def install(config: dict[str, Any], **settings: Any) -> None:
@@ -76,13 +85,16 @@ def _chain(ours: Callable, theirs: Callable | None) -> Callable:
     if theirs is None:
         return ours
     if get_arity(theirs) != get_arity(ours):
-        raise RuntimeError(f"pd-gateway: this config's {ours.__name__} takes "
-                           f"{get_arity(theirs)} arguments; gunicorn passes {get_arity(ours)}")
+        raise RuntimeError(
+            f"pd-gateway: this config's {ours.__name__} takes "
+            f"{get_arity(theirs)} arguments; gunicorn passes {get_arity(ours)}"
+        )
 
     @functools.wraps(ours)
     def both(*args: Any) -> None:
         ours(*args)
         theirs(*args)
+
     return both
 
 
@@ -94,7 +106,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # Stable worker slots (the pattern of gunicorn issue #1352): the master hands each new
         # worker the smallest free slot, and a replacement for a dead worker gets the slot it
         # left. A slot owns a share of conversations (gateway.front.owners) and a private port.
-        server.pd_slots = {}    # slot -> the worker holding it
+        server.pd_slots = {}  # slot -> the worker holding it
         server.pd_private = _private_base(settings, server)
         # slot -> the master's hold on its private port: a socket bound with SO_REUSEPORT and
         # never listening, kept while the slot lives. Linux lets only sockets of the same uid
@@ -121,7 +133,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         server.pd_metrics = _metrics_listener(settings, server, getattr(server, "pd_metrics", None))
 
     def pre_fork(server, worker):
-        if not hasattr(server, "pd_slots"):    # on_starting was not ours: it says why
+        if not hasattr(server, "pd_slots"):  # on_starting was not ours: it says why
             _refuse_what_cannot_work(server)
         # Runs in the single-threaded master, so taking a slot needs no lock.
         worker.pd_slot = next(slot for slot in itertools.count() if slot not in server.pd_slots)
@@ -137,7 +149,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         if old_value is None or new_value >= old_value:
             return
         workers = sorted(server.WORKERS.values(), key=lambda w: w.age)
-        for worker in workers[:max(0, len(workers) - new_value)]:
+        for worker in workers[: max(0, len(workers) - new_value)]:
             LIVE_SLOTS[worker.pd_slot] = 0
 
     def post_fork(server, worker):
@@ -157,7 +169,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         os.environ.pop(PRIVATE_ENV, None)
         if server.pd_private is not None:
             host, base = server.pd_private
-            for hold in server.pd_holds.values():     # the master's, not this worker's
+            for hold in server.pd_holds.values():  # the master's, not this worker's
                 hold.close()
             os.environ[PRIVATE_ENV] = f"{host}:{base}"
             # Appended before the worker's accept loop starts, so gunicorn serves it like the
@@ -169,10 +181,14 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
                 return
             try:
                 worker.pd_private_socket = _PrivateSocket(address, worker.cfg, worker.log)
-            except OSError as exc:               # never a reason to halt the gateway
-                worker.log.error("pd-gateway: worker slot %d cannot listen on %s:%d (%s); it "
-                                 "serves without owning conversations", worker.pd_slot,
-                                 *address, exc)
+            except OSError as exc:  # never a reason to halt the gateway
+                worker.log.error(
+                    "pd-gateway: worker slot %d cannot listen on %s:%d (%s); it "
+                    "serves without owning conversations",
+                    worker.pd_slot,
+                    *address,
+                    exc,
+                )
                 LIVE_SLOTS[worker.pd_slot] = 0
                 return
             worker.sockets = [*worker.sockets, worker.pd_private_socket]
@@ -183,26 +199,29 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         extensions = getattr(getattr(worker, "wsgi", None), "extensions", None)
         mounted = extensions.get("pd_gateway") if isinstance(extensions, dict) else None
         if mounted is not None:
-            mounted.gateway      # noqa: B018  (built on first use)
-        listener = getattr(worker, "pd_metrics", None)     # its address
+            mounted.gateway  # noqa: B018  (built on first use)
+        listener = getattr(worker, "pd_metrics", None)  # its address
         if listener is not None:
             if mounted is None:
                 raise RuntimeError(
                     "pd-gateway: the metrics listener (--metrics-port) needs gunicorn's app to "
                     "be the Flask app PDGateway is mounted on (its /health is that gateway's); "
-                    "this worker's app has no app.extensions['pd_gateway']")
+                    "this worker's app has no app.extensions['pd_gateway']"
+                )
             from gateway.metrics_port import MetricsPort
 
             worker.wsgi = MetricsPort(worker.wsgi, listener, mounted)
         elif mounted is not None and mounted.settings.metrics_port:
-            worker.log.warning("pd-gateway: the app's settings name a metrics port (%d), but "
-                               "gunicorn's master opened none: set GATEWAY_METRICS_PORT for "
-                               "the master, or install(globals(), metrics_port=...)",
-                               mounted.settings.metrics_port)
+            worker.log.warning(
+                "pd-gateway: the app's settings name a metrics port (%d), but "
+                "gunicorn's master opened none: set GATEWAY_METRICS_PORT for "
+                "the master, or install(globals(), metrics_port=...)",
+                mounted.settings.metrics_port,
+            )
 
     def child_exit(server, worker):
         holder = server.pd_slots.get(worker.pd_slot)
-        if holder is worker:                    # not if a reload gave it away
+        if holder is worker:  # not if a reload gave it away
             del server.pd_slots[worker.pd_slot]
         # A crashed worker's slot stays live: the master refills the smallest free slots at
         # once (pre_fork), and its conversations wait for the replacement instead of moving
@@ -212,7 +231,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         refilled = set(itertools.islice(free, missing))
         if holder is None or (holder is worker and worker.pd_slot not in refilled):
             LIVE_SLOTS[worker.pd_slot] = 0
-            if worker.pd_slot not in server.pd_slots:        # a slot nobody will refill
+            if worker.pd_slot not in server.pd_slots:  # a slot nobody will refill
                 hold = getattr(server, "pd_holds", {}).pop(worker.pd_slot, None)
                 if hold is not None:
                     hold.close()
@@ -229,9 +248,16 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
 
             shutil.rmtree(_own_metrics_dir, ignore_errors=True)
 
-    hooks = dict(on_starting=on_starting, on_reload=on_reload, pre_fork=pre_fork,
-                 post_fork=post_fork, post_worker_init=post_worker_init,
-                 nworkers_changed=nworkers_changed, child_exit=child_exit, on_exit=on_exit)
+    hooks = dict(
+        on_starting=on_starting,
+        on_reload=on_reload,
+        pre_fork=pre_fork,
+        post_fork=post_fork,
+        post_worker_init=post_worker_init,
+        nworkers_changed=nworkers_changed,
+        child_exit=child_exit,
+        on_exit=on_exit,
+    )
     assert tuple(hooks) == HOOKS
     return hooks
 
@@ -245,13 +271,15 @@ def _refuse_what_cannot_work(server) -> None:
             "pd-gateway cannot run under gunicorn's sync worker: it kills a request at "
             "--timeout, mid-stream. Use worker_class = 'gateway.workers.GeventWorker' (gevent) "
             "or 'gateway.workers.ThreadWorker' (gthread with client timeouts) with threads >= the "
-            "concurrent streams per worker.")
+            "concurrent streams per worker."
+        )
     replaced = [name for name in HOOKS if not getattr(getattr(server.cfg, name), _MARK, False)]
     if replaced:
         raise RuntimeError(
             f"pd-gateway: gunicorn's {', '.join(replaced)} hook(s) were set after "
             "install(globals()) and replaced pd-gateway's; call install(globals()) at the end of "
-            "gunicorn.conf.py, where it chains the hooks defined before it.")
+            "gunicorn.conf.py, where it chains the hooks defined before it."
+        )
 
 
 def _private_base(settings: Settings, server) -> tuple[str, int] | None:
@@ -261,14 +289,18 @@ def _private_base(settings: Settings, server) -> tuple[str, int] | None:
         return None
     public = [address[1] for address in server.cfg.address if isinstance(address, tuple)]
     if not settings.private_base_port and not public:
-        raise RuntimeError("pd-gateway: no TCP address bound to put the private listeners "
-                           "after; set GATEWAY_PRIVATE_BASE_PORT")
+        raise RuntimeError(
+            "pd-gateway: no TCP address bound to put the private listeners "
+            "after; set GATEWAY_PRIVATE_BASE_PORT"
+        )
     base = settings.private_base_port or public[0] + 1
     taken = {*public, settings.metrics_port} - {0}
     clash = sorted(taken & set(range(base, base + server.num_workers)))
     if clash:
-        raise RuntimeError(f"pd-gateway: the private listeners ({base}..) would take the bound "
-                           f"port(s) {clash}; set GATEWAY_PRIVATE_BASE_PORT elsewhere")
+        raise RuntimeError(
+            f"pd-gateway: the private listeners ({base}..) would take the bound "
+            f"port(s) {clash}; set GATEWAY_PRIVATE_BASE_PORT elsewhere"
+        )
     return settings.private_host, base
 
 
@@ -286,8 +318,14 @@ def _hold(server, slot: int) -> bool:
         hold.bind((host, base + slot))
     except OSError as exc:
         hold.close()
-        server.log.error("pd-gateway: worker slot %d cannot have its private port %s:%d (%s); "
-                         "it serves without owning conversations", slot, host, base + slot, exc)
+        server.log.error(
+            "pd-gateway: worker slot %d cannot have its private port %s:%d (%s); "
+            "it serves without owning conversations",
+            slot,
+            host,
+            base + slot,
+            exc,
+        )
         return False
     server.pd_holds[slot] = hold
     return True
@@ -311,12 +349,16 @@ def _metrics_listener(settings: Settings, server, old: TCPSocket | None) -> TCPS
     try:
         listener = kind(address, server.cfg, server.log)
     except OSError as exc:
-        raise RuntimeError(f"pd-gateway: cannot listen for metrics on {address[0]}:{address[1]} "
-                           f"(--metrics-host, --metrics-port): {exc.strerror or exc}") from exc
+        raise RuntimeError(
+            f"pd-gateway: cannot listen for metrics on {address[0]}:{address[1]} "
+            f"(--metrics-host, --metrics-port): {exc.strerror or exc}"
+        ) from exc
     # The workers get it by fork; nothing exec'd needs it.
     listener.sock.set_inheritable(False)
-    server.log.info("pd-gateway: metrics and health on http://%s:%d (/metrics, /health)",
-                    *listener.getsockname()[:2])
+    server.log.info(
+        "pd-gateway: metrics and health on http://%s:%d (/metrics, /health)",
+        *listener.getsockname()[:2],
+    )
     return listener
 
 
@@ -353,10 +395,12 @@ def _metrics_dir() -> None:
     if os.environ.get(MULTIPROC_ENV):
         return
     if "prometheus_client.values" in sys.modules:
-        raise RuntimeError(f"pd-gateway: prometheus_client was imported before install(), without "
-                           f"{MULTIPROC_ENV}: each worker's metrics would stay its own. Import "
-                           "it (or your app) inside your hooks rather than at the top of "
-                           f"gunicorn.conf.py, or set {MULTIPROC_ENV} in the environment.")
+        raise RuntimeError(
+            f"pd-gateway: prometheus_client was imported before install(), without "
+            f"{MULTIPROC_ENV}: each worker's metrics would stay its own. Import "
+            "it (or your app) inside your hooks rather than at the top of "
+            f"gunicorn.conf.py, or set {MULTIPROC_ENV} in the environment."
+        )
     _own_metrics_dir = tempfile.mkdtemp(prefix="pd-gateway-metrics-")
     os.environ[MULTIPROC_ENV] = _own_metrics_dir
 

@@ -10,6 +10,7 @@ forking are duplicated in the child"); a real thread in a process that forks may
 across the fork; and /health is a worker's own readiness (its probes of the engines), which the
 master could only guess from the engine gauges.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -36,14 +37,16 @@ class MetricsPort:
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         if (environ.get("SERVER_NAME"), environ.get("SERVER_PORT")) != self.listener:
             return self.app(environ, start_response)
-        return self.answer(environ.get("REQUEST_METHOD", ""),
-                           environ.get("PATH_INFO", ""))(environ, start_response)
+        return self.answer(environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", ""))(
+            environ, start_response
+        )
 
     def answer(self, method: str, path: str) -> Any:
         """The reply to `method path` on the metrics listener (a WSGI response)."""
         if path not in ROUTES:
-            return NotFound(f"{clip(path)} is not served here: the metrics port serves "
-                            f"{' and '.join(ROUTES)}").response()
+            return NotFound(
+                f"{clip(path)} is not served here: the metrics port serves {' and '.join(ROUTES)}"
+            ).response()
         if method not in ("GET", "HEAD"):
             error = BadRequest(f"{path} answers GET", status=405)
             response = error.response()

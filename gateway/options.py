@@ -4,6 +4,7 @@
 (`--name-with-dashes`), reads its environment variables and converts values, naming the flag or
 variable when one is bad. It imports nothing from gateway, so the emulator uses it as well.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,13 +61,30 @@ class Option:
         return value
 
 
-def option(default: Any, convert: Callable[[Any], Any] = str, help: str = "", *,
-           nargs: str | None = None, choices: tuple[str, ...] | None = None,
-           required: bool = False, action: str | None = None, show: str | None = None) -> Any:
+def option(
+    default: Any,
+    convert: Callable[[Any], Any] = str,
+    help: str = "",
+    *,
+    nargs: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    required: bool = False,
+    action: str | None = None,
+    show: str | None = None,
+) -> Any:
     """A dataclass field that is a setting. A list default becomes a fresh copy per instance.
     A None default means "unset": it is not converted, and the class derives the value."""
-    meta = Option("", default, convert, help, nargs=nargs, choices=choices, required=required,
-                  action=action, show=show)
+    meta = Option(
+        "",
+        default,
+        convert,
+        help,
+        nargs=nargs,
+        choices=choices,
+        required=required,
+        action=action,
+        show=show,
+    )
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={_KEY: meta})
     return field(default=default, metadata={_KEY: meta})
@@ -101,8 +119,11 @@ def read_env(cls: type, environ: Mapping[str, Any], prefix: str | None = None) -
     setting is an error: a typo there would otherwise go unnoticed.
     """
     if prefix is None:
-        return {o.name: o.apply(environ[o.env], o.env) for o in options(cls)
-                if o.env and o.env in environ}
+        return {
+            o.name: o.apply(environ[o.env], o.env)
+            for o in options(cls)
+            if o.env and o.env in environ
+        }
     known = {prefix + o.name.upper(): o for o in options(cls)}
     unknown = sorted(k for k in environ if k.startswith(prefix) and k not in known)
     if unknown:
@@ -117,7 +138,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     # Python's own wording (3.11 to 3.13), the one message argparse gives no other way to read
     # (an abbreviation that several flags begin with). Any other message is shown as it is.
-    CLOSE = 0.7     # difflib's likeness above which a flag is suggested (0.6: --bogus, --host)
+    CLOSE = 0.7  # difflib's likeness above which a flag is suggested (0.6: --bogus, --host)
     _AMBIGUOUS = re.compile(r"ambiguous option: (?P<given>[^=\s]+)\S* could match (?P<flags>.+)")
 
     def parse_args(self, args=None, namespace=None):
@@ -132,8 +153,11 @@ class ArgumentParser(argparse.ArgumentParser):
     def _suggest(self, arg: str) -> str:
         """`arg`, with the flag it was probably meant to be."""
         given = arg.partition("=")[0]
-        close = (difflib.get_close_matches(given, self._option_string_actions, n=1,
-                                           cutoff=self.CLOSE) if given.startswith("--") else [])
+        close = (
+            difflib.get_close_matches(given, self._option_string_actions, n=1, cutoff=self.CLOSE)
+            if given.startswith("--")
+            else []
+        )
         return f"{arg} (did you mean {close[0]}?)" if close else arg
 
     def error(self, message: str):
@@ -141,10 +165,11 @@ class ArgumentParser(argparse.ArgumentParser):
         if ambiguous:
             flags = ambiguous["flags"].split(", ")
             close = difflib.get_close_matches(ambiguous["given"], flags, n=1, cutoff=self.CLOSE)
-            message = (f"ambiguous argument {ambiguous['given']}, the start of "
-                       f"{', '.join(flags)}" + (f" (did you mean {close[0]}?)" if close else ""))
-        self.exit(2, f"{self.prog}: error: {message}\n"
-                     f"{self.prog} --help lists every flag\n")
+            message = (
+                f"ambiguous argument {ambiguous['given']}, the start of "
+                f"{', '.join(flags)}" + (f" (did you mean {close[0]}?)" if close else "")
+            )
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog} --help lists every flag\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -163,15 +188,25 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(o.flag, dest=o.name, action=o.action, default=None, help=help)
             continue
         metavar = "{" + ",".join(o.choices) + "}" if o.choices else None
-        parser.add_argument(o.flag, dest=o.name, default=None, nargs=o.nargs, metavar=metavar,
-                            action="extend" if o.nargs == "+" else None,
-                            required=o.required, help=help)
+        parser.add_argument(
+            o.flag,
+            dest=o.name,
+            default=None,
+            nargs=o.nargs,
+            metavar=metavar,
+            action="extend" if o.nargs == "+" else None,
+            required=o.required,
+            help=help,
+        )
 
 
 def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The options set on the command line."""
-    return {o.name: getattr(args, o.name) for o in options(cls)
-            if getattr(args, o.name, None) is not None}
+    return {
+        o.name: getattr(args, o.name)
+        for o in options(cls)
+        if getattr(args, o.name, None) is not None
+    }
 
 
 def show(value: Any) -> str:
@@ -184,6 +219,7 @@ def show(value: Any) -> str:
 
 
 # Converters shared by the gateway and the emulator; each returns the value or raises ValueError.
+
 
 def boolean(value: Any) -> bool:
     if isinstance(value, bool):
@@ -204,11 +240,13 @@ def port(value: Any) -> int:
 
 
 def auto_or(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """"auto" (None: the value is found at run time) or `kind(value)`."""
+    """ "auto" (None: the value is found at run time) or `kind(value)`."""
+
     def convert(value: Any) -> Any:
         if value is None or str(value).strip().lower() == "auto":
             return None
         return kind(value)
+
     return convert
 
 
@@ -218,16 +256,23 @@ def positive(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if number <= 0:
             raise ValueError(f"{value!r} is not positive")
         return number
+
     return convert
 
 
-def bounded(kind: Callable[[Any], Any], low: float, high: float | None = None
-            ) -> Callable[[Any], Any]:
+def bounded(
+    kind: Callable[[Any], Any], low: float, high: float | None = None
+) -> Callable[[Any], Any]:
     """`kind(value)` within low..high (inclusive; no upper bound when high is None)."""
+
     def convert(value: Any) -> Any:
         number = kind(value)
         if number < low or (high is not None and number > high):
-            raise ValueError(f"{value!r} is less than {low}" if high is None
-                             else f"{value!r} is not within {low}..{high}")
+            raise ValueError(
+                f"{value!r} is less than {low}"
+                if high is None
+                else f"{value!r} is not within {low}..{high}"
+            )
         return number
+
     return convert

@@ -2,12 +2,14 @@
 the client it names, and `Lazy`: a client made on first use, tried again a second after it
 failed. The conversation store, the Responses chain, the key limits and the settings'
 validation all read the URL here."""
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 from urllib.parse import unquote, urlsplit
 
 PRIMARY_SCHEMES = ("redis", "rediss", "unix")
@@ -25,7 +27,7 @@ class RedisURL:
 
     @property
     def kind(self) -> str:
-        """"primary" (one primary), "cluster" or "sentinel"."""
+        """ "primary" (one primary), "cluster" or "sentinel"."""
         return self.scheme.partition("+")[2] or "primary"
 
     @property
@@ -64,10 +66,11 @@ def failures() -> tuple[type[Exception], ...]:
     """What a Redis call raises when Redis fails: a cluster unreachable when its client is made
     raises RedisClusterException, which is not a RedisError."""
     import redis
+
     return redis.RedisError, redis.exceptions.RedisClusterException
 
 
-def redis_client(url: str, timeout: float):  # type: ignore[no-untyped-def]
+def redis_client(url: str, timeout: float):
     """(client, cluster?) for a store URL: `redis://` / `rediss://` / `unix://` (one primary),
     `redis+cluster://host:port,host:port` (Redis or Valkey Cluster: any nodes as seeds), or
     `redis+sentinel://host:port,host:port/primary-name[/db]` (Sentinel; the client asks the
@@ -86,20 +89,25 @@ def redis_client(url: str, timeout: float):  # type: ignore[no-untyped-def]
     if parsed.kind == "primary":
         return redis.Redis.from_url(url, **common), False
     parts = urlsplit(url)
-    auth = dict(username=unquote(parts.username) if parts.username else None,
-                password=unquote(parts.password) if parts.password else None)
+    auth = dict(
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
     if parsed.kind == "cluster":
         from redis.cluster import ClusterNode
+
         nodes = [ClusterNode(host, port) for host, port in _nodes(parts.netloc, 6379)]
         return LazyCluster(dict(startup_nodes=nodes, ssl=parsed.tls, **auth, **common)), True
     from redis.sentinel import Sentinel
+
     path = [p for p in parts.path.split("/") if p]
     if not path:
         raise ValueError("redis+sentinel:// needs the primary's name: .../mymaster[/db]")
-    sentinels = Sentinel(_nodes(parts.netloc, 26379),
-                         sentinel_kwargs=dict(socket_timeout=timeout,
-                                              socket_connect_timeout=timeout),
-                         **common)
+    sentinels = Sentinel(
+        _nodes(parts.netloc, 26379),
+        sentinel_kwargs=dict(socket_timeout=timeout, socket_connect_timeout=timeout),
+        **common,
+    )
     db = int(path[1]) if len(path) > 1 else 0
     return sentinels.master_for(path[0], db=db, ssl=parsed.tls, **auth, **common), False
 
@@ -117,9 +125,13 @@ class Lazy(Generic[T]):
 
     RETRY_SECONDS = 1.0
 
-    def __init__(self, make: Callable[[], T], wait: float,
-                 unavailable: Callable[[str], Exception] = ConnectionError,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        make: Callable[[], T],
+        wait: float,
+        unavailable: Callable[[str], Exception] = ConnectionError,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._make = make
         self._wait = wait
         self._unavailable = unavailable
@@ -160,13 +172,17 @@ class LazyCluster:
         from redis.exceptions import RedisClusterException
 
         self.kwargs = kwargs
-        self._lazy: Lazy = Lazy(lambda: RedisCluster(**kwargs),
-                                kwargs.get("socket_timeout") or 1.0, RedisClusterException)
+        self._lazy: Lazy = Lazy(
+            lambda: RedisCluster(**kwargs),
+            kwargs.get("socket_timeout") or 1.0,
+            RedisClusterException,
+        )
 
-    def get_encoder(self):  # type: ignore[no-untyped-def]
+    def get_encoder(self):
         """What a script needs before any connection (redis-py's default encoding)."""
         from redis.connection import Encoder
+
         return Encoder("utf-8", "strict", False)
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self._lazy.get(), name)

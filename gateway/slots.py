@@ -7,11 +7,12 @@ The arrays are made at import, in the master, before it forks, so every worker s
 Importing this module imports nothing of the gateway's, nor requests: gevent can still be
 patched after it.
 """
+
 from __future__ import annotations
 
 import multiprocessing
 
-SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"          # this worker's slot, set after fork
+SLOT_ENV = "PD_GATEWAY_WORKER_SLOT"  # this worker's slot, set after fork
 # host:port of slot 0's private listener (slot N listens on port + N); set after fork only when
 # the workers forward (several workers, local stores, affinity on).
 PRIVATE_ENV = "PD_GATEWAY_PRIVATE_BASE"
@@ -35,4 +36,4 @@ APPLIED = multiprocessing.RawArray("q", MAX_SLOTS)
 # engine URL, keyed by its digest (0: free), values as gateway.engine_load.FIELDS.
 LOAD_ROWS = 1024
 LOAD_KEYS = multiprocessing.RawArray("q", LOAD_ROWS)
-LOAD_VALUES = multiprocessing.RawArray("d", LOAD_ROWS * 9)   # FIELDS a row
+LOAD_VALUES = multiprocessing.RawArray("d", LOAD_ROWS * 9)  # FIELDS a row

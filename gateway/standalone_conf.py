@@ -4,6 +4,7 @@ pd-gateway's hooks, added as any host's config adds them (`install(globals())`, 
 `pd-gateway` runs gunicorn with `-c python:gateway.standalone_conf`; the top-level
 `gunicorn.conf.py` imports it, so `gunicorn -c gunicorn.conf.py` works from a checkout.
 """
+
 from gateway.config import Settings
 from gateway.gunicorn_conf import install
 
@@ -16,8 +17,11 @@ workers = _settings.workers
 # gevent serves thousands of idle streams per worker; gthread one thread per stream.
 # gevent: gunicorn's worker, except that a graceful stop does not wait out idle keep-alives.
 # Both with a deadline on clients that stall (--client-timeout).
-worker_class = ("gateway.workers.GeventWorker" if _settings.worker_class == "gevent"
-                else "gateway.workers.ThreadWorker")
+worker_class = (
+    "gateway.workers.GeventWorker"
+    if _settings.worker_class == "gevent"
+    else "gateway.workers.ThreadWorker"
+)
 threads = _settings.threads
 worker_connections = _settings.worker_connections
 # The worker heartbeat, not a request limit: streams may run much longer than this.

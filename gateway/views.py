@@ -3,6 +3,7 @@
 A blueprint, so it mounts on any Flask app, under any prefix (gateway.extension): its error
 handlers answer its own routes only, and its replies do not depend on the app's JSON settings.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,10 +42,10 @@ from gateway.support.errors import (
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_QUERY_SAFE = "=&%+;/?:@,$!*'()~[]"      # what a query keeps as it came (quote adds -._~)
+_QUERY_SAFE = "=&%+;/?:@,$!*'()~[]"  # what a query keeps as it came (quote adds -._~)
 
 
-READ_CHUNK = 1 << 16    # the body budget counts a body as it arrives, 64 KiB at a time
+READ_CHUNK = 1 << 16  # the body budget counts a body as it arrives, 64 KiB at a time
 
 
 def _read_body(limit: int, hold: BodyHold) -> bytes:
@@ -57,13 +58,13 @@ def _read_body(limit: int, hold: BodyHold) -> bytes:
             chunk = request.stream.read(min(READ_CHUNK, limit + 1 - size))
             if not chunk:
                 break
-            hold.add(len(chunk))                 # 429 beyond the worker's body budget
+            hold.add(len(chunk))  # 429 beyond the worker's body budget
             chunks.append(chunk)
             size += len(chunk)
     except (OSError, ValueError, HTTPException) as exc:
         if _stalled(exc):
             raise _body_stalled() from exc
-        if isinstance(exc, HTTPException):   # e.g. the host app's MAX_CONTENT_LENGTH
+        if isinstance(exc, HTTPException):  # e.g. the host app's MAX_CONTENT_LENGTH
             raise GatewayError.from_http(exc) from exc
         # gunicorn's NoMoreData, werkzeug's ClientDisconnected: a cut body
         raise BadRequest("Request body ended before it was complete") from exc
@@ -75,8 +76,11 @@ def _read_body(limit: int, hold: BodyHold) -> bytes:
 
 
 def _body_stalled() -> GatewayError:
-    return GatewayError("The request body did not arrive in time: it stopped for the client "
-                        "timeout, or all of it took longer than the request timeout", status=408)
+    return GatewayError(
+        "The request body did not arrive in time: it stopped for the client "
+        "timeout, or all of it took longer than the request timeout",
+        status=408,
+    )
 
 
 def _stalled(exc: BaseException | None) -> bool:
@@ -93,8 +97,8 @@ def _stalled(exc: BaseException | None) -> bool:
 
 
 BLUEPRINT = "pd_gateway"
-_NOT_SERVED = f"{BLUEPRINT}.not_served"     # the route of unknown paths under a prefix
-_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]   # its methods (HEAD, OPTIONS: Flask's)
+_NOT_SERVED = f"{BLUEPRINT}.not_served"  # the route of unknown paths under a prefix
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # its methods (HEAD, OPTIONS: Flask's)
 _UNSENT = "pd_gateway.stream_response"
 
 
@@ -104,7 +108,7 @@ class _StreamResponse(Response):
     its own otherwise) unless a host app read them or asked to be called on close."""
 
     served = False
-    _host_closes = False        # a host app asked to be called on close
+    _host_closes = False  # a host app asked to be called on close
 
     def call_on_close(self, func):
         self._host_closes = True
@@ -121,7 +125,7 @@ class _StreamResponse(Response):
         # Decided when served: a host's after_request may have read the body (get_data makes
         # it a list) or asked to be called on close, which werkzeug's wrapper does.
         self.direct_passthrough = not self._host_closes and type(self.response) is _Chunks
-        app_iter = super().__call__(environ, start_response)   # start_response may raise
+        app_iter = super().__call__(environ, start_response)  # start_response may raise
         self.served = True
         return app_iter
 
@@ -138,19 +142,29 @@ class _Chunks:
 
 
 def _forget_request_id() -> None:
-    logs.REQUEST_ID.set("-")     # this thread's (or greenlet's) next lines belong to no request
+    logs.REQUEST_ID.set("-")  # this thread's (or greenlet's) next lines belong to no request
 
 
-def _failed(exc: GatewayError, request_id: str, model: str, completion: bool,
-            envelope: Envelope | None = None) -> WerkzeugResponse:
+def _failed(
+    exc: GatewayError,
+    request_id: str,
+    model: str,
+    completion: bool,
+    envelope: Envelope | None = None,
+) -> WerkzeugResponse:
     if isinstance(exc, ClientGone):
-        metrics.DISCONNECTS.inc()      # nobody reads the reply
+        metrics.DISCONNECTS.inc()  # nobody reads the reply
     else:
         # A refusal under overload is counted (pd_gateway_admissions_total), not logged: at
         # hundreds a second the log lines would cost more than the refusals themselves.
-        log.log(logging.DEBUG if isinstance(exc, Overloaded) else logging.INFO,
-                "request %s failed with %d: %s", request_id, exc.status, exc.message)
-        if completion:        # (a passed route's are in pd_gateway_passed_total)
+        log.log(
+            logging.DEBUG if isinstance(exc, Overloaded) else logging.INFO,
+            "request %s failed with %d: %s",
+            request_id,
+            exc.status,
+            exc.message,
+        )
+        if completion:  # (a passed route's are in pd_gateway_passed_total)
             metrics.ERRORS.labels("request", str(exc.status), model).inc()
     return exc.response(request_id, envelope)
 
@@ -186,18 +200,31 @@ def unknown_route() -> GatewayError:
     """The answer to a request for a path the gateway does not serve (vLLM's engine-internal
     and admin routes among them: docs/routes.md): 404, naming what it serves, as the client
     would call it (the app's prefix included); 405 for a method a route of its does not take."""
-    rules = [rule for rule in current_app.url_map.iter_rules()
-             if rule.endpoint.startswith(f"{BLUEPRINT}.") and rule.endpoint != _NOT_SERVED]
-    allowed = sorted({m for rule in rules if rule.rule == request.path
-                      for m in rule.methods or () if m not in ("HEAD", "OPTIONS")})
+    rules = [
+        rule
+        for rule in current_app.url_map.iter_rules()
+        if rule.endpoint.startswith(f"{BLUEPRINT}.") and rule.endpoint != _NOT_SERVED
+    ]
+    allowed = sorted(
+        {
+            m
+            for rule in rules
+            if rule.rule == request.path
+            for m in rule.methods or ()
+            if m not in ("HEAD", "OPTIONS")
+        }
+    )
     where = request.script_root + request.path
     if allowed:
-        return MethodNotAllowed(f"{request.method} is not allowed for {where}: "
-                                f"{', '.join(allowed)}", allowed)
-    served = sorted({request.script_root + rule.rule for rule in rules
-                     if "/admin/" not in rule.rule})     # (the admin's are the operator's)
-    return NotFound(f"{request.method} {where} is not a route of this gateway. It serves "
-                    f"{', '.join(served)}")
+        return MethodNotAllowed(
+            f"{request.method} is not allowed for {where}: {', '.join(allowed)}", allowed
+        )
+    served = sorted(
+        {request.script_root + rule.rule for rule in rules if "/admin/" not in rule.rule}
+    )  # (the admin's are the operator's)
+    return NotFound(
+        f"{request.method} {where} is not a route of this gateway. It serves {', '.join(served)}"
+    )
 
 
 def _headers() -> Mapping[str, str]:
@@ -214,86 +241,116 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     bp = Blueprint(BLUEPRINT, __name__)
 
     def complete(path: str) -> WerkzeugResponse:
-        return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
-                         path, raw, _headers(), arrival, request_id, body_held),
-                     lambda model, status: metrics.RESPONSES.labels(path, model, status).inc(),
-                     completion=True)
+        return serve(
+            lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
+                path, raw, _headers(), arrival, request_id, body_held
+            ),
+            lambda model, status: metrics.RESPONSES.labels(path, model, status).inc(),
+            completion=True,
+        )
 
     def messages_route() -> WerkzeugResponse:
         # Anthropic's clients send their key as x-api-key: the gateway reads it as a bearer key.
         headers = anthropic.with_bearer(_headers())
-        return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
-                         CHAT, raw, headers, arrival, request_id, body_held,
-                         edge=anthropic.EDGE),
-                     lambda model, status: metrics.RESPONSES.labels(anthropic.MESSAGES, model,
-                                                                    status).inc(),
-                     completion=True, headers=headers, envelope=anthropic.envelope)
+        return serve(
+            lambda gateway, raw, arrival, request_id, body_held: gateway.complete(
+                CHAT, raw, headers, arrival, request_id, body_held, edge=anthropic.EDGE
+            ),
+            lambda model, status: metrics.RESPONSES.labels(anthropic.MESSAGES, model, status).inc(),
+            completion=True,
+            headers=headers,
+            envelope=anthropic.envelope,
+        )
 
     def pass_through(route: Route) -> WerkzeugResponse:
         # The path and query as they came (the engine's route, without the app's prefix); a
         # byte no URL may carry percent-encoded, as a server that let it in should have (else
         # http.client refuses it, and that would count against the engine).
-        target = route.path + (f"?{quote(request.query_string, safe=_QUERY_SAFE)}"
-                               if request.query_string else "")
+        target = route.path + (
+            f"?{quote(request.query_string, safe=_QUERY_SAFE)}" if request.query_string else ""
+        )
         # Anthropic's count_tokens: its SDK's key (x-api-key) and its envelope, as /v1/messages.
         anthropic_route = route.path == anthropic.COUNT_TOKENS
         headers = anthropic.with_bearer(_headers()) if anthropic_route else _headers()
-        return serve(lambda gateway, raw, arrival, request_id, body_held: gateway.pass_through(
-                         route, raw, headers, target, arrival, request_id, body_held),
-                     lambda model, status: metrics.PASSED.labels(route.path, model,
-                                                                 status).inc(),
-                     completion=False, headers=headers,
-                     envelope=anthropic.envelope if anthropic_route else None)
+        return serve(
+            lambda gateway, raw, arrival, request_id, body_held: gateway.pass_through(
+                route, raw, headers, target, arrival, request_id, body_held
+            ),
+            lambda model, status: metrics.PASSED.labels(route.path, model, status).inc(),
+            completion=False,
+            headers=headers,
+            envelope=anthropic.envelope if anthropic_route else None,
+        )
 
-    def serve(run: Run, count: Callable[[str, str], None], completion: bool,
-              headers: Mapping[str, str] | None = None,
-              envelope: Envelope | None = None) -> WerkzeugResponse:
+    def serve(
+        run: Run,
+        count: Callable[[str, str], None],
+        completion: bool,
+        headers: Mapping[str, str] | None = None,
+        envelope: Envelope | None = None,
+    ) -> WerkzeugResponse:
         """One request whose reply `run` makes (of its body, read here, within the limits),
         counted by `count(model, status)`; its key read from `headers` (the request's), its
         errors in `envelope`'s shape (the OpenAI envelope)."""
         gateway = current()
         given = request.headers.get("X-Request-Id", "")
         request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
-        logs.REQUEST_ID.set(request_id)      # this request's log lines, the relay's included
+        logs.REQUEST_ID.set(request_id)  # this request's log lines, the relay's included
         environ = request.environ
-        arrival = Arrival(route=environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""),
-                          port=environ.get("SERVER_PORT", ""),
-                          socket=environ.get("gunicorn.socket"))
-        status = 500            # unless it answers: an error the blueprint's handler answers
+        arrival = Arrival(
+            route=environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""),
+            port=environ.get("SERVER_PORT", ""),
+            socket=environ.get("gunicorn.socket"),
+        )
+        status = 500  # unless it answers: an error the blueprint's handler answers
         try:
-            response = answer(gateway, run, arrival, request_id, completion,
-                              _headers() if headers is None else headers, envelope)
+            response = answer(
+                gateway,
+                run,
+                arrival,
+                request_id,
+                completion,
+                _headers() if headers is None else headers,
+                envelope,
+            )
             status = response.status_code
         except HTTPException as exc:
             status = exc.code or 500
             raise
         except Exception:
-            if completion:      # a bug: the handler answers 500 (and logs it)
+            if completion:  # a bug: the handler answers 500 (and logs it)
                 metrics.ERRORS.labels("request", "500", arrival.model).inc()
             raise
         finally:
-            if not gateway.owners.forwarded(arrival.port):     # counted where its client is
+            if not gateway.owners.forwarded(arrival.port):  # counted where its client is
                 count(arrival.model, str(status))
         return response
 
-    def answer(gateway: Gateway, run: Run, arrival: Arrival, request_id: str,
-               completion: bool, headers: Mapping[str, str],
-               envelope: Envelope | None) -> WerkzeugResponse:
+    def answer(
+        gateway: Gateway,
+        run: Run,
+        arrival: Arrival,
+        request_id: str,
+        completion: bool,
+        headers: Mapping[str, str],
+        envelope: Envelope | None,
+    ) -> WerkzeugResponse:
         streaming = False
         try:
-            gateway.api_keys.check(headers.get("Authorization"))   # before the body
-            gateway.refuse_early(headers)      # a key whose requests are spent, too
+            gateway.api_keys.check(headers.get("Authorization"))  # before the body
+            gateway.refuse_early(headers)  # a key whose requests are spent, too
             hold = gateway.bodies.hold()
             try:
-                raw = _read_body(gateway.settings.max_body_bytes, hold)   # before the watcher
+                raw = _read_body(gateway.settings.max_body_bytes, hold)  # before the watcher
             except BaseException:
                 hold.release()
                 raise
             reply = run(gateway, raw, arrival, request_id, hold.release)
             response: WerkzeugResponse
-            if isinstance(reply.body, bytes):       # an engine's, as it came
-                response = Response(reply.body, status=reply.status,
-                                    content_type=reply.content_type)
+            if isinstance(reply.body, bytes):  # an engine's, as it came
+                response = Response(
+                    reply.body, status=reply.status, content_type=reply.content_type
+                )
             elif reply.stream is None:
                 response = json_response(reply.body)
             else:
@@ -303,11 +360,14 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
                 closing = ExitStack()
                 closing.callback(_forget_request_id)
                 closing.callback(reply.close)
-                response = _StreamResponse(_Chunks(reply.stream, closing.close),
-                                           status=reply.status, content_type=reply.content_type,
-                                           direct_passthrough=True)
-                request.environ[_UNSENT] = response     # until the server takes it (teardown)
-                streaming = True     # the relay's lines carry the id until the stream ends
+                response = _StreamResponse(
+                    _Chunks(reply.stream, closing.close),
+                    status=reply.status,
+                    content_type=reply.content_type,
+                    direct_passthrough=True,
+                )
+                request.environ[_UNSENT] = response  # until the server takes it (teardown)
+                streaming = True  # the relay's lines carry the id until the stream ends
         except GatewayError as exc:
             return _failed(exc, request_id, arrival.model, completion, envelope)
         finally:
@@ -342,20 +402,26 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     # OpenAI's Responses API, run as chat completions (gateway.responses.route).
     @bp.post(RESPONSES)
     def responses_create() -> WerkzeugResponse:
-        return serve(lambda gateway, raw, arrival, request_id, body_held: responses_of(
-                         gateway).create(raw, _headers(), arrival, request_id, body_held),
-                     lambda model, status: metrics.RESPONSES.labels(RESPONSES, model,
-                                                                    status).inc(),
-                     completion=True)
+        return serve(
+            lambda gateway, raw, arrival, request_id, body_held: responses_of(gateway).create(
+                raw, _headers(), arrival, request_id, body_held
+            ),
+            lambda model, status: metrics.RESPONSES.labels(RESPONSES, model, status).inc(),
+            completion=True,
+        )
 
     def stored(action: Callable[..., dict], response_id: str) -> WerkzeugResponse:
         gateway = current()
         authorization = request.headers.get("Authorization")
         gateway.api_keys.check(authorization)
         responses = responses_of(gateway)
-        relayed = responses.at_home(response_id, request.method,
-                                    request.script_root + request.path,
-                                    request.environ.get("SERVER_PORT", ""), authorization)
+        relayed = responses.at_home(
+            response_id,
+            request.method,
+            request.script_root + request.path,
+            request.environ.get("SERVER_PORT", ""),
+            authorization,
+        )
         if relayed is not None:
             return Response(relayed[1], status=relayed[0], content_type="application/json")
         return json_response(action(responses, response_id, authorization))
@@ -380,8 +446,12 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
 
     # vLLM's other client routes, each passed to an engine (gateway.flow.passthrough).
     for route in ROUTES:
-        bp.add_url_rule(route.path, f"passed {route.path}",
-                        functools.partial(pass_through, route), methods=[route.method])
+        bp.add_url_rule(
+            route.path,
+            f"passed {route.path}",
+            functools.partial(pass_through, route),
+            methods=[route.method],
+        )
 
     # /ping: SageMaker's probe, vLLM's /health under another name (vLLM 0.33.0
     # entrypoints/serve/sagemaker/api_router.py L91-96): so here too, the gateway's own
@@ -395,8 +465,9 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     def admin() -> Gateway:
         """This process's Gateway, for a caller with the admin token (404 when none is set)."""
         gateway = current()
-        check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
-                    "the admin routes")
+        check_admin(
+            gateway.settings.admin_token, request.headers.get("Authorization"), "the admin routes"
+        )
         return gateway
 
     @bp.get("/admin/status")
@@ -426,9 +497,12 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     @bp.get("/metrics")
     def prometheus() -> WerkzeugResponse:
         gateway = current()
-        if gateway.api_keys.enabled:     # clients authenticate: metrics are for the operator
-            check_admin(gateway.settings.admin_token, request.headers.get("Authorization"),
-                        "/metrics (with API keys on)")
+        if gateway.api_keys.enabled:  # clients authenticate: metrics are for the operator
+            check_admin(
+                gateway.settings.admin_token,
+                request.headers.get("Authorization"),
+                "/metrics (with API keys on)",
+            )
         return metrics_response(gateway)
 
     if unknown:
@@ -448,8 +522,7 @@ def create_blueprint(current: Callable[[], Gateway], unknown: bool = False) -> B
     def unexpected(exc: Exception) -> WerkzeugResponse:
         rule = request.url_rule
         # The Messages route's errors in Anthropic's envelope, wherever they arose.
-        shape = (anthropic.envelope if rule is not None and rule.rule == anthropic.MESSAGES
-                 else None)
+        shape = anthropic.envelope if rule is not None and rule.rule == anthropic.MESSAGES else None
         if isinstance(exc, GatewayError):
             return exc.response(envelope=shape)
         if isinstance(exc, HTTPException) and (exc.code or 500) < 500:

@@ -43,6 +43,7 @@ young generation every `GC_YOUNG` containers instead. Measured in the worker wit
 `bench.profile --concurrency 64`: 77-120 ms of 1.5 s of CPU in collections before (5-8 %), 41 ms
 after (cycles are still collected, at most some 10,000 containers later).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,6 +59,7 @@ import threading
 import time
 import weakref
 from functools import partial
+from typing import TYPE_CHECKING
 
 import gevent
 import gevent.socket
@@ -66,21 +68,21 @@ from gunicorn.workers.gthread import ThreadWorker as _ThreadWorker
 
 from gateway.config import Settings
 
-STOP_KEEPALIVE_LINGER = 2.0   # as gunicorn's gthread worker
-GC_YOUNG = 10_000             # net new containers between two collections of the young (700)
-_REQUEST_TIMEOUT = 60.0                        # this worker's --request-timeout
-_LOOP_BYTES = 64 * 1024 * 1024                 # this worker's --max-bodies-bytes
-_CLIENT_TIMEOUT = 60.0                         # this worker's --client-timeout
+STOP_KEEPALIVE_LINGER = 2.0  # as gunicorn's gthread worker
+GC_YOUNG = 10_000  # net new containers between two collections of the young (700)
+_REQUEST_TIMEOUT = 60.0  # this worker's --request-timeout
+_LOOP_BYTES = 64 * 1024 * 1024  # this worker's --max-bodies-bytes
+_CLIENT_TIMEOUT = 60.0  # this worker's --client-timeout
 # What each client socket was sent and when it last took some of it (`_taking`).
 _TAKEN: weakref.WeakKeyDictionary[socket.socket, list] = weakref.WeakKeyDictionary()
 TAKING_CHECK_SECONDS = 1.0
-_OUTQ = getattr(termios, "TIOCOUTQ", None)     # a socket's bytes not yet acknowledged (Linux)
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # a socket's bytes not yet acknowledged (Linux)
 # What a gthread worker's loop reads of a request before a pool thread takes it: its head, and a
 # body of a known length up to LOOP_BODY_BYTES; requests' bytes held so at most
 # --max-bodies-bytes in all (beyond, a thread reads the rest of a body; a head is closed).
 LOOP_BODY_BYTES = 1024 * 1024
-_LOOP_BODY = LOOP_BODY_BYTES                   # this worker's: at most --max-body-bytes
-CHUNKED = -1                                   # a body read up to its last chunk
+_LOOP_BODY = LOOP_BODY_BYTES  # this worker's: at most --max-body-bytes
+CHUNKED = -1  # a body read up to its last chunk
 _LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*(\d{1,12})[ \t]*\r?\n", re.IGNORECASE)
 _CHUNKED = re.compile(rb"\ntransfer-encoding[ \t]*:[ \t]*chunked[ \t]*\r?\n", re.IGNORECASE)
 # Another transfer coding (its parser refuses it), or a client that waits for 100 Continue
@@ -113,7 +115,7 @@ def _taking(sock: socket.socket, size: int) -> None:
     state = _TAKEN.get(sock)
     now = time.monotonic()
     if state is None:
-        _TAKEN[sock] = [size, 0, now, now]     # written, taken, when taken last grew, checked
+        _TAKEN[sock] = [size, 0, now, now]  # written, taken, when taken last grew, checked
         return
     written = state[0]
     state[0] = written + size
@@ -136,7 +138,7 @@ def _collect_less() -> None:
     generation is collected less often (never more often than the interpreter was told)."""
     gc.freeze()
     young, *older = gc.get_threshold()
-    if young:        # 0: collection is off; leave it so
+    if young:  # 0: collection is off; leave it so
         gc.set_threshold(max(young, GC_YOUNG), *older)
 
 
@@ -160,16 +162,16 @@ def _continue(sock: socket.socket, head: bytearray, end: int) -> int:
     expect = _EXPECT.search(head, 0, end)
     if expect is None or not head.startswith(b"HTTP/1.1", head.find(b"\n") - 9):
         return 0
-    lines = head[:expect.start()] + head[expect.end():end]
+    lines = head[: expect.start()] + head[expect.end() : end]
     if _body_to_read(lines, len(lines)) == 0:
-        return 0                                 # a thread's to read: gunicorn answers it
+        return 0  # a thread's to read: gunicorn answers it
     try:
         sent = sock.send(CONTINUE)
     except BlockingIOError:
         return 0
     if sent != len(CONTINUE):
         raise ConnectionError("100 Continue sent in part")
-    del head[expect.start():expect.end()]
+    del head[expect.start() : expect.end()]
     return expect.end() - expect.start()
 
 
@@ -180,18 +182,18 @@ def _chunks_end(head: bytearray, at: int) -> int:
     while True:
         line = head.find(b"\r\n", at)
         if line < 0:
-            return at                            # its size line is not whole yet
+            return at  # its size line is not whole yet
         size = bytes(head[at:line]).split(b";", 1)[0].strip()
         if not 0 < len(size) <= 16 or not all(c in b"0123456789abcdefABCDEF" for c in size):
             return -1
         length = int(size, 16)
-        if length == 0:                          # the last chunk: trailer lines to an empty one
-            if head[line + 2:line + 4] == b"\r\n" or head.find(b"\r\n\r\n", line) >= 0:
+        if length == 0:  # the last chunk: trailer lines to an empty one
+            if head[line + 2 : line + 4] == b"\r\n" or head.find(b"\r\n\r\n", line) >= 0:
                 return -1
             return at
         following = line + 2 + length + 2
         if following > len(head):
-            return at                            # this chunk is not whole yet
+            return at  # this chunk is not whole yet
         at = following
 
 
@@ -211,7 +213,7 @@ def _body_to_read(head: bytearray, end: int) -> int:
 
 class GeventWorker(_GeventWorker):
     def init_process(self) -> None:
-        self._idle: dict = {}     # greenlet -> the keep-alive timeout it is waiting under
+        self._idle: dict = {}  # greenlet -> the keep-alive timeout it is waiting under
         self._clients: dict = {}  # greenlet -> the client socket it serves
         self._client_timeout = _client_timeout()
         super().init_process()
@@ -221,9 +223,9 @@ class GeventWorker(_GeventWorker):
         _collect_less()
 
     def handle(self, listener, client, addr) -> None:
-        if type(client) is gevent.socket.socket:     # not TLS sockets, whose send differs
+        if type(client) is gevent.socket.socket:  # not TLS sockets, whose send differs
             client.__class__ = _ClientSocket
-        client.settimeout(self._client_timeout)       # off while it waits for a next request
+        client.settimeout(self._client_timeout)  # off while it waits for a next request
         glet = gevent.getcurrent()
         self._clients[glet] = client
         try:
@@ -235,18 +237,24 @@ class GeventWorker(_GeventWorker):
         try:
             return super().handle_request(listener_name, req, sock, addr)
         finally:
-            _DEADLINES.pop(sock, None)       # served: a drain after it is not its head
+            _DEADLINES.pop(sock, None)  # served: a drain after it is not its head
 
-    def timeout_ctx(self) -> _IdleWait:
+    # gunicorn uses what it returns as a context manager (gevent's worker returns a
+    # gevent.Timeout); the stubs say None.
+    def timeout_ctx(self) -> _IdleWait:  # type: ignore[override]
         # gunicorn calls this around reading each next request on a connection, only there:
         # the keep-alive wait, bounded by itself (the request's headers with it); the client
         # timeout holds from the headers on.
-        return _IdleWait(self._idle, self.cfg.keepalive if self.alive else STOP_KEEPALIVE_LINGER,
-                         self._clients.get(gevent.getcurrent()), self._client_timeout)
+        return _IdleWait(
+            self._idle,
+            self.cfg.keepalive if self.alive else STOP_KEEPALIVE_LINGER,
+            self._clients.get(gevent.getcurrent()),
+            self._client_timeout,
+        )
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
-        gevent.spawn_later(STOP_KEEPALIVE_LINGER, self._let_go)   # out of the signal handler
+        gevent.spawn_later(STOP_KEEPALIVE_LINGER, self._let_go)  # out of the signal handler
 
     def _let_go(self) -> None:
         loop = gevent.get_hub().loop
@@ -268,25 +276,33 @@ class _IdleWait:
 
     def __init__(self, idle: dict, seconds: float, client, client_timeout: float) -> None:
         self.idle = idle
-        self.timeout = gevent.Timeout(seconds, False)
+        # False: gevent's documented "expire silently" (its `with` swallows it); not in the stubs.
+        self.timeout = gevent.Timeout(seconds, False)  # type: ignore[arg-type]
         self.client = client
         self.client_timeout = client_timeout
 
     def __enter__(self) -> gevent.Timeout:
         self.idle[gevent.getcurrent()] = self.timeout
         if self.client is not None:
-            _DEADLINES.pop(self.client, None)     # a next request: its first byte sets its own
+            _DEADLINES.pop(self.client, None)  # a next request: its first byte sets its own
             self.client.settimeout(None)
         return self.timeout.__enter__()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> bool | None:
         self.idle.pop(gevent.getcurrent(), None)
         if self.client is not None:
             self.client.settimeout(self.client_timeout)
         return self.timeout.__exit__(*exc)
 
 
-class _QuietTimeouts:
+if TYPE_CHECKING:
+    # The mixins below are only ever mixed into a socket class: typed as one.
+    _SocketMixin = socket.socket
+else:
+    _SocketMixin = object
+
+
+class _QuietTimeouts(_SocketMixin):
     """A client socket's timeouts (a stalled client) end its request quietly. gunicorn logs a
     socket error with its traceback unless it is a broken pipe or a reset, and a client could
     fill the log with stalls: a plain read that times out finds the end of the stream (gunicorn:
@@ -296,7 +312,7 @@ class _QuietTimeouts:
 
     __slots__ = ()
     pd_stalled = False
-    _stalled: type          # each socket class's own, set with it
+    _stalled: type  # each socket class's own, set with it
 
     def sendall(self, data, flags: int = 0) -> None:
         _taking(self, len(data))
@@ -306,8 +322,9 @@ class _QuietTimeouts:
         try:
             super().sendall(data, flags)
         except TimeoutError:
-            raise BrokenPipeError(errno.EPIPE, "the client took nothing for --client-timeout") \
-                from None
+            raise BrokenPipeError(
+                errno.EPIPE, "the client took nothing for --client-timeout"
+            ) from None
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         if flags:
@@ -345,11 +362,12 @@ class _QuietTimeouts:
             try:
                 return read(*args)
             except BlockingIOError:
-                raise TimeoutError("the request took longer than --request-timeout to "
-                                   "arrive") from None
+                raise TimeoutError(
+                    "the request took longer than --request-timeout to arrive"
+                ) from None
             finally:
                 self.settimeout(timeout)
-        if timeout is not None and timeout <= left:     # non-blocking (0) among them
+        if timeout is not None and timeout <= left:  # non-blocking (0) among them
             return read(*args)
         self.settimeout(left)
         try:
@@ -379,7 +397,8 @@ class _ClientSocket(_QuietTimeouts, gevent.socket.socket):
     def sendall(self, data, flags=0):
         _taking(self, len(data))
         try:
-            sent = self._sock.send(data, flags)
+            # gevent's socket keeps the OS socket in `_sock` (internal, not in the stubs).
+            sent = self._sock.send(data, flags)  # type: ignore[attr-defined]
         except BlockingIOError:
             sent = 0
         if sent < len(data):
@@ -402,19 +421,22 @@ class ThreadWorker(_ThreadWorker):
 
     def init_process(self) -> None:
         _client_timeout()
-        self._heads: dict = {}          # connection -> when the loop began to wait for it
-        self._held = 0                  # bytes the loop read that no thread has taken yet
+        self._heads: dict = {}  # connection -> when the loop began to wait for it
+        self._held = 0  # bytes the loop read that no thread has taken yet
         self._held_lock = threading.Lock()
         self._swept = 0.0
         self._stopped_at: float | None = None
         cfg = self.cfg
         limits = (cfg.limit_request_line, cfg.limit_request_fields, cfg.limit_request_field_size)
-        self._head_limit = (limits[0] + limits[1] * (limits[2] + 2) + 4
-                            if all(limits) else LOOP_BODY_BYTES)
+        self._head_limit = (
+            limits[0] + limits[1] * (limits[2] + 2) + 4 if all(limits) else LOOP_BODY_BYTES
+        )
         # TLS, HTTP/2 and uwsgi connections are gunicorn's own to read (no HTTP/1 head).
-        self._reads_heads = (not cfg.is_ssl
-                             and getattr(cfg, "http2_cleartext", "off") in ("off", None)
-                             and getattr(cfg, "protocol", "http") == "http")
+        self._reads_heads = (
+            not cfg.is_ssl
+            and getattr(cfg, "http2_cleartext", "off") in ("off", None)
+            and getattr(cfg, "protocol", "http") == "http"
+        )
         super().init_process()
 
     def load_wsgi(self) -> None:
@@ -429,16 +451,18 @@ class ThreadWorker(_ThreadWorker):
             conn.sock.__class__ = _ThreadClientSocket
         if not self._reads_heads or not isinstance(conn.sock, _ThreadClientSocket):
             return super().enqueue_req(conn)
-        _DEADLINES.pop(conn.sock, None)      # a next request: its first byte sets its own
+        _DEADLINES.pop(conn.sock, None)  # a next request: its first byte sets its own
         # What a body's drain read ahead (a pipelined request) begins the head (gunicorn 24+
         # gives it back; an older one's parser keeps it, and its thread reads the rest).
         unreader = getattr(conn.parser, "unreader", None)
         ahead = unreader is not None and unreader.buf.getvalue()
         if ahead and not hasattr(unreader, "take_buffered"):
             return super().enqueue_req(conn)
-        conn.sock.setblocking(False)         # this loop never waits on a client
+        conn.sock.setblocking(False)  # this loop never waits on a client
         now = time.monotonic()
-        conn.pd_head = bytearray(unreader.take_buffered() if ahead else b"")
+        conn.pd_head = bytearray(
+            unreader.take_buffered() if ahead and unreader is not None else b""
+        )
         conn.pd_need = conn.pd_body_at = None
         conn.pd_heard = None
         if conn.pd_head:
@@ -449,8 +473,7 @@ class ThreadWorker(_ThreadWorker):
             return None
         self._heads[conn] = now
         with self._poller_lock:
-            self.poller.register(conn.sock, selectors.EVENT_READ,
-                                 partial(self._more_head, conn))
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._more_head, conn))
         return None
 
     @property
@@ -478,7 +501,7 @@ class ThreadWorker(_ThreadWorker):
                 self._close(conn, waiting)
                 return True
             if self._held >= _LOOP_BYTES:
-                break                            # the loop holds enough: a thread reads the rest
+                break  # the loop holds enough: a thread reads the rest
             seen = len(head)
             try:
                 got = conn.sock.recv(65536)
@@ -549,7 +572,7 @@ class ThreadWorker(_ThreadWorker):
         if head is not None:
             self._hold(-len(head))
             if head:
-                conn.data_ready = True           # gunicorn 24+: no wait for its first bytes
+                conn.data_ready = True  # gunicorn 24+: no wait for its first bytes
                 conn.sock.setblocking(True)
                 conn.init()
                 conn.parser.unreader.unread(bytes(head))
@@ -571,8 +594,7 @@ class ThreadWorker(_ThreadWorker):
             if conn.pd_heard is None:
                 deadline = since + max(self.cfg.keepalive, 5.0)
             else:
-                deadline = min(_DEADLINES.get(conn.sock, now),
-                               conn.pd_heard + _CLIENT_TIMEOUT)
+                deadline = min(_DEADLINES.get(conn.sock, now), conn.pd_heard + _CLIENT_TIMEOUT)
             if self._stopped_at is not None:
                 deadline = min(deadline, self._stopped_at + STOP_KEEPALIVE_LINGER)
             if now < deadline:
@@ -604,7 +626,8 @@ class _ThreadClientSocket(_QuietTimeouts, socket.socket):
     def shutdown(self, how: int) -> None:
         super().shutdown(how)
         if how == socket.SHUT_WR:
-            self.__class__ = _ClosingSocket
+            # The socket becomes its closing class in place (a class swap mypy cannot follow).
+            self.__class__ = _ClosingSocket  # type: ignore[assignment]
 
 
 class _StalledThreadSocket(_Stalled, _ThreadClientSocket):

@@ -1,6 +1,7 @@
 """Shared fixtures: apps from the factory, a fake clock, and real servers on free ports. What
 tests share besides fixtures is in tests/helpers/. Two checks on the suite itself: no test
 module is imported as a library, and every test that starts a process is marked `processes`."""
+
 from __future__ import annotations
 
 import _posixsubprocess
@@ -57,9 +58,17 @@ def app(store: LocalStore):
     # tests/test_release.py checks what is dropped, tests/test_fast_path.py the release itself,
     # tests/test_d_memory.py both end to end; tests/test_engine_load.py the reads,
     # tests/test_readiness.py the probes.
-    settings = Settings(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
-                        max_body_bytes=4096, verify_reuse="off", release_rate=0,
-                        engine_metrics_interval=0, probe_interval=0)
+    settings = Settings(
+        prefill=[P_URL],
+        decode=[D_URL],
+        worker_class="gthread",
+        threads=8,
+        max_body_bytes=4096,
+        verify_reuse="off",
+        release_rate=0,
+        engine_metrics_interval=0,
+        probe_interval=0,
+    )
     app = create_app(settings, store=store, transport=ResponsesTransport())
     yield app
     # Its prober would go on probing an instance marked down, into later tests' mocks.
@@ -80,6 +89,7 @@ def _no_watch_left_behind():
     request in a greenlet or thread of its own, and close every reply)."""
     yield
     from gateway.engines.watch import _WATCH
+
     watch = _WATCH.get()
     if watch is not None:
         watch.stop()
@@ -95,13 +105,18 @@ P_HOST, D_HOST = "127.0.0.2", "127.0.0.3"
 @starts_processes
 def engines():
     from emulator.process import EmulatorProcess
+
     # Not vLLM's defaults: bidirectional transfer on (what the gateway is for), and
     # kv_recompute_threshold 0, so that P reads whatever D holds beyond its own cache and every
     # reuse shows in P's counters (with 64, short replies are recomputed: tests/test_kv_truth.py).
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host=P_HOST, itl_ms=1,
-                         recompute_threshold=0) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host=D_HOST, itl_ms=1,
-                            recompute_threshold=0) as d:
+    with (
+        EmulatorProcess(
+            "prefill", bidirectional_kv_xfer=True, host=P_HOST, itl_ms=1, recompute_threshold=0
+        ) as p,
+        EmulatorProcess(
+            "decode", bidirectional_kv_xfer=True, host=D_HOST, itl_ms=1, recompute_threshold=0
+        ) as d,
+    ):
         yield p, d
 
 
@@ -111,10 +126,18 @@ def agent_engines():
     """Engines whose every reply reasons and, given tools, calls the first one: the agents'
     APIs' loops (tests/test_messages.py, tests/test_responses_api.py); `reset` them first."""
     from emulator.process import EmulatorProcess
-    flags = dict(bidirectional_kv_xfer=True, itl_ms=1, recompute_threshold=0,
-                 reasoning_share=1.0, tool_call_share=1.0)
-    with EmulatorProcess("prefill", host="127.0.0.145", **flags) as p, \
-            EmulatorProcess("decode", host="127.0.0.146", **flags) as d:
+
+    flags = dict(
+        bidirectional_kv_xfer=True,
+        itl_ms=1,
+        recompute_threshold=0,
+        reasoning_share=1.0,
+        tool_call_share=1.0,
+    )
+    with (
+        EmulatorProcess("prefill", host="127.0.0.145", **flags) as p,
+        EmulatorProcess("decode", host="127.0.0.146", **flags) as d,
+    ):
         yield p, d
 
 
@@ -153,12 +176,14 @@ def gateway_factory():
 @starts_processes
 def redis_server():
     from devtools.processes import RedisProcess
+
     server = RedisProcess()
     yield server
     server.stop()
 
 
 # --- no test module is a library ----------------------------------------------------------------
+
 
 def imports_of_test_modules(root: Path) -> list[str]:
     """Every import, in the Python files under `root`, of a test module or of a conftest.py.
@@ -172,12 +197,18 @@ def imports_of_test_modules(root: Path) -> list[str]:
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 # `from tests.test_x import y` names the module, `from tests import test_x` its item
-                names = [node.module] if _names_a_test_module(node.module) else [
-                    f"{node.module}.{alias.name}" for alias in node.names]
+                names = (
+                    [node.module]
+                    if _names_a_test_module(node.module)
+                    else [f"{node.module}.{alias.name}" for alias in node.names]
+                )
             else:
                 continue
-            found += [f"{path.relative_to(root.parent)}:{node.lineno} imports {name}"
-                      for name in names if _names_a_test_module(name)]
+            found += [
+                f"{path.relative_to(root.parent)}:{node.lineno} imports {name}"
+                for name in names
+                if _names_a_test_module(name)
+            ]
     return found
 
 
@@ -188,8 +219,10 @@ def _names_a_test_module(name: str) -> bool:
 def pytest_configure(config):
     imported = imports_of_test_modules(Path(__file__).resolve().parent)
     if imported:
-        raise pytest.UsageError("test modules and conftest.py are not libraries (put what tests "
-                                "share in tests/helpers/):\n  " + "\n  ".join(imported))
+        raise pytest.UsageError(
+            "test modules and conftest.py are not libraries (put what tests "
+            "share in tests/helpers/):\n  " + "\n  ".join(imported)
+        )
 
 
 # --- the `processes` mark -----------------------------------------------------------------------
@@ -198,6 +231,7 @@ def pytest_configure(config):
 # by hand (a decorator, or a module's pytestmark), or here, when a fixture it uses is tagged
 # @starts_processes. Enforced whatever runs first: a test not marked fails if it (or a fixture
 # set up for it) starts a process, and any fixture that starts one untagged fails.
+
 
 class ProcessNotMarked(Exception):
     pass
@@ -208,7 +242,7 @@ class _Spawns:
     marked `processes` is set up or runs (`refusing` names it)."""
 
     def __init__(self) -> None:
-        self.started = [0]                 # one count per fixture being set up, innermost last
+        self.started = [0]  # one count per fixture being set up, innermost last
         self.refusing: str | None = None
         self.refused: list[str] = []
 
@@ -220,22 +254,30 @@ def _counted(original, what: str):
     @functools.wraps(original)
     def spawn(*args, **kwargs):
         if _spawns.refusing is not None:
-            message = (f"{_spawns.refusing} starts a process ({what}): mark it `processes` "
-                       "(@pytest.mark.processes), or tag the fixture that starts it "
-                       "@starts_processes (tests/helpers/servers.py)")
+            message = (
+                f"{_spawns.refusing} starts a process ({what}): mark it `processes` "
+                "(@pytest.mark.processes), or tag the fixture that starts it "
+                "@starts_processes (tests/helpers/servers.py)"
+            )
             _spawns.refused.append(message)
             raise ProcessNotMarked(message)
         _spawns.started[-1] += 1
         return original(*args, **kwargs)
+
     return spawn
 
 
 # Every way a process starts here: subprocess (and so os.popen, asyncio's subprocesses),
 # multiprocessing (fork: os.fork; spawn and forkserver: _posixsubprocess), os.fork and the rest.
-for _owner, _name, _what in [(subprocess.Popen, "_execute_child", "subprocess"),
-                             (_posixsubprocess, "fork_exec", "fork_exec"), (os, "fork", "os.fork"),
-                             (os, "forkpty", "os.forkpty"), (os, "posix_spawn", "os.posix_spawn"),
-                             (os, "posix_spawnp", "os.posix_spawnp"), (os, "system", "os.system")]:
+for _owner, _name, _what in [
+    (subprocess.Popen, "_execute_child", "subprocess"),
+    (_posixsubprocess, "fork_exec", "fork_exec"),
+    (os, "fork", "os.fork"),
+    (os, "forkpty", "os.forkpty"),
+    (os, "posix_spawn", "os.posix_spawn"),
+    (os, "posix_spawnp", "os.posix_spawnp"),
+    (os, "system", "os.system"),
+]:
     setattr(_owner, _name, _counted(getattr(_owner, _name), _what))
 
 
@@ -243,13 +285,15 @@ def _starts_processes(fixturedef) -> bool:
     return getattr(fixturedef.func, "starts_processes", False)
 
 
-@pytest.hookimpl(tryfirst=True)          # before -m deselects
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
-        if info and any(_starts_processes(fixturedef)
-                        for fixturedefs in info.name2fixturedefs.values()
-                        for fixturedef in fixturedefs):
+        if info and any(
+            _starts_processes(fixturedef)
+            for fixturedefs in info.name2fixturedefs.values()
+            for fixturedef in fixturedefs
+        ):
             item.add_marker(pytest.mark.processes)
 
 
@@ -263,7 +307,7 @@ def _refused_unless_marked(item):
         yield
     finally:
         _spawns.refusing = None
-    if _spawns.refused:                    # raised, and caught by the code under test
+    if _spawns.refused:  # raised, and caught by the code under test
         raise ProcessNotMarked(_spawns.refused[0])
 
 
@@ -287,7 +331,9 @@ def pytest_fixture_setup(fixturedef, request):
     finally:
         started = _spawns.started.pop()
     if started and not _starts_processes(fixturedef):
-        raise ProcessNotMarked(f"fixture {fixturedef.argname} ({fixturedef.baseid or '.'}) "
-                               "starts a process: tag it @starts_processes "
-                               "(tests/helpers/servers.py)")
+        raise ProcessNotMarked(
+            f"fixture {fixturedef.argname} ({fixturedef.baseid or '.'}) "
+            "starts a process: tag it @starts_processes "
+            "(tests/helpers/servers.py)"
+        )
     return value

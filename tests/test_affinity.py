@@ -1,4 +1,5 @@
 """Multi-worker affinity: conversations stick to the worker holding their cache; P/D choice."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ def worker_health(gateway, slot: int) -> dict:
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
-def test_four_workers_keep_conversations_on_their_owner(fresh_engines, gateway_factory,
-                                                        worker_class):
+def test_four_workers_keep_conversations_on_their_owner(
+    fresh_engines, gateway_factory, worker_class
+):
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url], workers=4, worker_class=worker_class)
     answered = metric(gateway, "pd_gateway_responses_total")
@@ -58,7 +60,7 @@ def test_forwarding_is_off_without_private_listeners_or_when_switched_off():
     assert not Owners(Settings(affinity=False), None, environ).enabled
     assert not Owners(Settings(store="redis://127.0.0.1:9/0"), None, environ).enabled
     assert not Owners(Settings(), None, {"PD_GATEWAY_WORKER_SLOT": "0"}).enabled  # one worker
-    assert not Owners(Settings(), None, {}).enabled        # not under gunicorn's hooks
+    assert not Owners(Settings(), None, {}).enabled  # not under gunicorn's hooks
     # A request that came on this worker's own private port was forwarded: served here.
     owners = Owners(Settings(), None, environ)
     assert not owners.may_forward("9002")
@@ -92,7 +94,7 @@ def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines
                 killed.set()
                 os.kill(victim["pid"], signal.SIGKILL)
 
-        workload.drive(convs, turns=3, before_turn=kill_once)   # killed amid the run
+        workload.drive(convs, turns=3, before_turn=kill_once)  # killed amid the run
         assert workload.errors(convs) == []
         owned = {c.cid for c in convs if owner(identify({}, {}, c.cid).root, 4) == 2}
         misses = {c.cid: c.caches[1:].count("miss") for c in convs}
@@ -102,15 +104,18 @@ def test_sigkill_of_a_worker_costs_only_its_conversations_one_miss(fresh_engines
         assert all(misses[cid] == 1 for cid in owned), {cid: misses[cid] for cid in owned}
         others = [cid for cid, n in misses.items() if n and cid not in owned]
         assert len(others) <= 16, others
-        print(f"\nSIGKILL of slot 2: {len(owned)} owned conversations missed once, "
-              f"{len(others)} others (in flight through it) missed once")
+        print(
+            f"\nSIGKILL of slot 2: {len(owned)} owned conversations missed once, "
+            f"{len(others)} others (in flight through it) missed once"
+        )
         wait_until(lambda: worker_health(gateway, 2)["pid"] != victim["pid"], 20, "replacement")
         assert worker_health(gateway, 2)["worker"] == 2
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
-def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_engines,
-                                                                         worker_class):
+def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(
+    fresh_engines, worker_class
+):
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], workers=2, worker_class=worker_class) as gateway:
         for slot in range(2):
@@ -125,11 +130,14 @@ def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_en
                 reloaded.set()
                 gateway.process.send_signal(signal.SIGHUP)
 
-        workload.drive(convs, turns=3, before_turn=hup_once)   # reloaded amid the run
+        workload.drive(convs, turns=3, before_turn=hup_once)  # reloaded amid the run
         assert workload.errors(convs) == []
         # gunicorn starts a new set of workers, then stops the old set.
-        wait_until(lambda: len(workers_of(gateway)) == 2 and not workers_of(gateway) & old,
-                   60, "the old workers to stop")
+        wait_until(
+            lambda: len(workers_of(gateway)) == 2 and not workers_of(gateway) & old,
+            60,
+            "the old workers to stop",
+        )
         assert [worker_health(gateway, slot)["worker"] for slot in range(2)] == [0, 1]
         fresh = workload.run(gateway.url, conversations=40, turns=3)
         hits, later = workload.later_hits(fresh)
@@ -139,6 +147,7 @@ def test_sighup_reload_keeps_serving_and_the_new_workers_take_the_slots(fresh_en
 
 def test_after_ttou_no_request_waits_for_a_worker_that_is_gone(fresh_engines):
     from devtools import procstat, workload
+
     p, d = fresh_engines
     with gateway_process([p.url], [d.url], workers=3) as gateway:
         convs = workload.run(gateway.url, conversations=12, turns=1, concurrency=6)
@@ -176,8 +185,10 @@ def pulled_on_d(two_by_two, routing: str, gateway_factory) -> tuple[int, int]:
 def test_conversation_affine_choice_cuts_decode_pulls(two_by_two, gateway_factory):
     rr_pulled, rr_hits = pulled_on_d(two_by_two, "round_robin", gateway_factory)
     affine_pulled, affine_hits = pulled_on_d(two_by_two, "affinity", gateway_factory)
-    print(f"\nD pulled tokens, 2P x 2D, 40 conversations x 5 turns: round robin {rr_pulled}, "
-          f"affinity {affine_pulled} ({1 - affine_pulled / rr_pulled:.0%} fewer)")
+    print(
+        f"\nD pulled tokens, 2P x 2D, 40 conversations x 5 turns: round robin {rr_pulled}, "
+        f"affinity {affine_pulled} ({1 - affine_pulled / rr_pulled:.0%} fewer)"
+    )
     assert rr_hits == affine_hits == 160
     assert affine_pulled <= 0.3 * rr_pulled
 

@@ -1,6 +1,7 @@
 """The alert rules, their unit tests and the dashboard select only series and label values the
 gateway emits: each metric's declared values (gateway.support.metrics), the ones README lists.
 (promtool runs the rules' tests, and a real Prometheus the expressions: tests/test_deploy.py.)"""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,12 +18,13 @@ RULE_TESTS = DEPLOY / "prometheus" / "pd-gateway.rules.test.yml"
 SELECTOR = re.compile(r"\b(pd_gateway_[a-z_]+)\{([^}]*)\}")
 MATCHER = re.compile(r'([a-z_]+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 SUFFIXES = ("_total", "_bucket", "_count", "_sum")
-SCRAPE_LABELS = {"job", "instance", "le"}     # Prometheus' own, and a histogram's bucket
+SCRAPE_LABELS = {"job", "instance", "le"}  # Prometheus' own, and a histogram's bucket
 
 
 def _dashboard_queries() -> list[str]:
-    spec = importlib.util.spec_from_file_location("pd_gateway_dashboard",
-                                                  DEPLOY / "grafana" / "dashboard.py")
+    spec = importlib.util.spec_from_file_location(
+        "pd_gateway_dashboard", DEPLOY / "grafana" / "dashboard.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.queries(module.dashboard())
@@ -60,12 +62,12 @@ def _wrong_values(text: str) -> list[str]:
                 wrong.append(f"{name}: no label {label}")
                 continue
             allowed = metric.values[label]
-            if isinstance(allowed, str):     # an open set: engines' names, models, statuses
+            if isinstance(allowed, str):  # an open set: engines' names, models, statuses
                 if label == "status" and op == "=" and not re.fullmatch(r"[1-5]\d\d", value):
                     wrong.append(f"{name}: status {value!r}")
                 continue
             # Each alternative of a regex must match a value the gateway emits.
-            for pattern in (value.split("|") if op in ("=~", "!~") else [re.escape(value)]):
+            for pattern in value.split("|") if op in ("=~", "!~") else [re.escape(value)]:
                 if not any(re.fullmatch(pattern, v) for v in allowed):
                     wrong.append(f"{name}: {label}{op}{value!r} matches none of {allowed}")
     return wrong
@@ -91,14 +93,18 @@ def test_the_rules_unit_tests_feed_only_series_the_gateway_emits():
 
 def test_the_check_finds_what_a_wrong_rule_would_select():
     assert _wrong_values('pd_gateway_errors_total{stage="decode"}') == [
-        "pd_gateway_errors_total: stage='decode' matches none of ('request', 'stream')"]
+        "pd_gateway_errors_total: stage='decode' matches none of ('request', 'stream')"
+    ]
     assert _wrong_values('pd_gateway_requests_total{cache=~"hit|read"}') == [
-        "pd_gateway_requests_total: cache=~'hit|read' matches none of ('hit', 'partial', 'miss')"]
+        "pd_gateway_requests_total: cache=~'hit|read' matches none of ('hit', 'partial', 'miss')"
+    ]
     assert _wrong_values('pd_gateway_admissions_total{result=~"rejected_.*"}') == []
     assert _wrong_values('pd_gateway_requests_total{cachee="hit"}') == [
-        "pd_gateway_requests_total: no label cachee"]
+        "pd_gateway_requests_total: no label cachee"
+    ]
     assert _wrong_values('pd_gateway_hits_total{job="x"}') == [
-        "pd_gateway_hits_total: not a metric of the gateway"]
+        "pd_gateway_hits_total: not a metric of the gateway"
+    ]
 
 
 def test_the_dashboard_needs_no_recording_rule():

@@ -1,6 +1,7 @@
 """bench.reuse's measuring side: the skewed workload as specified (seeded, long conversations
 near 10,000 tokens beside short ones), issue 44's goal per row, and its client against a real
 engine (every gap between content events kept, every turn tagged with its conversation's kind)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,9 +64,19 @@ def test_short_conversations_start_spread_over_one_think_time():
 
 
 def row(system: str, computed: int, ttft_p99: float) -> dict:
-    return {"scenario": "s", "reply": 256, "system": system, "computed": computed,
-            "turns": 10, "ttft_p50_ms": 1.0, "ttft_p99_ms": ttft_p99, "short_ttft_p99_ms": None,
-            "itl_p99_ms": 5.0, "read_turns": 0, "d_pinned_peak": 0}
+    return {
+        "scenario": "s",
+        "reply": 256,
+        "system": system,
+        "computed": computed,
+        "turns": 10,
+        "ttft_p50_ms": 1.0,
+        "ttft_p99_ms": ttft_p99,
+        "short_ttft_p99_ms": None,
+        "itl_p99_ms": 5.0,
+        "read_turns": 0,
+        "d_pinned_peak": 0,
+    }
 
 
 def test_goal_bounds_the_gateway_by_cache_aware_only_where_it_computes_2x_fewer_tokens():
@@ -78,9 +89,14 @@ def test_goal_bounds_the_gateway_by_cache_aware_only_where_it_computes_2x_fewer_
 
 
 def test_summary_prints_the_goal_for_each_gateway_row():
-    rows = [row(reuse.SYSTEMS[key].label, computed, p99) for key, computed, p99 in
-            (("gateway", 1_000, 50.0), ("vllm-router", 3_000, 100.0),
-             ("vllm-router-rr", 3_000, 40.0))]
+    rows = [
+        row(reuse.SYSTEMS[key].label, computed, p99)
+        for key, computed, p99 in (
+            ("gateway", 1_000, 50.0),
+            ("vllm-router", 3_000, 100.0),
+            ("vllm-router-rr", 3_000, 40.0),
+        )
+    ]
     goal_lines = [line for line in reuse.summary(rows).splitlines() if "goal" in line]
     assert len(goal_lines) == 1
     assert "3.00x fewer tokens) PASS" in goal_lines[0]
@@ -92,10 +108,15 @@ def test_client_keeps_every_gap_and_tags_each_turn(fresh_engines, tmp_path):
     _, d = fresh_engines
     scenario = dataclasses.replace(SKEWED, live=3, long=1, think=0.0)
     out = tmp_path / "load.json"
-    spec = {"url": d.url, "out": str(out), "reply": 8, "ids": False, "salt": "client-test",
-            "scenario": dataclasses.asdict(scenario)}
-    subprocess.run([sys.executable, "-c", reuse.CLIENT, json.dumps(spec)], check=True,
-                   timeout=120)
+    spec = {
+        "url": d.url,
+        "out": str(out),
+        "reply": 8,
+        "ids": False,
+        "salt": "client-test",
+        "scenario": dataclasses.asdict(scenario),
+    }
+    subprocess.run([sys.executable, "-c", reuse.CLIENT, json.dumps(spec)], check=True, timeout=120)
     load = json.loads(out.read_text())
     assert load["errors"] == []
     turns = load["turns"]

@@ -1,4 +1,5 @@
 """Conversation identity: canonical digests (property-tested), lookups, prefix checks, tenants."""
+
 from __future__ import annotations
 
 import json
@@ -11,16 +12,26 @@ from gateway.reuse.conversation import identify, root_key
 
 text = st.text(max_size=30)
 part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
-tool_call = st.fixed_dictionaries({
-    "id": st.text(min_size=1, max_size=8), "type": st.just("function"),
-    "function": st.fixed_dictionaries({"name": st.text(min_size=1, max_size=8),
-                                       "arguments": st.text(max_size=20)})})
+tool_call = st.fixed_dictionaries(
+    {
+        "id": st.text(min_size=1, max_size=8),
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.text(min_size=1, max_size=8), "arguments": st.text(max_size=20)}
+        ),
+    }
+)
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool"]),
-     "content": st.one_of(text, st.lists(part, min_size=1, max_size=3))},
-    optional={"name": st.text(min_size=1, max_size=8),
-              "tool_calls": st.lists(tool_call, min_size=1, max_size=2),
-              "tool_call_id": st.text(min_size=1, max_size=8)})
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+        "content": st.one_of(text, st.lists(part, min_size=1, max_size=3)),
+    },
+    optional={
+        "name": st.text(min_size=1, max_size=8),
+        "tool_calls": st.lists(tool_call, min_size=1, max_size=2),
+        "tool_call_id": st.text(min_size=1, max_size=8),
+    },
+)
 messages = st.lists(message, min_size=1, max_size=6)
 
 
@@ -43,16 +54,22 @@ def ident(msgs, auth="Bearer a", cid=None, **extra):
 @given(messages, st.integers(0, 2**32), st.sampled_from([None, 1, 4]))
 def test_digests_are_stable_under_key_order_and_spacing(msgs, seed, indent):
     rng = random.Random(seed)
-    relaid = json.loads(json.dumps(shuffled(msgs, rng), indent=indent,
-                                   separators=None if indent else (",", ":")))
+    relaid = json.loads(
+        json.dumps(shuffled(msgs, rng), indent=indent, separators=None if indent else (",", ":"))
+    )
     assert ident(relaid).messages == ident(msgs).messages
     assert ident(relaid).root == ident(msgs).root
 
 
 @settings(max_examples=200)
-@given(st.one_of(st.fixed_dictionaries({"model": st.just("m"), "messages": messages}),
-                 st.fixed_dictionaries({"model": st.just("m"), "prompt": text})),
-       st.sampled_from([None, "c1"]), st.sampled_from([{}, {"X-Session-ID": "s"}]))
+@given(
+    st.one_of(
+        st.fixed_dictionaries({"model": st.just("m"), "messages": messages}),
+        st.fixed_dictionaries({"model": st.just("m"), "prompt": text}),
+    ),
+    st.sampled_from([None, "c1"]),
+    st.sampled_from([{}, {"X-Session-ID": "s"}]),
+)
 def test_the_forwarding_root_is_the_identity_root(body, cid, headers):
     """A non-owner routes by root_key alone; the owner must arrive at the same root."""
     headers = {"Authorization": "Bearer a", **headers}
@@ -75,11 +92,14 @@ def test_any_content_change_changes_the_digest_from_there_on(msgs, data):
 
 
 def test_text_parts_equal_the_joined_string_and_none_equals_empty():
-    as_parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                             {"type": "text", "text": "b"}]}]
+    as_parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
     assert ident(as_parts).messages == ident([{"role": "user", "content": "a\nb"}]).messages
-    assert (ident([{"role": "assistant", "content": None}]).messages
-            == ident([{"role": "assistant", "content": ""}]).messages)
+    assert (
+        ident([{"role": "assistant", "content": None}]).messages
+        == ident([{"role": "assistant", "content": ""}]).messages
+    )
 
 
 def test_scope_separates_tenants_models_and_prompt_fields():
@@ -88,7 +108,7 @@ def test_scope_separates_tenants_models_and_prompt_fields():
     assert ident(msgs, auth="Bearer b").messages != base.messages
     assert ident(msgs, model="other").messages != base.messages
     assert ident(msgs, tools=[{"type": "function"}]).messages != base.messages
-    assert ident(msgs, temperature=0.5).messages == base.messages   # doesn't change the prompt
+    assert ident(msgs, temperature=0.5).messages == base.messages  # doesn't change the prompt
     assert ident(msgs, cid="c1").root != ident(msgs, auth="Bearer b", cid="c1").root
 
 
@@ -110,11 +130,18 @@ def test_explicit_ids_key_by_id_and_still_check_the_history():
     turn1 = [{"role": "user", "content": "q1"}]
     key, digest, length = ident(turn1, cid="c").after({"role": "assistant", "content": "a"})
     assert key == ident(turn1, cid="c").root
-    follow = ident(turn1 + [{"role": "assistant", "content": "a"},
-                            {"role": "user", "content": "q2"}], cid="c")
+    follow = ident(
+        turn1 + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}], cid="c"
+    )
     assert follow.lookups() == [key] and follow.extends(digest, length)
-    other = ident([{"role": "user", "content": "zz"}, {"role": "assistant", "content": "a"},
-                   {"role": "user", "content": "q2"}], cid="c")
+    other = ident(
+        [
+            {"role": "user", "content": "zz"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "q2"},
+        ],
+        cid="c",
+    )
     assert not other.extends(digest, length)
 
 
@@ -130,18 +157,33 @@ def test_completion_prompts_are_checked_by_prefix():
 def test_every_field_outside_the_allowlist_is_part_of_the_scope():
     msgs = [{"role": "user", "content": "hi"}]
     base = ident(msgs)
-    for field, value in [("cache_salt", "s"), ("reasoning_effort", "high"),
-                         ("mm_processor_kwargs", {"fps": 2}), ("tool_choice", "none"),
-                         ("documents", [{"text": "d"}]), ("a_field_vllm_adds_tomorrow", 1)]:
+    for field, value in [
+        ("cache_salt", "s"),
+        ("reasoning_effort", "high"),
+        ("mm_processor_kwargs", {"fps": 2}),
+        ("tool_choice", "none"),
+        ("documents", [{"text": "d"}]),
+        ("a_field_vllm_adds_tomorrow", 1),
+    ]:
         assert ident(msgs, **{field: value}).messages != base.messages, field
-    for field, value in [("temperature", 0.2), ("max_tokens", 9), ("stream", True), ("seed", 3),
-                         ("return_token_ids", True), ("stop", ["x"]), ("logprobs", True)]:
+    for field, value in [
+        ("temperature", 0.2),
+        ("max_tokens", 9),
+        ("stream", True),
+        ("seed", 3),
+        ("return_token_ids", True),
+        ("stop", ["x"]),
+        ("logprobs", True),
+    ]:
         assert ident(msgs, **{field: value}).messages == base.messages, field
 
 
 def test_truncated_prompts_look_up_and_leave_nothing():
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-            {"role": "user", "content": "q2"}]
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"},
+    ]
     for field in ("truncate_prompt_tokens", "prompt_embeds"):
         identity = ident(msgs, **{field: 5})
         assert identity.lookups() == [] and identity.after({"role": "assistant"})[0] is None
@@ -154,17 +196,19 @@ def test_completion_continuations_are_checked_at_a_token_boundary():
     spaced = identify({"prompt": "once upon a time there"}, {}, "c")
     glued = identify({"prompt": "once upon a timeless tale"}, {}, "c")
     newline = identify({"prompt": "once upon a time\nthere"}, {}, "c")
-    assert spaced.extends(digest, length) and glued.extends(digest, length)   # same characters
+    assert spaced.extends(digest, length) and glued.extends(digest, length)  # same characters
     assert spaced.at_boundary(length) and newline.at_boundary(length)
-    assert not glued.at_boundary(length)                                       # not the same tokens
+    assert not glued.at_boundary(length)  # not the same tokens
 
 
 def test_a_lookup_tries_at_most_the_most_recent_history_prefixes():
     """One store call per request, however long the body (issue: a million messages were a
     million Redis keys in one script)."""
     from gateway.reuse.conversation import LOOKUP_DEPTH
-    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
-                for i in range(1001)]
+
+    messages = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(1001)
+    ]
     identity = identify({"messages": messages}, {}, None)
     keys = identity.lookups()
     assert len(keys) == LOOKUP_DEPTH

@@ -2,6 +2,7 @@
 unit tests, a real Prometheus scraping a gateway under traffic for every expression the rules
 and the dashboard use, the dashboard against the code that writes it, and the Kubernetes
 manifests against Kubernetes' schemas and yamllint."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,8 +41,9 @@ NEEDS_PROMETHEUS = "Debian's prometheus package (make test installs it): promtoo
 
 def _promtool(*args: str) -> subprocess.CompletedProcess:
     assert PROMTOOL, NEEDS_PROMETHEUS
-    return subprocess.run([PROMTOOL, *args], cwd=RULES.parent, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [PROMTOOL, *args], cwd=RULES.parent, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.processes
@@ -54,23 +56,30 @@ def test_promtool_accepts_the_rules():
 def test_every_alert_fires_and_clears_in_promtools_unit_tests():
     tested = _promtool("test", "rules", "pd-gateway.rules.test.yml")
     assert tested.returncode == 0, tested.stdout + tested.stderr
-    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
-              for r in g["rules"] if "alert" in r}
+    alerts = {
+        r["alert"]
+        for g in yaml.safe_load(RULES.read_text())["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
     tests = yaml.safe_load((RULES.parent / "pd-gateway.rules.test.yml").read_text())["tests"]
     cases = [c for t in tests for c in t["alert_rule_test"]]
     fired = {c["alertname"] for c in cases if c["exp_alerts"]}
     cleared = {c["alertname"] for c in cases if not c["exp_alerts"]}
     assert alerts <= fired and alerts <= cleared, (alerts - fired, alerts - cleared)
-    for rule in (r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
-                 if "alert" in r):
+    for rule in (
+        r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r
+    ):
         assert rule["annotations"].get("runbook"), f"{rule['alert']} has no runbook line"
 
 
 # --- Kubernetes manifests ------------------------------------------------------------------------
 
+
 @pytest.mark.processes
 def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     import kubernetes_validate
+
     folder = DEPLOY / "kubernetes"
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     resources = {}
@@ -79,10 +88,9 @@ def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     for name in kustomization["resources"]:
         for doc in yaml.safe_load_all((folder / name).read_text()):
             for version in versions:
-                kubernetes_validate.validate(doc, version, strict=True)     # raises if not
+                kubernetes_validate.validate(doc, version, strict=True)  # raises if not
             resources[doc["kind"], doc["metadata"]["name"]] = doc
-    assert {k for k, _ in resources} >= {"Deployment", "Service", "PodDisruptionBudget",
-                                         "Secret"}
+    assert {k for k, _ in resources} >= {"Deployment", "Service", "PodDisruptionBudget", "Secret"}
     pod = resources["Deployment", "pd-gateway"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     env = {e["name"]: e for e in container["env"]}
@@ -96,21 +104,31 @@ def test_the_manifests_pass_kubernetes_schemas_and_yamllint():
     # Prometheus scrapes the metrics listener, which needs no token.
     metrics_port = int(env["GATEWAY_METRICS_PORT"]["value"])
     annotations = resources["Deployment", "pd-gateway"]["spec"]["template"]["metadata"][
-        "annotations"]
+        "annotations"
+    ]
     assert int(annotations["prometheus.io/port"]) == metrics_port
     assert {"name": "metrics", "containerPort": metrics_port} in container["ports"]
     # Memory (docs/operating.md, "Memory"): the limit is the master's and each worker's rest,
     # as measured (bench.pod_memory), and 15 times the bodies each worker may hold, and room.
     workers = int(env["GATEWAY_WORKERS"]["value"])
-    bodies = max(int(env[name]["value"]) for name in
-                 ("GATEWAY_MAX_BODY_BYTES", "GATEWAY_MAX_BODIES_BYTES")) / 2**20
+    bodies = (
+        max(
+            int(env[name]["value"])
+            for name in ("GATEWAY_MAX_BODY_BYTES", "GATEWAY_MAX_BODIES_BYTES")
+        )
+        / 2**20
+    )
     needed = 33 + workers * (96 + 15 * bodies)
     limit = _mebibytes(container["resources"]["limits"]["memory"])
     assert needed <= limit <= needed + 256, (needed, limit)
-    for role in ("prefill", "decode"):                # headless: the gateway's DNS discovery
+    for role in ("prefill", "decode"):  # headless: the gateway's DNS discovery
         assert resources["Service", f"vllm-{role}"]["spec"]["clusterIP"] == "None"
-    linted = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint"),
-                             str(DEPLOY)], capture_output=True, text=True, timeout=60)
+    linted = subprocess.run(
+        [sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint"), str(DEPLOY)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert linted.returncode == 0, linted.stdout + linted.stderr
 
 
@@ -127,21 +145,35 @@ def _mebibytes(quantity: str) -> float:
 # both, so no container depends on what its pod says.
 
 POD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet")
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
-                      "persistentVolumeClaim", "projected", "secret"}
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 
 
 def _manifests() -> list[dict]:
     folder = DEPLOY / "kubernetes"
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    return [doc for name in kustomization["resources"]
-            for doc in yaml.safe_load_all((folder / name).read_text())]
+    return [
+        doc
+        for name in kustomization["resources"]
+        for doc in yaml.safe_load_all((folder / name).read_text())
+    ]
 
 
 def _pods(docs: list[dict]) -> dict[str, dict]:
     """Every pod spec the manifests make, by the name of what makes it."""
-    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
-            for doc in docs if doc["kind"] in POD_KINDS}
+    pods = {
+        doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
+        for doc in docs
+        if doc["kind"] in POD_KINDS
+    }
     pods.update({doc["metadata"]["name"]: doc["spec"] for doc in docs if doc["kind"] == "Pod"})
     return pods
 
@@ -190,18 +222,21 @@ def pod_security_violations(pod: dict) -> list[str]:
 def test_every_pod_passes_the_restricted_pod_security_standard():
     pods = _pods(_manifests())
     assert set(pods) == {"pd-gateway", "pd-gateway-redis"}
-    assert {name: pod_security_violations(pod) for name, pod in pods.items()} == \
-        {name: [] for name in pods}
+    assert {name: pod_security_violations(pod) for name, pod in pods.items()} == {
+        name: [] for name in pods
+    }
 
 
 def _breakages(pods: dict[str, dict]):
     """Each rule of the check broken in one place of the kit's pods: (pod, what it breaks, how)."""
+
     def pop(*path):
         def breaking(pod):
             node = pod
             for key in path[:-1]:
                 node = node[key]
             del node[path[-1]]
+
         return breaking
 
     def put(value, *path):
@@ -210,37 +245,53 @@ def _breakages(pods: dict[str, dict]):
             for key in path[:-1]:
                 node = node[key] if isinstance(node, list) else node.setdefault(key, {})
             node[path[-1]] = value
+
         return breaking
 
     for name, pod in pods.items():
         yield name, "pod: securityContext.runAsNonRoot", pop("securityContext", "runAsNonRoot")
-        yield name, "pod: securityContext.seccompProfile", pop("securityContext",
-                                                                "seccompProfile")
+        yield name, "pod: securityContext.seccompProfile", pop("securityContext", "seccompProfile")
         yield name, "pod: securityContext.runAsUser is 0", put(0, "securityContext", "runAsUser")
         yield name, "pod: hostNetwork", put(True, "hostNetwork")
-        yield name, "is hostPath", lambda pod: pod.setdefault("volumes", []).append(
-            {"name": "host", "hostPath": {"path": "/"}})
+        yield (
+            name,
+            "is hostPath",
+            lambda pod: pod.setdefault("volumes", []).append(
+                {"name": "host", "hostPath": {"path": "/"}}
+            ),
+        )
         for i, container in enumerate(pod["containers"]):
             here = ("containers", i, "securityContext")
             for key in ("allowPrivilegeEscalation", "runAsNonRoot", "seccompProfile"):
-                yield name, f"container {container['name']}: securityContext.{key}", \
-                    pop(*here, key)
-            yield name, f"container {container['name']}: securityContext.capabilities.drop", \
-                pop(*here, "capabilities", "drop")
-            yield name, f"container {container['name']}: securityContext.allowPrivilegeEscalation", \
-                put(True, *here, "allowPrivilegeEscalation")
-            yield name, f"container {container['name']}: securityContext.capabilities.add", \
-                put(["SYS_ADMIN"], *here, "capabilities", "add")
-            yield name, f"container {container['name']}: privileged", \
-                put(True, *here, "privileged")
-            yield name, f"container {container['name']}: securityContext.runAsUser is 0", \
-                put(0, *here, "runAsUser")
+                yield name, f"container {container['name']}: securityContext.{key}", pop(*here, key)
+            yield (
+                name,
+                f"container {container['name']}: securityContext.capabilities.drop",
+                pop(*here, "capabilities", "drop"),
+            )
+            yield (
+                name,
+                f"container {container['name']}: securityContext.allowPrivilegeEscalation",
+                put(True, *here, "allowPrivilegeEscalation"),
+            )
+            yield (
+                name,
+                f"container {container['name']}: securityContext.capabilities.add",
+                put(["SYS_ADMIN"], *here, "capabilities", "add"),
+            )
+            yield name, f"container {container['name']}: privileged", put(True, *here, "privileged")
+            yield (
+                name,
+                f"container {container['name']}: securityContext.runAsUser is 0",
+                put(0, *here, "runAsUser"),
+            )
 
 
 def test_the_pod_security_check_finds_each_rule_broken():
     """The check can fail: every rule removed (or turned) in every pod and container of the
     kit, one at a time, is found and named."""
     import copy
+
     pods = _pods(_manifests())
     for name, what, breaking in _breakages(pods):
         pod = copy.deepcopy(pods[name])
@@ -249,6 +300,7 @@ def test_the_pod_security_check_finds_each_rule_broken():
 
 
 # --- Redis: a password from the Secret, and only the gateway's pods reach it -----------------
+
 
 def _expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) in args and env values: a variable it knows, else left as it is."""
@@ -261,15 +313,21 @@ def _env(container: dict, secret: dict[str, str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in container.get("env", []):
         ref = item.get("valueFrom", {}).get("secretKeyRef")
-        env[item["name"]] = (secret[ref["key"]] if ref and ref["name"] == "pd-gateway"
-                             else _expand(item["value"], env))
+        env[item["name"]] = (
+            secret[ref["key"]]
+            if ref and ref["name"] == "pd-gateway"
+            else _expand(item["value"], env)
+        )
     return env
 
 
 def test_only_the_gateways_pods_reach_redis():
     docs = _manifests()
-    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"]
-            for doc in docs if doc["kind"] in POD_KINDS}
+    pods = {
+        doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"]
+        for doc in docs
+        if doc["kind"] in POD_KINDS
+    }
     (policy,) = [doc["spec"] for doc in docs if doc["kind"] == "NetworkPolicy"]
     assert policy["podSelector"]["matchLabels"] == pods["pd-gateway-redis"]
     assert policy["policyTypes"] == ["Ingress"]
@@ -305,21 +363,26 @@ def test_the_kits_redis_needs_the_password_its_gateways_store_url_carries(fresh_
             redis_py.Redis(host=server.host, port=server.port, socket_timeout=5).ping()
         store = store.replace("pd-gateway-redis:6379", f"{server.host}:{server.port}")
         p, d = fresh_engines
-        with gateway_process([p.url], [d.url], store=store, api_keys="tenant",
-                             key_rpm=3) as gateway:
+        with gateway_process(
+            [p.url], [d.url], store=store, api_keys="tenant", key_rpm=3
+        ) as gateway:
             report = gateway.status()
             assert report["store"] == "redis" and report["reachable"]
             messages = [{"role": "user", "content": "a conversation kept in Redis"}]
             caches = []
             for _ in range(4):
-                reply = requests.post(gateway.url + "/v1/chat/completions", timeout=20,
-                                      headers={"Authorization": "Bearer tenant"},
-                                      json={"model": MODEL, "max_tokens": 4,
-                                            "messages": messages})
+                reply = requests.post(
+                    gateway.url + "/v1/chat/completions",
+                    timeout=20,
+                    headers={"Authorization": "Bearer tenant"},
+                    json={"model": MODEL, "max_tokens": 4, "messages": messages},
+                )
                 caches.append((reply.status_code, reply.headers.get("X-Gateway-Cache")))
                 if reply.status_code == 200:
-                    messages += [reply.json()["choices"][0]["message"],
-                                 {"role": "user", "content": "more"}]
+                    messages += [
+                        reply.json()["choices"][0]["message"],
+                        {"role": "user", "content": "more"},
+                    ]
             # The third turn hit through Redis; the fourth was over the key's rpm, counted there.
             assert caches[:3] == [(200, "miss"), (200, "hit"), (200, "hit")]
             assert caches[3][0] == 429
@@ -354,11 +417,17 @@ def test_the_images_final_stage_installs_built_wheels_and_no_compiler():
     (builder,) = [stage for stage in builders if stage["name"] == "builder"]
     runs = [rest for word, rest in final["steps"] if word == "RUN"]
     assert not [run for run in runs if "apt-get" in run or COMPILERS.search(run)], runs
-    assert not [rest for word, rest in final["steps"] if word in ("ADD", "COPY")
-                and "--from=builder" not in rest]        # nothing of the sources either
+    assert not [
+        rest
+        for word, rest in final["steps"]
+        if word in ("ADD", "COPY") and "--from=builder" not in rest
+    ]  # nothing of the sources either
     # The builder makes wheels (and has the compiler: gunicorn-h1c compiles)...
-    assert any("pip wheel" in rest and "--wheel-dir /wheels" in rest
-               for word, rest in builder["steps"] if word == "RUN")
+    assert any(
+        "pip wheel" in rest and "--wheel-dir /wheels" in rest
+        for word, rest in builder["steps"]
+        if word == "RUN"
+    )
     assert any(COMPILERS.search(rest) for word, rest in builder["steps"] if word == "RUN")
     # ...the final stage installs them alone, building nothing (pip refuses to).
     (install,) = [run for run in runs if "pip install" in run]
@@ -370,16 +439,22 @@ def test_the_images_final_stage_installs_built_wheels_and_no_compiler():
     pod = _pods(_manifests())["pd-gateway"]
     assert ("USER", str(pod["securityContext"]["runAsUser"])) in final["steps"]
     (container,) = pod["containers"]
-    exposed = {int(port) for word, rest in final["steps"] if word == "EXPOSE"
-               for port in rest.split()}
+    exposed = {
+        int(port) for word, rest in final["steps"] if word == "EXPOSE" for port in rest.split()
+    }
     assert exposed == {port["containerPort"] for port in container["ports"]}
 
 
 # --- the names, against what a gateway exports --------------------------------------------
 
+
 def _recorded() -> set[str]:
-    return {r["record"] for g in yaml.safe_load(RULES.read_text())["groups"]
-            for r in g["rules"] if "record" in r}
+    return {
+        r["record"]
+        for g in yaml.safe_load(RULES.read_text())["groups"]
+        for r in g["rules"]
+        if "record" in r
+    }
 
 
 def _expressions() -> list[str]:
@@ -406,14 +481,17 @@ def _exported(text: str) -> set[str]:
 
 
 def test_the_dashboard_json_is_what_its_code_writes():
-    assert (DEPLOY / "grafana" / "pd-gateway.json").read_text() == dashboard.render(), \
+    assert (DEPLOY / "grafana" / "pd-gateway.json").read_text() == dashboard.render(), (
         "run python deploy/grafana/dashboard.py"
+    )
     board = json.loads(dashboard.render())
     assert board["uid"] == "pd-gateway" and all(
-        p["targets"] for p in board["panels"] if p["type"] != "row")
+        p["targets"] for p in board["panels"] if p["type"] != "row"
+    )
 
 
 # --- a real Prometheus scraping a gateway under traffic --------------------------------------
+
 
 @pytest.fixture(scope="module")
 @starts_processes
@@ -426,11 +504,19 @@ def scraped(tmp_path_factory):
     keys = work / "keys"
     keys.write_text("tenant rpm=1000\nlimited rpm=1\n")
     metrics_port = free_port("127.0.0.1")
-    with EmulatorProcess("prefill", host="127.0.0.69", itl_ms=1, bidirectional_kv_xfer=True) as p, \
-            EmulatorProcess("decode", host="127.0.0.70", itl_ms=1, bidirectional_kv_xfer=True) as d, \
-            gateway_process([p.url], [d.url], workers=2, api_keys_file=str(keys),
-                            engine_metrics_interval=0.5, metrics_port=metrics_port,
-                            metrics_host="127.0.0.1") as gateway:
+    with (
+        EmulatorProcess("prefill", host="127.0.0.69", itl_ms=1, bidirectional_kv_xfer=True) as p,
+        EmulatorProcess("decode", host="127.0.0.70", itl_ms=1, bidirectional_kv_xfer=True) as d,
+        gateway_process(
+            [p.url],
+            [d.url],
+            workers=2,
+            api_keys_file=str(keys),
+            engine_metrics_interval=0.5,
+            metrics_port=metrics_port,
+            metrics_host="127.0.0.1",
+        ) as gateway,
+    ):
         gateway.metrics_url = f"http://127.0.0.1:{metrics_port}"
         # The rules as deployed, evaluated every second.
         rules = yaml.safe_load(RULES.read_text())
@@ -441,18 +527,35 @@ def scraped(tmp_path_factory):
         (job,) = yaml.safe_load(EXAMPLE.read_text())["scrape_configs"]
         job["static_configs"] = [{"targets": [gateway.metrics_url.split("//")[1]]}]
         port = free_port("127.0.0.1")
-        (work / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(work / "rules.yml")], "scrape_configs": [job]}))
+        (work / "prometheus.yml").write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(work / "rules.yml")],
+                    "scrape_configs": [job],
+                }
+            )
+        )
         log = open(work / "prometheus.log", "wb")
         server = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                PROMETHEUS,
+                f"--config.file={work / 'prometheus.yml'}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_until(lambda: requests.get(url + "/-/ready", timeout=2).status_code == 200, 30,
-                       "Prometheus ready", server, str(work / "prometheus.log"))
+            wait_until(
+                lambda: requests.get(url + "/-/ready", timeout=2).status_code == 200,
+                30,
+                "Prometheus ready",
+                server,
+                str(work / "prometheus.log"),
+            )
             _traffic(gateway, p)
             yield gateway, url
         finally:
@@ -464,22 +567,28 @@ def scraped(tmp_path_factory):
 def _traffic(gateway, p) -> None:
     """Multi-turn conversations, a refusal for a key's rate, an engine failure: the series
     the rules and the dashboard read."""
+
     def chat(messages, key="tenant"):
-        return requests.post(gateway.url + "/v1/chat/completions", timeout=20,
-                             headers={"Authorization": f"Bearer {key}"},
-                             json={"model": MODEL, "max_tokens": 4, "messages": messages})
+        return requests.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=20,
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": MODEL, "max_tokens": 4, "messages": messages},
+        )
 
     for n in range(6):
         messages = [{"role": "user", "content": f"conversation {n}"}]
         for _ in range(3):
             reply = chat(messages)
             assert reply.status_code == 200
-            messages += [reply.json()["choices"][0]["message"],
-                         {"role": "user", "content": "more"}]
-        stream = requests.post(gateway.url + "/v1/chat/completions", timeout=20, stream=True,
-                               headers={"Authorization": "Bearer tenant"},
-                               json={"model": MODEL, "max_tokens": 4, "stream": True,
-                                     "messages": messages})
+            messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+        stream = requests.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=20,
+            stream=True,
+            headers={"Authorization": "Bearer tenant"},
+            json={"model": MODEL, "max_tokens": 4, "stream": True, "messages": messages},
+        )
         assert stream.status_code == 200 and stream.content.endswith(b"[DONE]\n\n")
     assert chat([{"role": "user", "content": "a"}], "limited").status_code == 200
     assert chat([{"role": "user", "content": "b"}], "limited").status_code == 429
@@ -520,13 +629,15 @@ def test_every_expression_names_only_what_the_gateway_exports(scraped):
 def test_every_expression_returns_data_from_a_real_prometheus(scraped):
     _, url = scraped
     rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
-    expressions = ([_left_side(r["expr"]) for r in rules]
-                   + [q.replace("$job", ".+") for q in dashboard.queries(dashboard.dashboard())])
+    expressions = [_left_side(r["expr"]) for r in rules] + [
+        q.replace("$job", ".+") for q in dashboard.queries(dashboard.dashboard())
+    ]
     pending = list(expressions)
 
-    def all_have_data() -> bool:        # asked again after each scrape and evaluation
+    def all_have_data() -> bool:  # asked again after each scrape and evaluation
         pending[:] = [e for e in pending if not _query(url, e)]
         return not pending
+
     try:
         wait_until(all_have_data, 60, "data for every expression")
     except RuntimeError:

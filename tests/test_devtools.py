@@ -1,4 +1,5 @@
 """The development tooling itself: ports, waiting, the client's SSE parser, the workload model."""
+
 from __future__ import annotations
 
 import socket
@@ -16,7 +17,7 @@ def test_ports_handed_out_are_never_handed_out_again_before_anyone_binds_them():
     runs = [range(base, base + 3) for base in (free_port(run=3) for _ in range(50))]
     ports = [port for run in runs for port in run]
     assert len(set(ports)) == len(ports)
-    assert all(20000 <= port < 32000 for port in ports)     # below the ephemeral range
+    assert all(20000 <= port < 32000 for port in ports)  # below the ephemeral range
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
@@ -34,14 +35,16 @@ def test_wait_until_returns_the_value_and_fails_with_the_log_tail(tmp_path):
         wait_until(lambda: False, 0.1, "nothing")
 
 
-STREAM = (b': keep-alive\n\ndata: {"choices": [{"delta": {"content": "a"}}]}\r\n\r\n'
-          b'data: {"choices": [{"text": " b"}]}\n\ndata: [DONE]\n\ndata: {"after": 1}\n\n')
+STREAM = (
+    b': keep-alive\n\ndata: {"choices": [{"delta": {"content": "a"}}]}\r\n\r\n'
+    b'data: {"choices": [{"text": " b"}]}\n\ndata: [DONE]\n\ndata: {"after": 1}\n\n'
+)
 
 
 def test_events_from_bytes_or_chunks_end_at_done():
     expected = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"text": " b"}]}, "[DONE]"]
     assert sse.events(STREAM) == expected
-    assert sse.events(STREAM[i:i + 1] for i in range(len(STREAM))) == expected
+    assert sse.events(STREAM[i : i + 1] for i in range(len(STREAM))) == expected
     assert sse.reply(expected) == "a b"
     sse.check(expected)
 
@@ -59,7 +62,7 @@ def test_check_says_why_a_stream_is_unusable():
 def test_a_conversation_asks_once_per_reply_and_a_benchmark_one_is_reproducible():
     conv = Conversation(explicit=False, session_header=True)
     conv.ask()
-    conv.ask()                                           # still waiting: the same question
+    conv.ask()  # still waiting: the same question
     assert [m["role"] for m in conv.messages] == ["user"]
     assert "conversation_id" not in conv.body() and conv.headers() == {"X-Session-ID": conv.cid}
     conv.add_reply("fine", "miss")

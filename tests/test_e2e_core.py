@@ -1,4 +1,5 @@
 """The core flow end to end: OpenAI SDK -> gateway under gunicorn -> emulated P and D processes."""
+
 from __future__ import annotations
 
 import uuid
@@ -18,8 +19,9 @@ def gateway(request, fresh_engines, gateway_factory):
 
 
 def sdk(gateway, **headers) -> OpenAI:
-    return OpenAI(base_url=gateway.url + "/v1", api_key="test-key", default_headers=headers,
-                  max_retries=0)
+    return OpenAI(
+        base_url=gateway.url + "/v1", api_key="test-key", default_headers=headers, max_retries=0
+    )
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "nonstream"])
@@ -51,8 +53,13 @@ def test_completions_turns_with_an_id_hit(gateway, fresh_engines, stream):
     prompt = f"once upon a time {uuid.uuid4().hex} in a land of disaggregated engines"
     cid = uuid.uuid4().hex
     for turn in range(TURNS):
-        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
-                                           stream=stream, extra_body={"conversation_id": cid})
+        result = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            stream=stream,
+            extra_body={"conversation_id": cid},
+        )
         if stream:
             chunks = list(result)
             assert all("kv_transfer_params" not in c.to_json() for c in chunks)
@@ -78,6 +85,7 @@ def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
     import requests
 
     from devtools import workload
+
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url], workers=2)
     convs = workload.run(gateway.url, conversations=10, turns=3, concurrency=4)
@@ -93,13 +101,15 @@ def test_metrics_sum_every_worker(fresh_engines, gateway_factory):
     assert "pd_gateway_time_to_first_byte_seconds_bucket" in text
 
 
-def test_the_metrics_directory_made_at_start_is_removed_at_exit(fresh_engines, tmp_path,
-                                                                monkeypatch):
+def test_the_metrics_directory_made_at_start_is_removed_at_exit(
+    fresh_engines, tmp_path, monkeypatch
+):
     """Without PROMETHEUS_MULTIPROC_DIR the master makes its own directory; its exit removes it."""
     from tests.helpers.servers import gateway_process
+
     p, d = fresh_engines
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))           # where the gateway's mkdtemp puts it
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the gateway's mkdtemp puts it
     with gateway_process([p.url], [d.url], workers=2) as gateway:
         made = list(tmp_path.glob("pd-gateway-metrics-*"))
         assert len(made) == 1
@@ -111,11 +121,19 @@ def test_keep_alive_connection_serves_many_streams(gateway):
     """Back-to-back streams on one kept-alive connection (the disconnect watcher must not
     touch a socket the next request is being read from)."""
     import requests
+
     session = requests.Session()
     for i in range(40):
-        response = session.post(gateway.url + "/v1/chat/completions", timeout=10, json={
-            "model": MODEL, "stream": True, "max_tokens": 2,
-            "messages": [{"role": "user", "content": f"keep alive {i}"}]})
+        response = session.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=10,
+            json={
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"keep alive {i}"}],
+            },
+        )
         assert response.status_code == 200 and response.content.endswith(b"data: [DONE]\n\n")
 
 
@@ -129,15 +147,24 @@ def test_a_connection_close_stream_ends_with_its_last_event(gateway):
     import socket
     import statistics
     import time
+
     host, port = gateway.url.split("//")[1].rsplit(":", 1)
     delays = []
     for _ in range(5):
-        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 4,
-                           "messages": [{"role": "user", "content": uuid.uuid4().hex}]}).encode()
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": uuid.uuid4().hex}],
+            }
+        ).encode()
         with socket.create_connection((host, int(port)), timeout=30) as client:
-            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
-                           b"Content-Type: application/json\r\nConnection: close\r\n"
-                           b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
             received, done_at = b"", None
             while True:
                 chunk = client.recv(65536)

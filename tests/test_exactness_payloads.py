@@ -3,6 +3,7 @@
 The engines are `responses` mocks whose /tokenize renders with the emulator's template, so the
 token ids they report are the ones a real engine's would be for that template.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,18 @@ import json
 import pytest
 import responses
 
-from emulator.tokens import EOS, THINK, END_THINK, Template, token_ids
-from tests.helpers.payloads import (D_URL, MISS, P_URL, PLAIN, client_events, d_stream, p_params,
-                                    p_reply, sse, tokenizer)
+from emulator.tokens import END_THINK, EOS, THINK, Template, token_ids
+from tests.helpers.payloads import (
+    D_URL,
+    MISS,
+    P_URL,
+    PLAIN,
+    client_events,
+    d_stream,
+    p_params,
+    p_reply,
+    tokenizer,
+)
 from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"
@@ -23,12 +33,25 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 def make_client(store):
     from gateway.app import create_app
     from gateway.config import Settings
+
     apps = []
 
     def make(verify_reuse="auto"):
-        apps.append(create_app(Settings(release_rate=0, engine_metrics_interval=0, probe_interval=0, prefill=[P_URL], decode=[D_URL], worker_class="gthread",
-                                        verify_reuse=verify_reuse), store=store,
-                               transport=ResponsesTransport()))
+        apps.append(
+            create_app(
+                Settings(
+                    release_rate=0,
+                    engine_metrics_interval=0,
+                    probe_interval=0,
+                    prefill=[P_URL],
+                    decode=[D_URL],
+                    worker_class="gthread",
+                    verify_reuse=verify_reuse,
+                ),
+                store=store,
+                transport=ResponsesTransport(),
+            )
+        )
         return apps[-1].test_client()
 
     yield make
@@ -36,8 +59,14 @@ def make_client(store):
         app.extensions["pd_gateway"].close()
 
 
-REASONING = [(None, THINK), ({"reasoning": "let"}, "let"), ({"reasoning": " me"}, "me"),
-             ({"reasoning": " think"}, "think"), (None, END_THINK), ({"content": "answer"}, "answer")]
+REASONING = [
+    (None, THINK),
+    ({"reasoning": "let"}, "let"),
+    ({"reasoning": " me"}, "me"),
+    ({"reasoning": " think"}, "think"),
+    (None, END_THINK),
+    ({"content": "answer"}, "answer"),
+]
 REASONING_ECHO = {"role": "assistant", "content": "answer", "reasoning": "let me think"}
 
 
@@ -49,26 +78,41 @@ def turn(client, messages, **extra):
 def test_a_template_is_probed_once_and_plain_chat_then_pays_nothing(make_client):
     client = make_client("auto")
     calls = []
-    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), calls))
+    responses.add_callback(
+        responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), calls)
+    )
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
     prompt = Template().render(MESSAGES)
-    responses.post(D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False),
-                   content_type="text/event-stream")
+    responses.post(
+        D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False), content_type="text/event-stream"
+    )
     assert turn(client, MESSAGES).status_code == 200
     # Three renders of a fixed conversation: generation prompt, reply, and the next turn.
-    assert [(len(c["messages"]), c.get("add_generation_prompt"), c.get("continue_final_message"))
-            for c in calls] == [(2, None, None), (3, False, True), (4, None, None)]
+    assert [
+        (len(c["messages"]), c.get("add_generation_prompt"), c.get("continue_final_message"))
+        for c in calls
+    ] == [(2, None, None), (3, False, True), (4, None, None)]
     assert all(c["model"] == "m" for c in calls)
-    d_sent = json.loads([c for c in responses.calls if c.request.url == D_URL + CHAT][0].request.body)
-    assert "return_token_ids" not in d_sent          # a safe template: no ids asked of D
+    d_sent = json.loads(
+        [c for c in responses.calls if c.request.url == D_URL + CHAT][0].request.body
+    )
+    assert "return_token_ids" not in d_sent  # a safe template: no ids asked of D
     # Turn 2 reuses on the digest: no /tokenize call, D's blocks go to P.
-    responses.post(D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False, params_n=2),
-                   content_type="text/event-stream")
-    reply = turn(client, MESSAGES + [{"role": "assistant", "content": "fine thanks"},
-                                     {"role": "user", "content": "more"}])
+    responses.post(
+        D_URL + CHAT,
+        body=d_stream(prompt, PLAIN, with_ids=False, params_n=2),
+        content_type="text/event-stream",
+    )
+    reply = turn(
+        client,
+        MESSAGES
+        + [{"role": "assistant", "content": "fine thanks"}, {"role": "user", "content": "more"}],
+    )
     assert reply.headers["X-Gateway-Cache"] == "hit"
     assert len(calls) == 3
-    p_sent = json.loads([c for c in responses.calls if c.request.url == P_URL + CHAT][-1].request.body)
+    p_sent = json.loads(
+        [c for c in responses.calls if c.request.url == P_URL + CHAT][-1].request.body
+    )
     assert p_sent["kv_transfer_params"]["remote_engine_id"] == "d-engine-1"
 
 
@@ -80,12 +124,17 @@ def three_turns(client, template, steps, echo, lossy=False, first_ids=False):
     """Turn 1 teaches the gateway the model's ways; turn 2 gets D's ids; turn 3 is checked.
     (D answers with ids on turn 1 too if `first_ids`: the gateway asked for them.)"""
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
-    responses.post(D_URL + CHAT, body=d_stream(template.render(MESSAGES), steps, with_ids=first_ids),
-                   content_type="text/event-stream")
+    responses.post(
+        D_URL + CHAT,
+        body=d_stream(template.render(MESSAGES), steps, with_ids=first_ids),
+        content_type="text/event-stream",
+    )
     h2 = MESSAGES + [echo, {"role": "user", "content": "more"}]
-    responses.post(D_URL + CHAT, body=d_stream(template.render(h2), steps, with_ids=True,
-                                               params_n=2, lossy=lossy),
-                   content_type="text/event-stream")
+    responses.post(
+        D_URL + CHAT,
+        body=d_stream(template.render(h2), steps, with_ids=True, params_n=2, lossy=lossy),
+        content_type="text/event-stream",
+    )
     h3 = h2 + [echo, {"role": "user", "content": "again"}]
     caches = []
     for messages in (MESSAGES, h2, h3):
@@ -105,19 +154,25 @@ def test_reasoning_turns_are_token_verified(make_client, quirks, expected):
     """D reports its ids once the gateway knows the model reasons; turn 3 is tokenized on P and
     reused only if the template kept the reasoning D generated."""
     from gateway.support import metrics
+
     client = make_client("auto")
     template, calls = Template(frozenset(quirks)), []
     responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
-    before = {r: metrics.REUSE_CHECKS.labels(r)._value.get() for r in ("verified", "mismatch",
-                                                                        "unverifiable")}
+    before = {
+        r: metrics.REUSE_CHECKS.labels(r)._value.get()
+        for r in ("verified", "mismatch", "unverifiable")
+    }
     caches, h3 = three_turns(client, template, REASONING, REASONING_ECHO)
     # Turn 2 misses: turn 1's reply had reasoning and D had not been asked for its ids.
     assert caches == ["miss", "miss", expected]
     assert ["return_token_ids" in body for body in sent(D_URL + CHAT)] == [False, True, True]
-    assert calls[-1] == {"model": "m", "messages": h3}           # the request's own fields
+    assert calls[-1] == {"model": "m", "messages": h3}  # the request's own fields
     after = {r: metrics.REUSE_CHECKS.labels(r)._value.get() - before[r] for r in before}
-    assert after == {"verified": int(expected == "hit"), "mismatch": int(expected == "miss"),
-                     "unverifiable": 1}
+    assert after == {
+        "verified": int(expected == "hit"),
+        "mismatch": int(expected == "miss"),
+        "unverifiable": 1,
+    }
     p_kv = sent(P_URL + CHAT)[-1]["kv_transfer_params"]
     assert (p_kv == MISS) == (expected == "miss")
 
@@ -128,17 +183,21 @@ def test_ids_with_a_gap_are_never_trusted(make_client):
     must then fall short of what D holds, and the turn is unverifiable, not verified."""
     client = make_client("auto")
     calls = []
-    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), calls))
+    responses.add_callback(
+        responses.POST, P_URL + "/tokenize", callback=tokenizer(Template(), calls)
+    )
     caches, _ = three_turns(client, Template(), REASONING, REASONING_ECHO, lossy=True)
     assert caches == ["miss", "miss", "miss"]
-    assert len(calls) == 3                                        # the probe only
+    assert len(calls) == 3  # the probe only
 
 
 @responses.activate
 def test_a_failing_tokenize_is_a_miss_not_an_error(make_client):
     client = make_client("always")
     responses.post(P_URL + "/tokenize", status=404, json={"error": {"message": "Not Found"}})
-    caches, _ = three_turns(client, Template(), PLAIN, {"role": "assistant", "content": "fine thanks"})
+    caches, _ = three_turns(
+        client, Template(), PLAIN, {"role": "assistant", "content": "fine thanks"}
+    )
     assert caches == ["miss", "miss", "miss"]
 
 

@@ -1,4 +1,6 @@
-"""Conversation identity end to end: no-id clients hit, edited histories miss, tenants stay apart."""
+"""Conversation identity end to end: no-id clients hit, edited histories miss, tenants stay
+apart."""
+
 from __future__ import annotations
 
 import re
@@ -17,8 +19,9 @@ from tests.helpers.servers import MODEL, starts_processes
 def ask(gateway, messages, auth="Bearer tenant-a", stream=True, **extra):
     """One turn over HTTP; returns (cache header, reply text, raw bytes)."""
     body = {"model": MODEL, "messages": messages, "max_tokens": 6, "stream": stream, **extra}
-    response = requests.post(gateway.url + "/v1/chat/completions", json=body, timeout=30,
-                             headers={"Authorization": auth})
+    response = requests.post(
+        gateway.url + "/v1/chat/completions", json=body, timeout=30, headers={"Authorization": auth}
+    )
     assert response.status_code == 200, response.text
     if stream:
         text = sse.reply(sse.events(response.content))
@@ -29,8 +32,10 @@ def ask(gateway, messages, auth="Bearer tenant-a", stream=True, **extra):
 
 def first_turns(gateway, n=2, **kw):
     """A conversation of n finished turns: (messages so far, replies)."""
-    messages = [{"role": "system", "content": "short answers"},
-                {"role": "user", "content": f"topic {uuid.uuid4().hex}"}]
+    messages = [
+        {"role": "system", "content": "short answers"},
+        {"role": "user", "content": f"topic {uuid.uuid4().hex}"},
+    ]
     for i in range(n):
         _, text, _ = ask(gateway, messages, **kw)
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"q{i}"}]
@@ -55,11 +60,14 @@ def test_stock_sdk_without_any_id_hits(fresh_engines, gateway_factory, workers):
         caches = []
         for turn in range(5):
             raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=messages, max_tokens=6, stream=True)
+                model=MODEL, messages=messages, max_tokens=6, stream=True
+            )
             text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
             caches.append(raw.headers["X-Gateway-Cache"])
-            messages += [{"role": "assistant", "content": text},
-                         {"role": "user", "content": f"next {turn}"}]
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"next {turn}"},
+            ]
         return caches
 
     with ThreadPoolExecutor(8) as pool:
@@ -71,17 +79,22 @@ def test_stock_sdk_without_any_id_hits(fresh_engines, gateway_factory, workers):
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["digest", "conversation_id"])
-def test_every_rewritten_history_misses_and_nothing_is_reused_wrongly(gateway, fresh_engines,
-                                                                       explicit):
+def test_every_rewritten_history_misses_and_nothing_is_reused_wrongly(
+    gateway, fresh_engines, explicit
+):
     p, _ = fresh_engines
     cid = uuid.uuid4().hex
     extra = {"conversation_id": cid} if explicit else {}
-    messages = first_turns(gateway, 2, **extra)          # 2 turns done, a third asked
+    messages = first_turns(gateway, 2, **extra)  # 2 turns done, a third asked
     cases = {
-        "edited earlier message": [messages[0], {"role": "user", "content": "another topic"},
-                                   *messages[2:]],
+        "edited earlier message": [
+            messages[0],
+            {"role": "user", "content": "another topic"},
+            *messages[2:],
+        ],
         "dropped assistant reply": messages[:2] + messages[3:],
-        "rewritten assistant reply": messages[:4] + [{"role": "assistant", "content": "no"}]
+        "rewritten assistant reply": messages[:4]
+        + [{"role": "assistant", "content": "no"}]
         + messages[5:],
     }
     for name, history in cases.items():
@@ -99,10 +112,13 @@ def test_regenerated_last_turn_misses_and_the_next_turn_hits(gateway, fresh_engi
     messages = first_turns(gateway, 2)
     cache, first, _ = ask(gateway, messages)
     assert cache == "hit"
-    cache, regenerated, _ = ask(gateway, messages)       # "regenerate": same history again
+    cache, regenerated, _ = ask(gateway, messages)  # "regenerate": same history again
     assert cache == "miss"
-    cache, _, _ = ask(gateway, messages + [{"role": "assistant", "content": regenerated},
-                                           {"role": "user", "content": "go on"}])
+    cache, _, _ = ask(
+        gateway,
+        messages
+        + [{"role": "assistant", "content": regenerated}, {"role": "user", "content": "go on"}],
+    )
     assert cache == "hit"
     assert p.stats()["wrong_reuse"] == 0
 
@@ -111,8 +127,10 @@ def test_multi_part_echo_of_the_reply_is_reused(gateway, fresh_engines):
     p, _ = fresh_engines
     messages = [{"role": "user", "content": [{"type": "text", "text": "parts please"}]}]
     _, text, _ = ask(gateway, messages)
-    echo = messages + [{"role": "assistant", "content": [{"type": "text", "text": text}]},
-                       {"role": "user", "content": [{"type": "text", "text": "more"}]}]
+    echo = messages + [
+        {"role": "assistant", "content": [{"type": "text", "text": text}]},
+        {"role": "user", "content": [{"type": "text", "text": "more"}]},
+    ]
     assert ask(gateway, echo)[0] == "hit"
     assert p.stats()["hits"] == 1 and p.stats()["wrong_reuse"] == 0
 
@@ -144,26 +162,55 @@ def test_concurrent_requests_for_one_turn_get_the_entry_once(gateway, fresh_engi
 def test_no_engine_detail_reaches_a_client(gateway, fresh_engines):
     """Params, engine ids, hosts and block ids stay inside: bodies, streams and errors."""
     p, d = fresh_engines
-    secrets = [p.stats()["engine_id"], d.stats()["engine_id"], "kv_transfer_params",
-               "remote_", "127.0.0.2", "127.0.0.3", str(p.kv_port), str(d.kv_port), "localhost"]
+    secrets = [
+        p.stats()["engine_id"],
+        d.stats()["engine_id"],
+        "kv_transfer_params",
+        "remote_",
+        "127.0.0.2",
+        "127.0.0.3",
+        str(p.kv_port),
+        str(d.kv_port),
+        "localhost",
+    ]
     seen = []
     messages = first_turns(gateway, 1)
     seen.append(ask(gateway, messages)[2])
     seen.append(ask(gateway, messages, stream=False)[2])
     d.set_fault("error500", count=1)
-    seen.append(requests.post(gateway.url + "/v1/chat/completions", timeout=30,
-                              json={"model": MODEL, "messages": messages}).content)
+    seen.append(
+        requests.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": MODEL, "messages": messages},
+        ).content
+    )
     d.set_fault("die_after", tokens=2, count=1)
-    seen.append(requests.post(gateway.url + "/v1/chat/completions", timeout=30,
-                              json={"model": MODEL, "messages": messages, "stream": True}).content)
+    seen.append(
+        requests.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": MODEL, "messages": messages, "stream": True},
+        ).content
+    )
     d.set_fault("none")
     p.set_fault("error500", count=1)
-    seen.append(requests.post(gateway.url + "/v1/chat/completions", timeout=30,
-                              json={"model": MODEL, "messages": messages}).content)
+    seen.append(
+        requests.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": MODEL, "messages": messages},
+        ).content
+    )
     # Whole tokens only: a port such as 58711 may well occur inside a random hex request id.
-    leaks = [re.compile(rb"(?<![0-9A-Za-z])" + re.escape(secret.encode())
-                        + (rb"(?![0-9A-Za-z])" if secret[-1].isalnum() else b""))
-             for secret in secrets]
+    leaks = [
+        re.compile(
+            rb"(?<![0-9A-Za-z])"
+            + re.escape(secret.encode())
+            + (rb"(?![0-9A-Za-z])" if secret[-1].isalnum() else b"")
+        )
+        for secret in secrets
+    ]
     for body in seen:
         for secret, leak in zip(secrets, leaks, strict=True):
             assert not leak.search(body), (secret, body[:300])

@@ -1,5 +1,6 @@
 """The checkout outside the package keeps its shape: bench/ has no import circle and an index of
 every script it runs, and what tests share with the benchmarks lives in devtools/, not bench/."""
+
 from __future__ import annotations
 
 import ast
@@ -35,7 +36,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     def walk(module: str, path: list[str]) -> None:
         for target in sorted(graph[module]):
             if target in path:
-                circles.append(path[path.index(target):] + [target])
+                circles.append(path[path.index(target) :] + [target])
             elif target not in done:
                 walk(target, path + [target])
         done.add(module)
@@ -60,29 +61,45 @@ def test_the_circle_finder_finds_one():
 def test_neither_tests_nor_devtools_import_bench():
     # What tests share with the benchmarks lives in devtools/; only a test of a benchmark itself
     # (tests/test_bench_NAME.py, of bench/NAME.py) imports bench.
-    importers = [*(path for path in ROOT.joinpath("tests").rglob("*.py")
-                   if not path.name.startswith("test_bench_")),
-                 *ROOT.joinpath("devtools").glob("*.py")]
-    found = [(str(path.relative_to(ROOT)), name) for path in importers
-             for name in sorted(_imports(path)) if name == "bench" or name.startswith("bench.")]
+    importers = [
+        *(
+            path
+            for path in ROOT.joinpath("tests").rglob("*.py")
+            if not path.name.startswith("test_bench_")
+        ),
+        *ROOT.joinpath("devtools").glob("*.py"),
+    ]
+    found = [
+        (str(path.relative_to(ROOT)), name)
+        for path in importers
+        for name in sorted(_imports(path))
+        if name == "bench" or name.startswith("bench.")
+    ]
     assert found == []
 
 
 def _runnable(path: Path) -> bool:
     """A script: it runs under `if __name__ == "__main__"` or has a main()."""
     body = ast.parse(path.read_text()).body
-    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
-               or isinstance(node, ast.FunctionDef) and node.name == "main" for node in body)
+    return any(
+        isinstance(node, ast.If)
+        and "__main__" in ast.unparse(node.test)
+        or isinstance(node, ast.FunctionDef)
+        and node.name == "main"
+        for node in body
+    )
 
 
 def test_bench_readme_indexes_every_script_with_how_to_run_it():
     readme = BENCH.joinpath("README.md").read_text()
-    section = readme[readme.index("## Scripts\n"):]
-    section = section[:section.index("\n## ")]
+    section = readme[readme.index("## Scripts\n") :]
+    section = section[: section.index("\n## ")]
     rows = re.findall(r"^\| `([a-z_]+)\.py` \| ([^|]+) \| ([^|]+) \|$", section, re.M)
     scripts = {path.stem for name, path in _bench_modules().items() if _runnable(path)}
     assert len(scripts) >= 20
     listed = [stem for stem, _, _ in rows]
-    assert sorted(listed) == sorted(scripts), (f"not in bench/README.md: {scripts - set(listed)}; "
-                                               f"listed, not a script: {set(listed) - scripts}")
+    assert sorted(listed) == sorted(scripts), (
+        f"not in bench/README.md: {scripts - set(listed)}; "
+        f"listed, not a script: {set(listed) - scripts}"
+    )
     assert all(what.strip() and how.strip() for _, what, how in rows)

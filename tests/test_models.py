@@ -1,6 +1,7 @@
 """Several models behind one gateway (--models, --models-file): each model its own P and D
 pools, a request routed by the model it names, an unknown model vLLM's 404 before any engine
 call, no conversation crossing models; /v1/models asked of a healthy instance first."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,17 +19,34 @@ CHAT = "/v1/chat/completions"
 
 # --- settings ---------------------------------------------------------------------------------
 
+
 def test_models_as_flags_and_as_a_file_name_their_engines(tmp_path):
     path = tmp_path / "models.toml"
-    path.write_text('[[model]]\nname = "llama"\nadapters = ["sql-lora"]\n'
-                    'prefill = ["http://p1:8100", "p2:8100"]\ndecode = ["http://d1:8200"]\n')
-    settings = Settings.from_args(["--models-file", str(path), "--models",
-                                   "coder;prefill=http://p3:8100;decode=d3:8200;aliases=code,dev"])
+    path.write_text(
+        '[[model]]\nname = "llama"\nadapters = ["sql-lora"]\n'
+        'prefill = ["http://p1:8100", "p2:8100"]\ndecode = ["http://d1:8200"]\n'
+    )
+    settings = Settings.from_args(
+        [
+            "--models-file",
+            str(path),
+            "--models",
+            "coder;prefill=http://p3:8100;decode=d3:8200;aliases=code,dev",
+        ]
+    )
     llama, coder = settings.model_specs()
     assert (llama.name, llama.prefill, llama.decode, llama.adapters) == (
-        "llama", ["http://p1:8100", "http://p2:8100"], ["http://d1:8200"], ["sql-lora"])
+        "llama",
+        ["http://p1:8100", "http://p2:8100"],
+        ["http://d1:8200"],
+        ["sql-lora"],
+    )
     assert (coder.name, coder.prefill, coder.decode, coder.aliases) == (
-        "coder", ["http://p3:8100"], ["http://d3:8200"], ["code", "dev"])
+        "coder",
+        ["http://p3:8100"],
+        ["http://d3:8200"],
+        ["code", "dev"],
+    )
     # The environment carries the flags' form, one model per word.
     again = Settings.from_env(settings.to_env())
     assert again.model_specs() == settings.model_specs()
@@ -39,16 +57,26 @@ def test_without_models_the_one_pool_is_prefill_and_decode():
     assert (only.name, only.prefill, only.decode) == ("", ["http://p:1"], ["http://d:2"])
 
 
-@pytest.mark.parametrize("models, error", [
-    (["a;prefill=http://p:1"], "needs at least one decode URL"),
-    (["a;prefill=http://p:1;decode=http://d:2;colour=red"], "unknown key(s) colour"),
-    (["a;prefill=http://p:1;decode"], "is not key=value"),
-    (["a;prefill=ftp://p:1;decode=http://d:2"], "is not an http://host:port URL"),
-    (["a;prefill=http://p:1;decode=http://d:2", "b;prefill=http://p:3;decode=http://d:2"],
-     "http://d:2 serves two models ('a' and 'b')"),
-    (["a;prefill=http://p:1;decode=http://d:2;aliases=b", "b;prefill=http://p:3;decode=http://d:4"],
-     "the model name 'b' is given twice"),
-])
+@pytest.mark.parametrize(
+    "models, error",
+    [
+        (["a;prefill=http://p:1"], "needs at least one decode URL"),
+        (["a;prefill=http://p:1;decode=http://d:2;colour=red"], "unknown key(s) colour"),
+        (["a;prefill=http://p:1;decode"], "is not key=value"),
+        (["a;prefill=ftp://p:1;decode=http://d:2"], "is not an http://host:port URL"),
+        (
+            ["a;prefill=http://p:1;decode=http://d:2", "b;prefill=http://p:3;decode=http://d:2"],
+            "http://d:2 serves two models ('a' and 'b')",
+        ),
+        (
+            [
+                "a;prefill=http://p:1;decode=http://d:2;aliases=b",
+                "b;prefill=http://p:3;decode=http://d:4",
+            ],
+            "the model name 'b' is given twice",
+        ),
+    ],
+)
 def test_a_models_setting_that_cannot_work_is_refused_at_start(models, error):
     with pytest.raises(SettingsError) as raised:
         Settings(models=models)
@@ -69,9 +97,16 @@ def test_a_models_file_that_is_not_model_tables_is_refused(tmp_path):
 def test_models_asks_healthy_instances_first_with_a_short_timeout():
     from gateway.config import Settings
     from gateway.service import Gateway
-    gateway = Gateway(Settings(engine_metrics_interval=0, probe_interval=0, prefill=["http://10.9.0.1:8100"],
-                               decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"]),
-                      transport=ResponsesTransport())
+
+    gateway = Gateway(
+        Settings(
+            engine_metrics_interval=0,
+            probe_interval=0,
+            prefill=["http://10.9.0.1:8100"],
+            decode=["http://10.9.0.2:8200", "http://10.9.0.3:8200"],
+        ),
+        transport=ResponsesTransport(),
+    )
     try:
         gateway.decode.failed(gateway.decode.instances[0], unreachable=True)
         responses.get("http://10.9.0.3:8200/v1/models", json={"object": "list", "data": []})
@@ -85,22 +120,32 @@ def test_models_asks_healthy_instances_first_with_a_short_timeout():
 
 # --- one gateway, two models, real engines ---------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 @starts_processes
 def two_models(tmp_path_factory):
-    engines = [EmulatorProcess("prefill", host="127.0.0.60", model="chat", itl_ms=1,
-                               bidirectional_kv_xfer=True),
-               EmulatorProcess("decode", host="127.0.0.61", model="chat", itl_ms=1,
-                               bidirectional_kv_xfer=True),
-               EmulatorProcess("prefill", host="127.0.0.62", model="coder", itl_ms=1,
-                               bidirectional_kv_xfer=True),
-               EmulatorProcess("decode", host="127.0.0.63", model="coder", itl_ms=1,
-                               bidirectional_kv_xfer=True)]
+    engines = [
+        EmulatorProcess(
+            "prefill", host="127.0.0.60", model="chat", itl_ms=1, bidirectional_kv_xfer=True
+        ),
+        EmulatorProcess(
+            "decode", host="127.0.0.61", model="chat", itl_ms=1, bidirectional_kv_xfer=True
+        ),
+        EmulatorProcess(
+            "prefill", host="127.0.0.62", model="coder", itl_ms=1, bidirectional_kv_xfer=True
+        ),
+        EmulatorProcess(
+            "decode", host="127.0.0.63", model="coder", itl_ms=1, bidirectional_kv_xfer=True
+        ),
+    ]
     p1, d1, p2, d2 = engines
     path = tmp_path_factory.mktemp("models") / "models.toml"
-    path.write_text(models_toml(
-        chat={"aliases": ["assistant"], "prefill": [p1.url], "decode": [d1.url]},
-        coder={"prefill": [p2.url], "decode": [d2.url]}))
+    path.write_text(
+        models_toml(
+            chat={"aliases": ["assistant"], "prefill": [p1.url], "decode": [d1.url]},
+            coder={"prefill": [p2.url], "decode": [d2.url]},
+        )
+    )
     try:
         with gateway_process([], [], models_file=str(path), workers=2) as gateway:
             yield gateway, engines
@@ -112,8 +157,11 @@ def two_models(tmp_path_factory):
 def _turn(gateway, model, messages, **extra):
     # 80-token replies: beyond vLLM's 64-token recompute threshold, so P pulls them from D
     # (P's own prefix cache holds the rest of the history).
-    response = requests.post(gateway.url + CHAT, timeout=20, json={
-        "model": model, "messages": messages, "max_tokens": 80, **extra})
+    response = requests.post(
+        gateway.url + CHAT,
+        timeout=20,
+        json={"model": model, "messages": messages, "max_tokens": 80, **extra},
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -164,12 +212,20 @@ def test_an_unknown_model_gets_vllms_404_and_no_engine_call(two_models):
     gateway, engines = two_models
     for engine in engines:
         engine.reset_stats()
-    response = requests.post(gateway.url + CHAT, timeout=10, json={
-        "model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})
+    response = requests.post(
+        gateway.url + CHAT,
+        timeout=10,
+        json={"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert response.status_code == 404
-    assert response.json() == {"error": {
-        "message": "The model `gpt-4` does not exist. Valid aliases: chat, assistant, coder.",
-        "type": "NotFoundError", "param": "model", "code": 404}}
+    assert response.json() == {
+        "error": {
+            "message": "The model `gpt-4` does not exist. Valid aliases: chat, assistant, coder.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
     assert all(engine.stats()["requests"] == 0 for engine in engines)
 
 
@@ -187,19 +243,29 @@ def test_an_engine_is_added_to_the_model_named(two_models):
     url = gateway.url + "/admin/instances"
     missing = requests.post(url, headers=headers, json={"role": "decode", "url": d2.url})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
-    unknown = requests.post(url, headers=headers,
-                            json={"role": "decode", "url": d2.url, "model": "gpt-4"})
+    unknown = requests.post(
+        url, headers=headers, json={"role": "decode", "url": d2.url, "model": "gpt-4"}
+    )
     assert unknown.status_code == 404
-    added = requests.post(url, headers=headers, timeout=10,
-                          json={"role": "decode", "url": "http://127.0.0.63:9", "model": "coder"})
+    added = requests.post(
+        url,
+        headers=headers,
+        timeout=10,
+        json={"role": "decode", "url": "http://127.0.0.63:9", "model": "coder"},
+    )
     assert added.status_code == 201, added.text
     assert (added.json()["model"], added.json()["name"]) == ("coder", "coder/decode[1]")
     report = requests.get(url, headers=headers, timeout=10).json()
     assert set(report["models"]) == {"chat", "coder"}
     assert [i["name"] for i in report["models"]["coder"]["decode"]] == [
-        "coder/decode[0]", "coder/decode[1]"]
+        "coder/decode[0]",
+        "coder/decode[1]",
+    ]
     assert [i["name"] for i in report["models"]["chat"]["decode"]] == ["chat/decode[0]"]
-    removed = requests.delete(url, headers=headers, timeout=10,
-                              json={"role": "decode", "url": "http://127.0.0.63:9",
-                                    "model": "coder"})
+    removed = requests.delete(
+        url,
+        headers=headers,
+        timeout=10,
+        json={"role": "decode", "url": "http://127.0.0.63:9", "model": "coder"},
+    )
     assert removed.status_code == 200, removed.text

@@ -1,6 +1,7 @@
 """What the wheel installs: the gateway's packages alone, and nothing in them imports what stays
 in the checkout (the emulator, the dev tooling, the benchmarks, the tests); the license it names;
 its version, in one place."""
+
 from __future__ import annotations
 
 import configparser
@@ -55,8 +56,10 @@ def test_the_license_file_is_the_one_setup_cfg_names():
     """Apache-2.0, the standard text whole (the sha256 of apache.org's LICENSE-2.0.txt), shipped
     with the package (license_files)."""
     assert _metadata()["license"] == "Apache-2.0" and _metadata()["license_files"] == "LICENSE"
-    assert hashlib.sha256((ROOT / "LICENSE").read_bytes()).hexdigest() == \
-        "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+    assert (
+        hashlib.sha256((ROOT / "LICENSE").read_bytes()).hexdigest()
+        == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+    )
 
 
 def test_the_version_is_setup_cfgs_in_the_metadata_and_the_package(capsys):
@@ -82,10 +85,18 @@ def test_the_installed_command_says_its_version():
 def test_make_run_installs_the_gateway_and_its_demo_not_the_test_tools():
     """`make run` (a fresh clone's first command) installs the demo extra (the OpenAI SDK the
     demo's client is), not the test tools, which `make test` and `make install` add."""
+
     def installs(target: str) -> list[str]:
-        planned = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=60, check=True).stdout
+        planned = subprocess.run(
+            ["make", "-n", "-B", target],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         return re.findall(r"pip install .*-e '(\.\[[a-z-]+\])'", planned)
+
     assert installs("run") == [".[demo]"]
     assert installs("install") == [".[test]"]
     extras = _setup_cfg()["options.extras_require"]

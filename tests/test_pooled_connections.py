@@ -2,6 +2,7 @@
 under gevent by a non-blocking peek of the real socket, elsewhere by a poll, as urllib3's. Both must
 say the same: reusable while the engine sent nothing, dropped on EOF or on bytes nobody asked
 for."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,11 @@ def connected(kind: str):
     with socket.create_server(("127.0.0.1", 0)) as server:
         address = server.getsockname()
         connection = EngineConnection(*address)
-        connection.sock = (gevent.socket.create_connection(address) if kind == "gevent"
-                           else socket.create_connection(address, timeout=30))
+        connection.sock = (
+            gevent.socket.create_connection(address)
+            if kind == "gevent"
+            else socket.create_connection(address, timeout=30)
+        )
         engine, _ = server.accept()
         with engine:
             yield connection, engine
@@ -89,8 +93,9 @@ def test_a_request_goes_out_in_one_write(body_bytes):
     body = b"x" * body_bytes
     with connected("plain") as (connection, engine):
         connection.sock = recording = _Recording(connection.sock)
-        connection.request("POST", "/v1/completions", body=body,
-                           headers={"Content-Length": str(len(body))})
+        connection.request(
+            "POST", "/v1/completions", body=body, headers={"Content-Length": str(len(body))}
+        )
         assert len(recording.writes) == 1
         sent = recording.writes[0]
         assert sent.endswith(b"\r\n\r\n" + body)
@@ -101,8 +106,9 @@ def test_a_larger_body_goes_after_its_head():
     body = b"x" * (ONE_SEND_BYTES + 1)
     with connected("plain") as (connection, engine):
         connection.sock = recording = _Recording(connection.sock)
-        connection.request("POST", "/v1/completions", body=body,
-                           headers={"Content-Length": str(len(body))})
+        connection.request(
+            "POST", "/v1/completions", body=body, headers={"Content-Length": str(len(body))}
+        )
         head, sent_body = recording.writes
         assert head.endswith(b"\r\n\r\n") and sent_body == body
         assert _receive(engine, len(head) + len(body)) == head + body

@@ -1,10 +1,10 @@
 """A Redis store shared by several gateways: any of them serves any turn, forwarding is off."""
+
 from __future__ import annotations
 
 import itertools
 
 import pytest
-import requests
 
 from devtools import workload
 from devtools.processes import RedisProcess
@@ -12,14 +12,17 @@ from tests.helpers.servers import gateway_process
 
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
-def test_two_gateways_share_conversations_through_redis(fresh_engines, redis_server,
-                                                        worker_class):
+def test_two_gateways_share_conversations_through_redis(fresh_engines, redis_server, worker_class):
     p, d = fresh_engines
     redis_server.client.flushdb()
-    with gateway_process([p.url], [d.url], store=redis_server.url, workers=2,
-                         worker_class=worker_class) as one, \
-            gateway_process([p.url], [d.url], store=redis_server.url, workers=2,
-                            worker_class=worker_class) as two:
+    with (
+        gateway_process(
+            [p.url], [d.url], store=redis_server.url, workers=2, worker_class=worker_class
+        ) as one,
+        gateway_process(
+            [p.url], [d.url], store=redis_server.url, workers=2, worker_class=worker_class
+        ) as two,
+    ):
         health = one.status()
         assert health["store"] == "redis" and health["reachable"] and not health["affinity"]
         # Every turn goes to the other gateway, on a new connection, with no id at all.
@@ -37,7 +40,7 @@ def test_two_gateways_share_conversations_through_redis(fresh_engines, redis_ser
 
 def test_redis_going_away_costs_hits_not_requests(fresh_engines):
     p, d = fresh_engines
-    server = RedisProcess()      # its own, to stop and restart it
+    server = RedisProcess()  # its own, to stop and restart it
     try:
         with gateway_process([p.url], [d.url], store=server.url, workers=2) as gateway:
             convs = [workload.Conversation(gateway.url) for _ in range(10)]

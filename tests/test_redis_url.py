@@ -1,5 +1,6 @@
 """The `--store` Redis URL read in one place (gateway/redis_url.py) and the lazy client every
 Redis user shares: made on first use, tried again a second after it failed."""
+
 from __future__ import annotations
 
 import threading
@@ -13,8 +14,10 @@ from gateway.redis_url import Lazy, parse
 def test_a_store_url_names_its_kind_and_tls():
     assert (parse("redis://h:6379/0").kind, parse("redis://h:6379/0").tls) == ("primary", False)
     assert parse("unix:///run/redis.sock").kind == "primary"
-    assert (parse("rediss+cluster://a:7000,b").kind, parse("rediss+cluster://a").tls) == \
-        ("cluster", True)
+    assert (parse("rediss+cluster://a:7000,b").kind, parse("rediss+cluster://a").tls) == (
+        "cluster",
+        True,
+    )
     assert parse("redis+sentinel://a:26379/main").kind == "sentinel"
     assert str(parse("rediss://u:p@h:1/2")) == "rediss://u:p@h:1/2"
     for wrong in ("memcached://x", "redis:/x", "local", "REDIS://h"):
@@ -26,7 +29,9 @@ def test_the_key_limits_read_the_same_url_in_the_limits_librarys_words():
     assert storage_url("local") == ("memory://", {})
     assert storage_url("unix:///s.sock")[0] == "redis+unix:///s.sock"
     assert storage_url("rediss+sentinel://a:26379/main") == (
-        "redis+sentinel://a:26379/main", {"key_prefix": "pd-gateway-limits", "ssl": True})
+        "redis+sentinel://a:26379/main",
+        {"key_prefix": "pd-gateway-limits", "ssl": True},
+    )
     assert storage_url("rediss://h:1/0") == ("rediss://h:1/0", {"key_prefix": "pd-gateway-limits"})
 
 
@@ -53,11 +58,12 @@ def test_a_client_that_cannot_be_made_is_tried_again_a_second_later():
         if len(tries) == 1:
             raise OSError("down")
         return "client"
+
     lazy = Lazy(make, wait=1.0, clock=clock)
     with pytest.raises(OSError):
         lazy.get()
     clock.now = 100.5
-    with pytest.raises(ConnectionError, match="a moment ago"):    # at once, not tried
+    with pytest.raises(ConnectionError, match="a moment ago"):  # at once, not tried
         lazy.get()
     clock.now = 101.0
     assert lazy.get() == "client" and tries == [100.0, 101.0]
@@ -81,6 +87,7 @@ def test_callers_wait_for_the_one_making_the_client_at_most_their_wait():
         entered.set()
         release.wait()
         return "client"
+
     lazy = Lazy(make, wait=0.0, clock=Clock())
     maker = threading.Thread(target=lazy.get)
     maker.start()

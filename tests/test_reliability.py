@@ -1,5 +1,6 @@
 """Faults: failover, breakers, mid-stream deaths, timeouts, graceful shutdown. (Clients that go
 away: tests/test_cancellation.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from devtools import sse, workload
 from emulator.process import EmulatorProcess, wait_until
 from tests.helpers.servers import MODEL, gateway_process, health, starts_processes, two_of_each
 
-pytestmark = pytest.mark.processes     # engines and gateways, every test
+pytestmark = pytest.mark.processes  # engines and gateways, every test
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,13 @@ def test_a_failing_decode_is_retried_on_the_other(engines2, fault):
     else:
         ds[1].set_fault(fault)
     with gateway_process([p.url for p in ps], [d.url for d in ds]) as gateway:
-        convs = workload.run(gateway.url, conversations=40, turns=5, concurrency=8,
-                             stream=fault != "dies_after_its_pull")
+        convs = workload.run(
+            gateway.url,
+            conversations=40,
+            turns=5,
+            concurrency=8,
+            stream=fault != "dies_after_its_pull",
+        )
         assert workload.errors(convs) == []
         hits, later = workload.later_hits(convs)
         assert sum(p.stats()["wrong_reuse"] for p in ps) == 0
@@ -91,8 +97,9 @@ def sse_events(response) -> tuple[list, float]:
 
 
 @pytest.mark.parametrize("fault, code", [("die_after", 502), ("error_after", 500)])
-def test_decode_failing_mid_stream_ends_with_an_error_event(fresh_engines, gateway_factory,
-                                                            fault, code):
+def test_decode_failing_mid_stream_ends_with_an_error_event(
+    fresh_engines, gateway_factory, fault, code
+):
     """D dies mid-stream (its connection cut: 502) or fails during generation as vLLM does
     (content, then `{"error": ...}` and [DONE] in the same chunked stream: 500). The client gets
     the content, the gateway's error event (no engine detail) and [DONE] at once; nothing is
@@ -101,42 +108,68 @@ def test_decode_failing_mid_stream_ends_with_an_error_event(fresh_engines, gatew
     gateway = gateway_factory([p.url], [d.url])
     messages = [{"role": "user", "content": f"{fault} please"}]
     d.set_fault(fault, tokens=3, count=1)
-    response = requests.post(gateway.url + "/v1/chat/completions", stream=True, timeout=10,
-                             json={"model": MODEL, "messages": messages, "stream": True,
-                                   "max_tokens": 10, "conversation_id": fault})
+    response = requests.post(
+        gateway.url + "/v1/chat/completions",
+        stream=True,
+        timeout=10,
+        json={
+            "model": MODEL,
+            "messages": messages,
+            "stream": True,
+            "max_tokens": 10,
+            "conversation_id": fault,
+        },
+    )
     events, tail = sse_events(response)
     assert events[-1] == "[DONE]" and "error" in events[-2]
     assert events[-2]["error"]["code"] == code
-    assert "emulated" not in json.dumps(events[-2])          # the engine's words stay inside
+    assert "emulated" not in json.dumps(events[-2])  # the engine's words stay inside
     contents = [e["choices"][0]["delta"].get("content") for e in events[:-2] if e.get("choices")]
     assert len([c for c in contents if c]) == 3
     assert tail < 1.0
-    follow = messages + [{"role": "assistant", "content": sse.reply(events)},
-                         {"role": "user", "content": "x"}]
-    again = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
-                          json={"model": MODEL, "messages": follow, "conversation_id": fault})
-    assert again.headers["X-Gateway-Cache"] == "miss"        # nothing was stored
+    follow = messages + [
+        {"role": "assistant", "content": sse.reply(events)},
+        {"role": "user", "content": "x"},
+    ]
+    again = requests.post(
+        gateway.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": MODEL, "messages": follow, "conversation_id": fault},
+    )
+    assert again.headers["X-Gateway-Cache"] == "miss"  # nothing was stored
 
 
 def test_hung_prefill_gives_504(fresh_engines, gateway_factory):
     p, d = fresh_engines
     gateway = gateway_factory([p.url], [d.url], read_timeout=1)
     p.set_fault("hang")
-    response = requests.post(gateway.url + "/v1/chat/completions", timeout=10,
-                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    response = requests.post(
+        gateway.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+    )
     assert response.status_code == 504
     assert response.json()["error"]["code"] == 504
 
 
 def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.17", itl_ms=1) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.18", itl_ms=5000) as d:
+    with (
+        EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.17", itl_ms=1) as p,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.18", itl_ms=5000) as d,
+    ):
         for settings, code in (({"read_timeout": 1}, 504), ({"total_timeout": 1.5}, 504)):
             with gateway_process([p.url], [d.url], **settings) as gateway:
                 response = requests.post(
-                    gateway.url + "/v1/chat/completions", stream=True, timeout=10,
-                    json={"model": MODEL, "stream": True, "max_tokens": 5,
-                          "messages": [{"role": "user", "content": "x"}]})
+                    gateway.url + "/v1/chat/completions",
+                    stream=True,
+                    timeout=10,
+                    json={
+                        "model": MODEL,
+                        "stream": True,
+                        "max_tokens": 5,
+                        "messages": [{"role": "user", "content": "x"}],
+                    },
+                )
                 events, _ = sse_events(response)
                 # Tokens come every 5 s: a 504 event, not a token, is the timeout's doing.
                 assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == code, settings
@@ -144,16 +177,26 @@ def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
 
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_sigterm_lets_streams_in_flight_finish(worker_class):
-    with EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.19", itl_ms=1) as p, \
-            EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.20", itl_ms=200) as d:
-        with gateway_process([p.url], [d.url], worker_class=worker_class,
-                             graceful_timeout=15) as gateway:
+    with (
+        EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.19", itl_ms=1) as p,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.20", itl_ms=200) as d,
+    ):
+        with gateway_process(
+            [p.url], [d.url], worker_class=worker_class, graceful_timeout=15
+        ) as gateway:
 
             def stream(n):
                 response = requests.post(
-                    gateway.url + "/v1/chat/completions", stream=True, timeout=20,
-                    json={"model": MODEL, "stream": True, "max_tokens": 10,
-                          "messages": [{"role": "user", "content": f"stream {n}"}]})
+                    gateway.url + "/v1/chat/completions",
+                    stream=True,
+                    timeout=20,
+                    json={
+                        "model": MODEL,
+                        "stream": True,
+                        "max_tokens": 10,
+                        "messages": [{"role": "user", "content": f"stream {n}"}],
+                    },
+                )
                 return sse_events(response)[0]
 
             with ThreadPoolExecutor(6) as pool:
@@ -173,21 +216,32 @@ def test_sigterm_does_not_wait_out_idle_keep_alive_connections(fresh_engines, wo
     """With the default 75 s keep-alive, an idle client connection and the workers' own pooled
     connections to each other's private listeners must not hold a graceful stop."""
     p, d = fresh_engines
-    with gateway_process([p.url], [d.url], worker_class=worker_class, workers=2,
-                         keepalive=75, graceful_timeout=60) as gateway, \
-            requests.Session() as client:
+    with (
+        gateway_process(
+            [p.url],
+            [d.url],
+            worker_class=worker_class,
+            workers=2,
+            keepalive=75,
+            graceful_timeout=60,
+        ) as gateway,
+        requests.Session() as client,
+    ):
         # A forwarded turn leaves the forwarding worker's connection to its peer idle in its
         # pool.
         body = {"model": MODEL, "messages": [{"role": "user", "content": "idle"}]}
         with gateway.forwarded(body) as arrived, ThreadPoolExecutor(1) as pool:
-            turn = pool.submit(requests.post, gateway.url + "/v1/chat/completions", json=body,
-                               timeout=10)
+            turn = pool.submit(
+                requests.post, gateway.url + "/v1/chat/completions", json=body, timeout=10
+            )
             arrived()
             assert turn.result().status_code == 200
         for n in range(4):
-            with requests.post(gateway.url + "/v1/chat/completions", timeout=10,
-                               json={"model": MODEL, "messages": [
-                                   {"role": "user", "content": f"idle {n}"}]}) as response:
+            with requests.post(
+                gateway.url + "/v1/chat/completions",
+                timeout=10,
+                json={"model": MODEL, "messages": [{"role": "user", "content": f"idle {n}"}]},
+            ) as response:
                 assert response.status_code == 200
         assert client.get(gateway.url + "/health", timeout=10).status_code == 200  # kept alive
         assert gateway.metric("pd_gateway_forwarded_total", result="sent") >= 1

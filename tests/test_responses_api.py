@@ -2,6 +2,7 @@
 openai SDK's client.responses: stateless and chained by previous_response_id, streamed and not,
 later turns reading the blocks D kept; an agent loop of function calls; GET, cancel, DELETE;
 the 400s and 404s; tenants apart; the chain in Redis."""
+
 from __future__ import annotations
 
 import uuid
@@ -14,9 +15,18 @@ from openai import OpenAI
 from tests.helpers.servers import MODEL, metric, reset, starts_processes
 
 LONG = {"max_output_tokens": 12}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                         "required": ["city"]}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+]
 
 
 @pytest.fixture
@@ -38,8 +48,7 @@ def create(client: OpenAI, **body):
 
 def streamed(client: OpenAI, **body):
     """A streamed request: (its events' types, the final Response, X-Gateway-Cache)."""
-    raw = client.responses.with_raw_response.create(model=MODEL, stream=True,
-                                                    **{**LONG, **body})
+    raw = client.responses.with_raw_response.create(model=MODEL, stream=True, **{**LONG, **body})
     events = list(raw.parse())
     return [e.type for e in events], events[-1].response, raw.headers["X-Gateway-Cache"]
 
@@ -52,8 +61,11 @@ def test_a_chain_by_previous_response_id_reads_ds_blocks(gateway, fresh_engines,
     hits = metric(gateway, "pd_gateway_requests_total", endpoint="/v1/responses", cache="hit")
     previous, caches = None, []
     for turn in range(4):
-        body = dict(input=f"turn {turn} of {uuid.uuid4().hex}", instructions="short answers",
-                    previous_response_id=previous)
+        body = dict(
+            input=f"turn {turn} of {uuid.uuid4().hex}",
+            instructions="short answers",
+            previous_response_id=previous,
+        )
         if stream:
             types, response, cache = streamed(client, **body)
             assert types[:2] == ["response.created", "response.in_progress"]
@@ -63,23 +75,36 @@ def test_a_chain_by_previous_response_id_reads_ds_blocks(gateway, fresh_engines,
         assert response.id.startswith("resp_") and response.output_text
         caches.append(cache)
         previous = response.id
-    print(f"\nchained ({'stream' if stream else 'json'}): caches {caches}, "
-          f"P hits {p.stats()['hits']}")
+    print(
+        f"\nchained ({'stream' if stream else 'json'}): caches {caches}, P hits {p.stats()['hits']}"
+    )
     assert caches == ["miss", "hit", "hit", "hit"]
     assert p.stats()["hits"] == 3 and p.stats()["wrong_reuse"] == 0
     assert metric(gateway, "pd_gateway_kv_reads_total", result="read") - reads == 3
-    assert metric(gateway, "pd_gateway_requests_total", endpoint="/v1/responses",
-                  cache="hit") - hits == 3
+    assert (
+        metric(gateway, "pd_gateway_requests_total", endpoint="/v1/responses", cache="hit") - hits
+        == 3
+    )
 
 
 def test_the_stream_is_in_openais_order(gateway):
     types, response, _ = streamed(client_of(gateway), input="say something", store=False)
     text = [t for t in types if t.startswith("response.output_text.delta")]
-    assert text and types == (["response.created", "response.in_progress",
-                               "response.output_item.added", "response.content_part.added"]
-                              + text + ["response.output_text.done",
-                                        "response.content_part.done",
-                                        "response.output_item.done", types[-1]])
+    assert text and types == (
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ]
+        + text
+        + [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            types[-1],
+        ]
+    )
     assert types[-1] in ("response.completed", "response.incomplete")
     assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
 
@@ -107,8 +132,14 @@ def test_stateless_input_carrying_the_conversation_hits(gateway, fresh_engines):
     assert caches == ["miss", "hit", "hit"]
     assert p.stats()["hits"] == 2 and p.stats()["wrong_reuse"] == 0
     # Nothing kept: store false.
-    assert requests.get(f"{gateway.url}/v1/responses/{response.id}", timeout=10,
-                        headers={"Authorization": "Bearer tenant-a"}).status_code == 404
+    assert (
+        requests.get(
+            f"{gateway.url}/v1/responses/{response.id}",
+            timeout=10,
+            headers={"Authorization": "Bearer tenant-a"},
+        ).status_code
+        == 404
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -117,8 +148,11 @@ def test_an_agent_loop_of_function_calls(agent_engines, gateway_factory, stream)
     p.reset_stats()
     gateway = gateway_factory([p.url], [d.url])
     client = client_of(gateway)
-    ask = (lambda **body: streamed(client, max_output_tokens=64, **body)[1:]) if stream else \
-        (lambda **body: create(client, max_output_tokens=64, **body)[:2])
+    ask = (
+        (lambda **body: streamed(client, max_output_tokens=64, **body)[1:])
+        if stream
+        else (lambda **body: create(client, max_output_tokens=64, **body)[:2])
+    )
     response, cache = ask(input=f"What is the weather in Paris? {uuid.uuid4().hex}", tools=TOOLS)
     caches = [cache]
     for turn in range(3):
@@ -127,9 +161,17 @@ def test_an_agent_loop_of_function_calls(agent_engines, gateway_factory, stream)
         call = response.output[1]
         assert call.name == "get_weather" and call.call_id and call.arguments
         # The function's result, chained: the call stays in the prompt, D's blocks are read.
-        response, cache = ask(previous_response_id=response.id, tools=TOOLS,
-                              input=[{"type": "function_call_output", "call_id": call.call_id,
-                                      "output": f"sunny, {20 + turn} C"}])
+        response, cache = ask(
+            previous_response_id=response.id,
+            tools=TOOLS,
+            input=[
+                {
+                    "type": "function_call_output",
+                    "call_id": call.call_id,
+                    "output": f"sunny, {20 + turn} C",
+                }
+            ],
+        )
         caches.append(cache)
     assert caches == ["miss", "hit", "hit", "hit"]
     assert p.stats()["hits"] == 3 and p.stats()["wrong_reuse"] == 0
@@ -149,10 +191,13 @@ def test_get_cancel_and_delete_a_stored_response(gateway):
 
 def test_bad_bodies_are_400_and_unknown_ids_404(gateway):
     client = client_of(gateway)
-    cases = [{"model": MODEL}, {"model": MODEL, "input": 5},
-             {"model": MODEL, "input": [{"type": "file_search_call"}]},
-             {"model": MODEL, "input": "x", "tool_choice": "required"},
-             {"model": MODEL, "input": "x", "no_such_field": 1}]
+    cases = [
+        {"model": MODEL},
+        {"model": MODEL, "input": 5},
+        {"model": MODEL, "input": [{"type": "file_search_call"}]},
+        {"model": MODEL, "input": "x", "tool_choice": "required"},
+        {"model": MODEL, "input": "x", "no_such_field": 1},
+    ]
     for body in cases:
         reply = requests.post(gateway.url + "/v1/responses", json=body, timeout=10)
         assert reply.status_code == 400, (body, reply.text)
@@ -188,16 +233,16 @@ def test_the_chain_in_redis(fresh_engines, gateway_factory, redis_server):
     client = client_of(gateway)
     previous, caches = None, []
     for turn in range(3):
-        response, cache, _ = create(client, input=f"redis turn {turn} {uuid.uuid4().hex}",
-                                    previous_response_id=previous)
+        response, cache, _ = create(
+            client, input=f"redis turn {turn} {uuid.uuid4().hex}", previous_response_id=previous
+        )
         caches.append(cache)
         previous = response.id
     assert caches == ["miss", "hit", "hit"] and p.stats()["hits"] == 2
     assert client.responses.retrieve(previous).output_text == response.output_text
 
 
-def test_several_workers_with_a_local_store_keep_each_chain_in_one(fresh_engines,
-                                                                    gateway_factory):
+def test_several_workers_with_a_local_store_keep_each_chain_in_one(fresh_engines, gateway_factory):
     """Each request naming a response goes to the worker that keeps its chain, whichever
     worker the kernel gave the connection to."""
     p, d = fresh_engines
@@ -206,9 +251,12 @@ def test_several_workers_with_a_local_store_keep_each_chain_in_one(fresh_engines
     for n in range(4):
         previous, caches = None, []
         for turn in range(4):
-            client = client_of(gateway, f"key-{n}")    # a new connection: any worker's
-            response, cache, _ = create(client, input=f"chain {n} turn {turn} {uuid.uuid4().hex}",
-                                        previous_response_id=previous)
+            client = client_of(gateway, f"key-{n}")  # a new connection: any worker's
+            response, cache, _ = create(
+                client,
+                input=f"chain {n} turn {turn} {uuid.uuid4().hex}",
+                previous_response_id=previous,
+            )
             caches.append(cache)
             previous = response.id
         chains.append((client, previous, caches))

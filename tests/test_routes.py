@@ -2,6 +2,7 @@
 model as it came (P, D, either, any), the reply relayed as it came, retried before any byte;
 the client's key, its limits and the body limit as for completions; vLLM's engine-internal
 routes and any unknown path a 404 naming what the gateway serves, under a host's prefix too."""
+
 from __future__ import annotations
 
 import io
@@ -30,21 +31,42 @@ from tests.helpers.transport import ResponsesTransport
 
 P2_URL = "http://10.9.0.5:8100"
 # vLLM 0.33.0's routes the gateway leaves closed (docs/routes.md says where each is).
-CLOSED = [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
-          ("POST", "/reset_prefix_cache"), ("POST", "/collective_rpc"),
-          ("POST", "/start_profile"), ("POST", "/stop_profile"), ("POST", "/update_weights"),
-          ("POST", "/scale_elastic_ep"), ("GET", "/server_info"), ("GET", "/load"),
-          ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
-          ("GET", "/kv_event_sources"), ("POST", "/pause"), ("POST", "/invocations"),
-          ("POST", "/generative_scoring"),
-          ("POST", "/inference/v1/generate"), ("GET", "/docs"), ("GET", "/openapi.json")]
+CLOSED = [
+    ("POST", "/sleep"),
+    ("POST", "/wake_up"),
+    ("GET", "/is_sleeping"),
+    ("POST", "/reset_prefix_cache"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/start_profile"),
+    ("POST", "/stop_profile"),
+    ("POST", "/update_weights"),
+    ("POST", "/scale_elastic_ep"),
+    ("GET", "/server_info"),
+    ("GET", "/load"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
+    ("GET", "/kv_event_sources"),
+    ("POST", "/pause"),
+    ("POST", "/invocations"),
+    ("POST", "/generative_scoring"),
+    ("POST", "/inference/v1/generate"),
+    ("GET", "/docs"),
+    ("GET", "/openapi.json"),
+]
 
 
 def _app(store, **settings):
-    base = dict(prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
-                max_body_bytes=4096, release_rate=0, engine_metrics_interval=0, probe_interval=0)
-    return create_app(Settings(**{**base, **settings}), store=store,
-                      transport=ResponsesTransport())
+    base = dict(
+        prefill=[P_URL],
+        decode=[D_URL],
+        worker_class="gthread",
+        threads=8,
+        max_body_bytes=4096,
+        release_rate=0,
+        engine_metrics_interval=0,
+        probe_interval=0,
+    )
+    return create_app(Settings(**{**base, **settings}), store=store, transport=ResponsesTransport())
 
 
 @pytest.fixture
@@ -54,6 +76,7 @@ def make_app(store):
     def make(**settings):
         made.append(_app(store, **settings))
         return made[-1]
+
     yield make
     for app in made:
         app.extensions["pd_gateway"].close()
@@ -77,6 +100,7 @@ def form(**fields) -> tuple[bytes, str]:
 
 # --- the table, the wire ----------------------------------------------------------------------
 
+
 def test_the_passed_routes_are_the_ones_the_metric_declares():
     assert tuple(route.path for route in ROUTES) == metrics.PASSED_ROUTES
     assert {route.role for route in ROUTES} == {"prefill", "decode", "either", "any"}
@@ -86,10 +110,10 @@ def test_a_forms_model_is_read_and_renamed_where_it_is():
     body, content_type = form(file=("a.wav", b"model\r\n" * 3), model="alias", stream="true")
     value, where = form_field(body, content_type, "model")
     assert value == "alias"
-    renamed = body[:where.start] + b"real" + body[where.stop:]
+    renamed = body[: where.start] + b"real" + body[where.stop :]
     assert form_field(renamed, content_type, "model")[0] == "real"
     assert form_field(renamed, content_type, "stream")[0] == "true"
-    assert form_field(body, content_type, "file") is None          # a file is not a field
+    assert form_field(body, content_type, "file") is None  # a file is not a field
     assert form_field(body, "application/json", "model") is None
 
 
@@ -99,13 +123,19 @@ def test_a_passed_request_reaches_the_engine_as_it_came_and_its_reply_the_client
     engine_reply = b'{"count":2,"max_model_len":32768,"tokens":[5,6],"token_strs":null}'
     responses.post(P_URL + "/tokenize", body=engine_reply, content_type="application/json")
     sent = b'{"model":"m","prompt":"a b", "extra":  1}'
-    reply = client.post("/tokenize", data=sent, headers={
-        "Content-Type": "application/json", "X-Request-Id": "tok-1",
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    reply = client.post(
+        "/tokenize",
+        data=sent,
+        headers={
+            "Content-Type": "application/json",
+            "X-Request-Id": "tok-1",
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        },
+    )
     assert (reply.status_code, reply.data) == (200, engine_reply)
     assert reply.content_type == "application/json" and reply.headers["X-Request-Id"] == "tok-1"
     (call,) = responses.calls
-    assert call.request.body == sent                      # byte for byte, spacing and all
+    assert call.request.body == sent  # byte for byte, spacing and all
     assert call.request.headers["X-Request-Id"] == "tok-1"
     assert call.request.headers["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c-")
     assert call.request.headers["Content-Type"] == "application/json"
@@ -115,8 +145,12 @@ def test_a_passed_request_reaches_the_engine_as_it_came_and_its_reply_the_client
 def test_embeddings_as_bytes_keep_the_header_that_says_their_shapes(make_app):
     client = make_app().test_client()
     metadata = '{"model":"m","data":[{"index":0,"shape":[4]}]}'
-    responses.post(P_URL + "/v1/embeddings", body=b"\x00" * 16, headers={
-        "metadata": metadata, "server": "uvicorn"}, content_type="application/octet-stream")
+    responses.post(
+        P_URL + "/v1/embeddings",
+        body=b"\x00" * 16,
+        headers={"metadata": metadata, "server": "uvicorn"},
+        content_type="application/octet-stream",
+    )
     reply = client.post("/v1/embeddings", json={"input": "x", "encoding_format": "bytes"})
     assert reply.data == b"\x00" * 16 and reply.content_type == "application/octet-stream"
     assert reply.headers["metadata"] == metadata and "uvicorn" not in str(reply.headers)
@@ -126,18 +160,32 @@ def test_embeddings_as_bytes_keep_the_header_that_says_their_shapes(make_app):
 def test_the_engines_refusals_are_relayed_and_its_failures_are_the_gateways(make_app):
     client = make_app().test_client()
     refusal = b'{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}'
-    responses.post(P_URL + "/v1/embeddings", body=refusal, status=400,
-                   content_type="application/json")
+    responses.post(
+        P_URL + "/v1/embeddings", body=refusal, status=400, content_type="application/json"
+    )
     reply = client.post("/v1/embeddings", json={"input": "x"})
     assert (reply.status_code, reply.data) == (400, refusal)
-    responses.replace(responses.POST, P_URL + "/v1/embeddings", status=501,
-                      json={"error": {"message": "The model does not support Embeddings API",
-                                      "type": "NotImplementedError", "param": None,
-                                      "code": 501}})
+    responses.replace(
+        responses.POST,
+        P_URL + "/v1/embeddings",
+        status=501,
+        json={
+            "error": {
+                "message": "The model does not support Embeddings API",
+                "type": "NotImplementedError",
+                "param": None,
+                "code": 501,
+            }
+        },
+    )
     assert client.post("/v1/embeddings", json={"input": "x"}).status_code == 501
     # Its own 500 message may name hosts: the client gets the gateway's 502, nothing of it.
-    responses.replace(responses.POST, P_URL + "/v1/embeddings", status=500,
-                      json={"error": {"message": "engine at 10.0.0.9 died"}})
+    responses.replace(
+        responses.POST,
+        P_URL + "/v1/embeddings",
+        status=500,
+        json={"error": {"message": "engine at 10.0.0.9 died"}},
+    )
     failed = client.post("/v1/embeddings", json={"input": "x"})
     assert failed.status_code == 502 and "10.0.0.9" not in failed.get_data(as_text=True)
     assert failed.json["error"]["type"] == "upstream_error"
@@ -148,8 +196,11 @@ def test_a_failure_before_any_byte_is_tried_on_another_engine(make_app):
     client = make_app(prefill=[P_URL, P2_URL]).test_client()
     responses.post(P_URL + "/score", status=500, json={"error": {"message": "gone"}})
     responses.post(P2_URL + "/score", json={"object": "list", "data": []})
-    reply = client.post("/score", json={"queries": "a", "documents": ["b"]},
-                        headers={"X-Request-Id": first_for([P_URL, P2_URL])})
+    reply = client.post(
+        "/score",
+        json={"queries": "a", "documents": ["b"]},
+        headers={"X-Request-Id": first_for([P_URL, P2_URL])},
+    )
     assert reply.status_code == 200 and reply.json == {"object": "list", "data": []}
     assert [c.request.url for c in responses.calls] == [P_URL + "/score", P2_URL + "/score"]
 
@@ -163,13 +214,14 @@ def test_each_route_goes_to_its_role(make_app):
         responses.get(url + "/version", json={"version": url})
     assert client.post("/v1/embeddings", json={"input": "x"}).json == {"from": P_URL}
     body, content_type = form(file=("a.wav", b"\0" * 10), model=MODEL)
-    assert client.post("/v1/audio/transcriptions", data=body,
-                       content_type=content_type).json == {"from": D_URL}
+    assert client.post("/v1/audio/transcriptions", data=body, content_type=content_type).json == {
+        "from": D_URL
+    }
     # Either role, or any engine: the least busy pool, all idle here (P's first).
     assert client.post("/detokenize", json={"tokens": [1]}).json == {"from": P_URL}
     assert client.get("/version").json == {"version": P_URL}
     gateway = client.application.extensions["pd_gateway"].gateway
-    gateway.prefill.instances[0].inflight = 3            # P busier than D: D's turn
+    gateway.prefill.instances[0].inflight = 3  # P busier than D: D's turn
     try:
         assert client.post("/detokenize", json={"tokens": [1]}).json == {"from": D_URL}
     finally:
@@ -191,10 +243,10 @@ def test_a_body_that_is_not_json_too_large_or_naming_no_model_served_is_refused(
 
 
 @responses.activate
-def test_the_clients_key_guards_the_passed_routes_and_the_engines_get_the_upstream_one(
-        make_app):
-    client = make_app(api_keys=["key-alpha"], upstream_api_key="engine-key",
-                      key_rpm=2).test_client()
+def test_the_clients_key_guards_the_passed_routes_and_the_engines_get_the_upstream_one(make_app):
+    client = make_app(
+        api_keys=["key-alpha"], upstream_api_key="engine-key", key_rpm=2
+    ).test_client()
     responses.post(P_URL + "/tokenize", json={"tokens": [1]})
     responses.get(P_URL + "/version", json={"version": "0.33.0"})
     for method, path in (("POST", "/tokenize"), ("GET", "/version")):
@@ -219,22 +271,30 @@ def test_a_keys_tokens_count_the_text_an_engine_computes(make_app):
     responses.post(P_URL + "/v1/embeddings", json={"data": [], "usage": {"prompt_tokens": 60}})
     # An audio file's bytes are not its tokens: 2,000 of them are no 500-token estimate.
     body, content_type = form(file=("a.wav", b"\0" * 2000))
-    assert client.post("/v1/audio/transcriptions", data=body, content_type=content_type,
-                       headers=key).status_code == 200
+    assert (
+        client.post(
+            "/v1/audio/transcriptions", data=body, content_type=content_type, headers=key
+        ).status_code
+        == 200
+    )
     # Text is: 400 bytes are 100 tokens until the engine says 60, which is what counts.
     first = client.post("/v1/embeddings", json={"input": "x" * 380}, headers=key)
     assert first.status_code == 200
-    assert client.post("/v1/embeddings", json={"input": "x" * 100},
-                       headers=key).status_code == 200       # 61 + 30 <= 100
+    assert (
+        client.post("/v1/embeddings", json={"input": "x" * 100}, headers=key).status_code == 200
+    )  # 61 + 30 <= 100
     refused = client.post("/v1/embeddings", json={"input": "x" * 380}, headers=key)
     assert refused.status_code == 429 and len(responses.calls) == 3
 
 
 @responses.activate
 def test_an_alias_reaches_its_models_engines_under_the_models_name(make_app):
-    client = make_app(models=[f"chat;prefill={P_URL};decode={D_URL}",
-                              f"speech;prefill={P2_URL};decode=http://10.9.0.6:8200;"
-                              "aliases=whisper"]).test_client()
+    client = make_app(
+        models=[
+            f"chat;prefill={P_URL};decode={D_URL}",
+            f"speech;prefill={P2_URL};decode=http://10.9.0.6:8200;aliases=whisper",
+        ]
+    ).test_client()
     responses.post(P2_URL + "/pooling", json={"data": []})
     responses.post("http://10.9.0.6:8200/v1/audio/translations", json={"text": "hi"})
     assert client.post("/pooling", json={"model": "whisper", "input": "x"}).status_code == 200
@@ -248,6 +308,7 @@ def test_an_alias_reaches_its_models_engines_under_the_models_name(make_app):
 
 
 # --- what the gateway does not serve ------------------------------------------------------------
+
 
 @responses.activate
 @pytest.mark.parametrize("method,path", CLOSED)
@@ -278,9 +339,17 @@ def _host(prefix):
     def not_found(exc):
         return {"host": "not found"}, 404
 
-    PDGateway(host, url_prefix=prefix, engine_metrics_interval=0, probe_interval=0,
-              prefill=[P_URL], decode=[D_URL], worker_class="gthread", threads=8,
-              transport=ResponsesTransport())
+    PDGateway(
+        host,
+        url_prefix=prefix,
+        engine_metrics_interval=0,
+        probe_interval=0,
+        prefill=[P_URL],
+        decode=[D_URL],
+        worker_class="gthread",
+        threads=8,
+        transport=ResponsesTransport(),
+    )
     return host
 
 
@@ -309,21 +378,29 @@ def test_under_a_prefix_the_gateway_answers_unknown_paths_below_it_only():
 
 # --- real engines ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 @starts_processes
 def routed(tmp_path_factory):
     """Two P and a D of the tests' model (D's words 250 ms apart: a stream shows as one), an
     embedding model with one engine as its P and D, and three gateways: the first model's,
     one with client keys, and one of both models (--models-file)."""
-    engines = [EmulatorProcess("prefill", host="127.0.0.70", itl_ms=1),
-               EmulatorProcess("prefill", host="127.0.0.71", itl_ms=1),
-               EmulatorProcess("decode", host="127.0.0.72", itl_ms=250),
-               EmulatorProcess("prefill", host="127.0.0.73", model="embedder")]
+    engines = [
+        EmulatorProcess("prefill", host="127.0.0.70", itl_ms=1),
+        EmulatorProcess("prefill", host="127.0.0.71", itl_ms=1),
+        EmulatorProcess("decode", host="127.0.0.72", itl_ms=250),
+        EmulatorProcess("prefill", host="127.0.0.73", model="embedder"),
+    ]
     p1, p2, d, e = engines
     path = tmp_path_factory.mktemp("routes") / "models.toml"
-    path.write_text(models_toml(
-        **{MODEL: {"prefill": [p1.url, p2.url], "decode": [d.url]},
-           "embedder": {"prefill": [e.url], "decode": [e.url], "aliases": ["embed"]}}))
+    path.write_text(
+        models_toml(
+            **{
+                MODEL: {"prefill": [p1.url, p2.url], "decode": [d.url]},
+                "embedder": {"prefill": [e.url], "decode": [e.url], "aliases": ["embed"]},
+            }
+        )
+    )
     gateways = []
     try:
         gateways.append(gateway_process([p1.url, p2.url], [d.url]))
@@ -343,6 +420,7 @@ def _requests_of(engines) -> list[int]:
 
 def test_embeddings_through_the_openai_sdk_reach_a_p(routed):
     from openai import OpenAI
+
     (gateway, *_), (p1, p2, d, e) = routed
     before = _requests_of((p1, p2, d, e))
     client = OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
@@ -358,22 +436,31 @@ def test_embeddings_through_the_openai_sdk_reach_a_p(routed):
 def test_tokenizer_version_scoring_and_pooling_answer_as_the_engine_does(routed):
     (gateway, *_), (p1, *_) = routed
     words = f"{VOCAB[0]} {VOCAB[3]}"
-    tokens = requests.post(gateway.url + "/tokenize", json={"model": MODEL, "prompt": words},
-                           timeout=10)
+    tokens = requests.post(
+        gateway.url + "/tokenize", json={"model": MODEL, "prompt": words}, timeout=10
+    )
     assert tokens.status_code == 200
     assert tokens.json()["tokens"] == [token_id(VOCAB[0]), token_id(VOCAB[3])]
-    back = requests.post(gateway.url + "/detokenize", timeout=10,
-                         json={"model": MODEL, "tokens": tokens.json()["tokens"]})
+    back = requests.post(
+        gateway.url + "/detokenize",
+        timeout=10,
+        json={"model": MODEL, "tokens": tokens.json()["tokens"]},
+    )
     assert back.json() == {"prompt": words}
     version = requests.get(gateway.url + "/version", timeout=10)
     assert version.json() == {"version": "emulated"}
-    direct = requests.post(p1.url + "/v1/score", timeout=10,
-                           json={"text_1": "alpha", "text_2": ["alpha", "zulu"]}).json()
-    passed = requests.post(gateway.url + "/v1/score", timeout=10,
-                           json={"text_1": "alpha", "text_2": ["alpha", "zulu"]}).json()
+    direct = requests.post(
+        p1.url + "/v1/score", timeout=10, json={"text_1": "alpha", "text_2": ["alpha", "zulu"]}
+    ).json()
+    passed = requests.post(
+        gateway.url + "/v1/score", timeout=10, json={"text_1": "alpha", "text_2": ["alpha", "zulu"]}
+    ).json()
     assert passed["data"] == direct["data"] and passed["usage"] == direct["usage"]
-    ranked = requests.post(gateway.url + "/rerank", timeout=10,
-                           json={"query": "alpha", "documents": ["zulu", "alpha"], "top_n": 1})
+    ranked = requests.post(
+        gateway.url + "/rerank",
+        timeout=10,
+        json={"query": "alpha", "documents": ["zulu", "alpha"], "top_n": 1},
+    )
     assert [r["index"] for r in ranked.json()["results"]] == [1]
     pooled = requests.post(gateway.url + "/pooling", json={"input": "alpha"}, timeout=10)
     assert pooled.json()["data"][0]["data"] == vector("alpha")
@@ -386,14 +473,20 @@ def test_a_transcription_goes_to_d_and_streams_as_d_sends_it(routed):
     (gateway, *_), (p1, p2, d, e) = routed
     before = _requests_of((p1, p2, d))
     audio = {"file": ("a.wav", io.BytesIO(b"\0" * 64000), "audio/wav")}
-    whole = requests.post(gateway.url + "/v1/audio/transcriptions", files=audio,
-                          data={"model": MODEL}, timeout=20)
+    whole = requests.post(
+        gateway.url + "/v1/audio/transcriptions", files=audio, data={"model": MODEL}, timeout=20
+    )
     assert whole.status_code == 200 and whole.headers["Content-Type"] == "application/json"
     assert whole.json()["usage"] == {"type": "duration", "seconds": 2}
     audio["file"][1].seek(0)
     started = time.monotonic()
-    with requests.post(gateway.url + "/v1/audio/transcriptions", files=audio, timeout=20,
-                       data={"model": MODEL, "stream": "true"}, stream=True) as streamed:
+    with requests.post(
+        gateway.url + "/v1/audio/transcriptions",
+        files=audio,
+        timeout=20,
+        data={"model": MODEL, "stream": "true"},
+        stream=True,
+    ) as streamed:
         assert streamed.headers["Content-Type"].startswith("text/event-stream")
         arrived = []
         for line in streamed.iter_lines():
@@ -416,18 +509,25 @@ def test_closed_and_unknown_routes_reach_no_engine(routed):
         assert reply.status_code == 404, path
         assert reply.json()["error"]["type"] == "not_found_error"
     after = [engine.stats() for engine in engines]
-    assert [(a["requests"], a["other_requests"]) for a in after] == \
-        [(b["requests"], b["other_requests"]) for b in before]
+    assert [(a["requests"], a["other_requests"]) for a in after] == [
+        (b["requests"], b["other_requests"]) for b in before
+    ]
 
 
 def test_with_keys_the_passed_routes_need_one_and_ping_does_not(routed):
     (_, keyed, _), _ = routed
-    assert requests.post(keyed.url + "/v1/embeddings", json={"input": "x"},
-                         timeout=10).status_code == 401
+    assert (
+        requests.post(keyed.url + "/v1/embeddings", json={"input": "x"}, timeout=10).status_code
+        == 401
+    )
     assert requests.get(keyed.url + "/version", timeout=10).status_code == 401
     assert requests.get(keyed.url + "/ping", timeout=10).status_code == 200
-    reply = requests.post(keyed.url + "/v1/embeddings", json={"input": "x"}, timeout=10,
-                          headers={"Authorization": "Bearer key-alpha"})
+    reply = requests.post(
+        keyed.url + "/v1/embeddings",
+        json={"input": "x"},
+        timeout=10,
+        headers={"Authorization": "Bearer key-alpha"},
+    )
     assert reply.status_code == 200 and reply.json()["data"][0]["embedding"] == vector("x")
 
 
@@ -435,14 +535,20 @@ def test_a_model_is_passed_to_its_own_engines(routed):
     (_, _, both), (p1, p2, d, e) = routed
     before = _requests_of((p1, p2, d, e))
     for model in ("embedder", "embed"):
-        reply = requests.post(both.url + "/v1/embeddings", timeout=10,
-                              json={"model": model, "input": "alpha"})
+        reply = requests.post(
+            both.url + "/v1/embeddings", timeout=10, json={"model": model, "input": "alpha"}
+        )
         assert reply.status_code == 200, reply.text
-        assert reply.json()["model"] == "embedder"     # the alias went as its model's name
-    assert requests.post(both.url + "/v1/embeddings", timeout=10,
-                         json={"model": MODEL, "input": "alpha"}).json()["model"] == MODEL
-    unknown = requests.post(both.url + "/v1/embeddings", json={"model": "gpt-4", "input": "x"},
-                            timeout=10)
+        assert reply.json()["model"] == "embedder"  # the alias went as its model's name
+    assert (
+        requests.post(
+            both.url + "/v1/embeddings", timeout=10, json={"model": MODEL, "input": "alpha"}
+        ).json()["model"]
+        == MODEL
+    )
+    unknown = requests.post(
+        both.url + "/v1/embeddings", json={"model": "gpt-4", "input": "x"}, timeout=10
+    )
     assert unknown.status_code == 404 and "Valid aliases" in unknown.json()["error"]["message"]
     after = _requests_of((p1, p2, d, e))
     assert after[3] - before[3] == 2 and sum(after[:2]) - sum(before[:2]) == 1

@@ -1,5 +1,6 @@
 """P and D chosen by an explicit cost (gateway.engines.cost, docs/routing.md): the conversation's
 own P and the D that holds it unless another is cheaper by its queue; rendezvous breaks ties."""
+
 from __future__ import annotations
 
 import uuid
@@ -27,10 +28,11 @@ def rendezvous(pool: Pool, key: str) -> list[Instance]:
 
 # --- the model --------------------------------------------------------------------------------
 
+
 def test_the_own_p_saves_the_pull_and_a_stranger_pays_it_at_the_pull_cost():
     model = CostModel(pull=0.1)
     need = Need(tokens=1100, held=1000, cached=1000)
-    assert model.work(need, own=True) == 100          # only the new tokens
+    assert model.work(need, own=True) == 100  # only the new tokens
     assert model.work(need, own=False) == pytest.approx(100 + 0.1 * 1000)
     # Without an entry a stranger recomputes the history the own P has in its prefix cache.
     assert model.work(Need(1100, 0, 1000), own=False) == 1100
@@ -53,6 +55,7 @@ def test_equal_costs_keep_the_first_in_order():
 
 # --- the choice -------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def ps() -> Pool:
     return Pool("prefill", URLS, Policy(cost=CostModel(pull=0.1)))
@@ -70,11 +73,11 @@ def test_idle_ps_keep_each_conversation_on_its_rendezvous_p(ps):
 def test_a_turn_leaves_its_busy_p_once_the_queue_outweighs_the_pull(ps):
     key = "conversation"
     own, second, _ = rendezvous(ps, key)
-    need = Need(tokens=1100, held=1000, cached=1000)    # a stranger pulls 1000 at 0.1: 100
+    need = Need(tokens=1100, held=1000, cached=1000)  # a stranger pulls 1000 at 0.1: 100
     own.queued = 100
-    assert ps.choose(key, need=need) is own            # equal: the tie stays home
+    assert ps.choose(key, need=need) is own  # equal: the tie stays home
     own.queued = 101
-    assert ps.choose(key, need=need) is second         # the next in rendezvous order
+    assert ps.choose(key, need=need) is second  # the next in rendezvous order
     # Without an entry a stranger would recompute 1000 tokens: the own P keeps it longer.
     assert ps.choose(key, need=Need(1100, 0, 1000)) is own
     own.queued = 1001
@@ -86,9 +89,9 @@ def test_engine_reports_count_as_queued_work(ps):
     own, second, third = rendezvous(ps, key)
     reports = {own.url: Reported(waiting=1, running=0, kv_usage=0.1, age=0.0)}
     ps.load = lambda i: reports.get(i.url)
-    assert ps.choose(key, need=Need(1100, 1000, 1000)) is second     # 512 queued > 100
+    assert ps.choose(key, need=Need(1100, 1000, 1000)) is second  # 512 queued > 100
     reports[second.url] = Reported(waiting=-1, running=1, kv_usage=0.1, age=0.0)
-    assert ps.choose(key, need=Need(1100, 1000, 1000)) is third      # -1: no queue signal
+    assert ps.choose(key, need=Need(1100, 1000, 1000)) is third  # -1: no queue signal
 
 
 def test_a_retry_never_counts_the_next_p_as_the_conversations_own(ps):
@@ -106,7 +109,7 @@ def test_overload_and_busy_still_rule_out_before_the_cost(ps):
     assert ps.choose(key, need=Need(1100, 1000, 1000)) is second
     ps.busy = None
     second.inflight = third.inflight = 0
-    own.inflight = 3                                   # > 2 x (0 + 1)
+    own.inflight = 3  # > 2 x (0 + 1)
     assert ps.choose(key, need=Need(1100, 1000, 1000)) is second
 
 
@@ -120,7 +123,7 @@ def test_ds_keep_the_holding_d_until_it_runs_move_streams_more():
     ds = Pool("decode", URLS[:2], Policy(overload_factor=100, cost=CostModel(move_streams=4)))
     holding, other = ds.instances
     holding.inflight, other.inflight = 5, 1
-    assert ds.choose("k", prefer=holding.url) is holding      # 5 against 1 + 4
+    assert ds.choose("k", prefer=holding.url) is holding  # 5 against 1 + 4
     holding.inflight = 6
     assert ds.choose("k", prefer=holding.url) is other
     # Reported streams count where they are more than this process's own.
@@ -134,6 +137,7 @@ def test_ds_keep_the_holding_d_until_it_runs_move_streams_more():
 
 def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
     from gateway.flow.attempts import attempt
+
     need = Need(tokens=1100, held=1000, cached=1000)
     seen = []
 
@@ -142,25 +146,36 @@ def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
         return "ok"
 
     answered = attempt(ps, "conversation", call, 2, need=need)
-    assert seen == [100]                         # the own P: only the new tokens
+    assert seen == [100]  # the own P: only the new tokens
     assert answered.instance.queued == 0 and answered.instance.inflight == 0
 
 
 def test_the_need_is_estimated_from_characters():
-    chat = ClientRequest("/v1/chat/completions", {"messages": [
-        {"role": "user", "content": "a" * 400}, {"role": "assistant", "content": "b" * 400},
-        {"role": "user", "content": "c" * 40}]}, False, None)
+    chat = ClientRequest(
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "a" * 400},
+                {"role": "assistant", "content": "b" * 400},
+                {"role": "user", "content": "c" * 40},
+            ]
+        },
+        False,
+        None,
+    )
     need = prefill_need(chat, None)
     assert 210 <= need.tokens <= 240 and need.held == 0
-    assert need.cached == need.tokens - (10 + 8)           # all but the last message
-    entry = Entry(params={"remote_num_tokens": 205}, decode_url="http://d", history_digest="",
-                  history_len=2)
+    assert need.cached == need.tokens - (10 + 8)  # all but the last message
+    entry = Entry(
+        params={"remote_num_tokens": 205}, decode_url="http://d", history_digest="", history_len=2
+    )
     assert prefill_need(chat, entry) == Need(need.tokens, 205, 205)
     prompt = ClientRequest("/v1/completions", {"prompt": "x" * 800}, False, None)
     assert prefill_need(prompt, None) == Need(201)
 
 
 # --- with real engines --------------------------------------------------------------------------
+
 
 def own_p_of(ps: list[str], body: dict, conversation: str) -> str:
     """The P a conversation's rendezvous order puts first, as the gateway computes it."""
@@ -172,17 +187,21 @@ def own_p_of(ps: list[str], body: dict, conversation: str) -> str:
 @starts_processes
 def two_ps_one_d():
     flags = dict(bidirectional_kv_xfer=True, itl_ms=1, recompute_threshold=0)
-    with EmulatorProcess("prefill", host="127.0.0.211", **flags) as p0, \
-            EmulatorProcess("prefill", host="127.0.0.212", **flags) as p1, \
-            EmulatorProcess("decode", host="127.0.0.213", **flags) as d:
+    with (
+        EmulatorProcess("prefill", host="127.0.0.211", **flags) as p0,
+        EmulatorProcess("prefill", host="127.0.0.212", **flags) as p1,
+        EmulatorProcess("decode", host="127.0.0.213", **flags) as d,
+    ):
         yield [p0, p1], d
 
 
 def chat(*messages: str) -> dict:
     roles = ["user", "assistant"]
-    return {"model": workload.MODEL, "max_tokens": 16,
-            "messages": [{"role": roles[n % 2], "content": text}
-                         for n, text in enumerate(messages)]}
+    return {
+        "model": workload.MODEL,
+        "max_tokens": 16,
+        "messages": [{"role": roles[n % 2], "content": text} for n, text in enumerate(messages)],
+    }
 
 
 def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(two_ps_one_d):
@@ -197,30 +216,35 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
     long = next(n for n in names if own_p_of(urls, long_body, n) == busy.url)
     for p in ps:
         p.reset_stats()
-    gateway = gateway_process(urls, [d.url], workers=1, engine_metrics_interval=0,
-                              release_rate=0)
+    gateway = gateway_process(urls, [d.url], workers=1, engine_metrics_interval=0, release_rate=0)
     try:
-        turn1 = requests.post(gateway.url + "/v1/chat/completions",
-                              json={**first, "conversation_id": short}, timeout=30)
+        turn1 = requests.post(
+            gateway.url + "/v1/chat/completions",
+            json={**first, "conversation_id": short},
+            timeout=30,
+        )
         assert turn1.status_code == 200 and turn1.headers["X-Gateway-KV"] == "none"
         assert (busy.stats()["requests"], other.stats()["requests"]) == (1, 0)
         reply = turn1.json()["choices"][0]["message"]["content"]
 
         def while_the_long_prefill_hangs(sock) -> None:
             wait_until(lambda: busy.stats()["requests"] == 2, 10, "the long prefill on its P")
-            turn2 = requests.post(gateway.url + "/v1/chat/completions", json={
-                **chat("What is KV reuse?", reply, "And why?"), "conversation_id": short},
-                timeout=30)
+            turn2 = requests.post(
+                gateway.url + "/v1/chat/completions",
+                json={**chat("What is KV reuse?", reply, "And why?"), "conversation_id": short},
+                timeout=30,
+            )
             assert turn2.status_code == 200
-            assert turn2.headers["X-Gateway-KV"] == "read"     # the other P read D's blocks
+            assert turn2.headers["X-Gateway-KV"] == "read"  # the other P read D's blocks
             assert (busy.stats()["requests"], other.stats()["requests"]) == (2, 1)
             assert other.stats()["hits"] == 1
 
         busy.set_fault("hang", count=1)
         # Its client leaves once the test is done: the gateway cuts the P call, and the
         # emulator's hang ends with it.
-        open_and_abandon(gateway, {**long_body, "conversation_id": long},
-                         while_the_long_prefill_hangs)
+        open_and_abandon(
+            gateway, {**long_body, "conversation_id": long}, while_the_long_prefill_hangs
+        )
         wait_until(lambda: busy.stats()["fault_responses"] == 1, 10, "the hang to end")
     finally:
         busy.set_fault("none")

@@ -2,6 +2,7 @@
 stalled in its headers or its body is closed after --client-timeout, a stream its client stops
 reading ends and lets go of its place and of D, and bodies beyond the worker's
 --max-bodies-bytes are refused before they are read."""
+
 from __future__ import annotations
 
 import json
@@ -18,23 +19,27 @@ from tests.helpers.servers import MODEL, gateway_process
 
 STALLED = {
     "headers": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl",
-    "body": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-             b"\r\nContent-Length: 1000\r\n\r\n{\"model\": "),
+    "body": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b'\r\nContent-Length: 1000\r\n\r\n{"model": '
+    ),
 }
 
 
 @pytest.mark.parametrize("stall", ["headers", "body"])
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
 def test_clients_that_stall_their_request_cost_their_connections_not_the_worker(
-        fresh_engines, worker_class, stall):
+    fresh_engines, worker_class, stall
+):
     """8 clients send part of their request and stop, on a worker of 4 threads (or 16
     connections): /health still answers, a stalled body gets 408 and a stalled gthread request
     is closed, each after --client-timeout, quietly. Before, gthread's threads were theirs for
     as long as they stayed, /health included."""
     p, d = fresh_engines
     sizing = {"threads": 4} if worker_class == "gthread" else {"worker_connections": 16}
-    with gateway_process([p.url], [d.url], worker_class=worker_class, client_timeout=1,
-                         **sizing) as gateway:
+    with gateway_process(
+        [p.url], [d.url], worker_class=worker_class, client_timeout=1, **sizing
+    ) as gateway:
         stalled = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(8)]
         try:
             for sock in stalled:
@@ -43,7 +48,7 @@ def test_clients_that_stall_their_request_cost_their_connections_not_the_worker(
             if stall == "body" or worker_class == "gthread":
                 for sock in stalled:
                     sock.settimeout(30)
-                    reply = sock.recv(4096)          # what the gateway sends, then its close
+                    reply = sock.recv(4096)  # what the gateway sends, then its close
                     assert reply.startswith(b"HTTP/1.1 408") if stall == "body" else True
                     while reply:
                         reply = sock.recv(4096)
@@ -61,8 +66,8 @@ HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applicat
 
 PARTS = {
     "head": HEAD + b"X-Wait: a",
-    "body": HEAD + b"Content-Length: 1000\r\n\r\n{\"model\": ",
-    "chunked": HEAD + b"Transfer-Encoding: chunked\r\n\r\n9\r\n{\"model\":\r\n",
+    "body": HEAD + b'Content-Length: 1000\r\n\r\n{"model": ',
+    "chunked": HEAD + b'Transfer-Encoding: chunked\r\n\r\n9\r\n{"model":\r\n',
     "expect": HEAD + b"Expect: 100-continue\r\nContent-Length: 1000\r\n\r\n",
     "expect-chunked": HEAD + b"Expect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n",
     # A chunk whose data ends as a chunked body does (CRLF CRLF): the body is not whole.
@@ -87,8 +92,15 @@ def test_gthread_requests_that_come_slowly_hold_no_thread(fresh_engines, part):
             for sock in slow:
                 sock.sendall(partial)
             assert requests.get(gateway.url + "/health", timeout=10).status_code == 200
-            reply = requests.post(gateway.url + "/v1/chat/completions", timeout=10, json={
-                "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+            reply = requests.post(
+                gateway.url + "/v1/chat/completions",
+                timeout=10,
+                json={
+                    "model": MODEL,
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
             assert reply.status_code == 200
         finally:
             for sock in slow:
@@ -100,22 +112,37 @@ def test_a_body_sent_in_time_is_served_whenever_a_thread_takes_it(fresh_engines)
     worker's one thread serves a turn longer than --request-timeout: read late, it is still
     served (what has come is taken past the deadline; only waiting for more is refused)."""
     p, d = fresh_engines
-    with gateway_process([p.url], [d.url], worker_class="gthread", threads=1,
-                         request_timeout=1) as gateway:
+    with gateway_process(
+        [p.url], [d.url], worker_class="gthread", threads=1, request_timeout=1
+    ) as gateway:
         with ThreadPoolExecutor(1) as pool:
             running = d.stats()["requests"]
-            long_turn = pool.submit(requests.post, gateway.url + "/v1/chat/completions",
-                                    timeout=60, json={"model": MODEL, "max_tokens": 3000,
-                                                      "messages": [{"role": "user",
-                                                                    "content": "go on"}]})
+            long_turn = pool.submit(
+                requests.post,
+                gateway.url + "/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": MODEL,
+                    "max_tokens": 3000,
+                    "messages": [{"role": "user", "content": "go on"}],
+                },
+            )
             wait_until(lambda: d.stats()["requests"] > running, 10, "the long turn on D")
-            body = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
-                {"role": "user", "content": "x" * 1_500_000}]}).encode()
+            body = json.dumps(
+                {
+                    "model": MODEL,
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "x" * 1_500_000}],
+                }
+            ).encode()
             sock = socket.create_connection(("127.0.0.1", gateway.port))
             try:
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                             % len(body) + body)
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                    % len(body)
+                    + body
+                )
                 sock.settimeout(60)
                 answer = sock.recv(4096)
             finally:
@@ -147,8 +174,7 @@ def test_a_request_that_trickles_is_cut_at_its_deadline(fresh_engines, worker_cl
     gets 408, a head its connection closed. Before, the client kept its connection (and with
     gthread a thread) for as long as it trickled: here, 100 bytes in 20 s, all taken."""
     p, d = fresh_engines
-    with gateway_process([p.url], [d.url], worker_class=worker_class,
-                         request_timeout=2) as gateway:
+    with gateway_process([p.url], [d.url], worker_class=worker_class, request_timeout=2) as gateway:
         sock = socket.create_connection(("127.0.0.1", gateway.port))
         try:
             if part == "body":
@@ -157,44 +183,72 @@ def test_a_request_that_trickles_is_cut_at_its_deadline(fresh_engines, worker_cl
         finally:
             sock.close()
         assert answer is not None, answer
-        assert (answer.startswith(b"HTTP/1.1 408") if part == "body" else answer == b""), answer
+        assert answer.startswith(b"HTTP/1.1 408") if part == "body" else answer == b"", answer
         assert p.stats()["requests"] == 0
 
 
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
-def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(fresh_engines,
-                                                                         worker_class):
+def test_a_client_that_stops_reading_its_stream_lets_go_of_its_place_and_d(
+    fresh_engines, worker_class
+):
     """A client that asks for a long stream and reads none of it: once the socket buffers
     are full and a write waits --client-timeout, the turn ends, its place is free and D's
     stream is closed. Before, both were held until the 900 s total deadline. The reply (up
     to 400,000 tokens, some 60 MB of events, as fast as D makes them) is far beyond what any
     socket buffers hold; a D of its own, as that needs a long context."""
     p, _ = fresh_engines
-    stats = _unread_stream(p, worker_class, "127.0.0.9", itl_ms=0, client_timeout=1,
-                           max_tokens=400_000, within=60)
+    stats = _unread_stream(
+        p, worker_class, "127.0.0.9", itl_ms=0, client_timeout=1, max_tokens=400_000, within=60
+    )
     assert stats["completed"] == 0
 
 
-def _unread_stream(p, worker_class: str, host: str, itl_ms: int, client_timeout: float,
-                   max_tokens: int, within: float) -> dict:
+def _unread_stream(
+    p,
+    worker_class: str,
+    host: str,
+    itl_ms: int,
+    client_timeout: float,
+    max_tokens: int,
+    within: float,
+) -> dict:
     """A D of its own (a long context) streams to a client whose receive buffer is small and
     which reads nothing: D's stream must be closed within `within` seconds and the turn's
     place freed, quietly. Returns D's stats then."""
-    with EmulatorProcess("decode", host=host, itl_ms=itl_ms, max_model_len=500_000,
-                         kv_capacity_blocks=40_000) as d, \
-            gateway_process([p.url], [d.url], worker_class=worker_class,
-                            client_timeout=client_timeout) as gateway:
+    with (
+        EmulatorProcess(
+            "decode", host=host, itl_ms=itl_ms, max_model_len=500_000, kv_capacity_blocks=40_000
+        ) as d,
+        gateway_process(
+            [p.url], [d.url], worker_class=worker_class, client_timeout=client_timeout
+        ) as gateway,
+    ):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", gateway.port))
-        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens,
-                           "messages": [{"role": "user", "content": "say a lot"}]})
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": "say a lot"}],
+            }
+        )
         try:
-            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                          f"Content-Type: application/json\r\nContent-Length: {len(body)}"
-                          f"\r\n\r\n{body}").encode())
-            wait_until(lambda: d.stats()["aborted_streams"] == 1, within, "D's stream closed",
-                       gateway.process, gateway.log_path)
+            sock.sendall(
+                (
+                    f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                    f"\r\n\r\n{body}"
+                ).encode()
+            )
+            wait_until(
+                lambda: d.stats()["aborted_streams"] == 1,
+                within,
+                "D's stream closed",
+                gateway.process,
+                gateway.log_path,
+            )
             wait_until(lambda: gateway.status()["turns_in_flight"] == 0, 10, "the place free")
             assert "Traceback" not in gateway.log()
             stats = d.stats()
@@ -204,28 +258,34 @@ def _unread_stream(p, worker_class: str, host: str, itl_ms: int, client_timeout:
 
 
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
-def test_a_stream_its_client_takes_nothing_of_is_cut_before_the_buffers_fill(fresh_engines,
-                                                                           worker_class):
+def test_a_stream_its_client_takes_nothing_of_is_cut_before_the_buffers_fill(
+    fresh_engines, worker_class
+):
     """A stream of some 40 KB a second (5 ms a token) to a client that reads nothing and whose
     receive buffer is small: once its side has taken nothing for --client-timeout (2 s), the
     turn ends, however much the gateway's own send buffer could still take. Before, the
     writes went on until that buffer (which the kernel grows to megabytes) was full: about a
     minute here, D decoding all the while."""
     p, _ = fresh_engines
-    _unread_stream(p, worker_class, "127.0.0.12", itl_ms=5, client_timeout=2,
-                   max_tokens=100_000, within=30)
+    _unread_stream(
+        p, worker_class, "127.0.0.12", itl_ms=5, client_timeout=2, max_tokens=100_000, within=30
+    )
 
 
 # --- bodies in flight within a budget, refused before they are read -----------------------------
 
+
 def _headers_of(length: int) -> bytes:
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {length}\r\n\r\n").encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
 
 
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
-def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(fresh_engines,
-                                                                          worker_class):
+def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(
+    fresh_engines, worker_class
+):
     """A worker holds at most --max-bodies-bytes of bodies, counted as they arrive: with
     150 KB of one body in (its client slow to send the last byte), a 100 KB one gets 429 before it
     is parsed; once the first is gone the same request is served. Before, every body was read
@@ -233,16 +293,23 @@ def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(fresh
     worker's loop before a thread takes them, so the bodies here are ten times as large.)"""
     p, d = fresh_engines
     scale = 10 if worker_class == "gthread" else 1
-    with gateway_process([p.url], [d.url], worker_class=worker_class,
-                         max_body_bytes=160_000 * scale,
-                         max_bodies_bytes=200_000 * scale) as gateway:
+    with gateway_process(
+        [p.url],
+        [d.url],
+        worker_class=worker_class,
+        max_body_bytes=160_000 * scale,
+        max_bodies_bytes=200_000 * scale,
+    ) as gateway:
         slow = socket.create_connection(("127.0.0.1", gateway.port))
         sent = 150_000 * scale
-        slow.sendall(_headers_of(sent + 1) + b"x" * sent)            # and then nothing
+        slow.sendall(_headers_of(sent + 1) + b"x" * sent)  # and then nothing
         try:
             # Counted as read, 64 KiB at a time: the last read waits for the rest.
-            wait_until(lambda: gateway.status()["body_bytes_held"] == sent // 65536 * 65536,
-                       10, "the slow body counted")
+            wait_until(
+                lambda: gateway.status()["body_bytes_held"] == sent // 65536 * 65536,
+                10,
+                "the slow body counted",
+            )
             second = socket.create_connection(("127.0.0.1", gateway.port))
             second.sendall(_headers_of(100_000 * scale) + b"y" * 100_000 * scale)
             second.settimeout(30)
@@ -253,7 +320,14 @@ def test_bodies_beyond_the_workers_budget_are_refused_before_they_are_read(fresh
             slow.close()
         wait_until(lambda: gateway.status()["body_bytes_held"] == 0, 10, "the budget free")
         padding = "x" * 99_000
-        served = requests.post(gateway.url + "/v1/chat/completions", timeout=30, json={
-            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": padding}]})
+        served = requests.post(
+            gateway.url + "/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": padding}],
+            },
+        )
         assert served.status_code == 200
         assert gateway.metric("pd_gateway_admissions_total", result="rejected_bodies") == 1

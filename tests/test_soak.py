@@ -10,6 +10,7 @@ must be whole again: every instance up, nothing in flight or leaked, every later
 
 SOAK_SECONDS sets the length of the chaos phase (default 120).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ WORKERS = 4
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     counts: Counter = field(default_factory=Counter)
-    problems: list = field(default_factory=list)     # anything a client must never see
+    problems: list = field(default_factory=list)  # anything a client must never see
 
     def add(self, what: str, problem: str | None = None) -> None:
         with self.lock:
@@ -90,11 +91,16 @@ def one_turn(url: str, conversation: dict, tally: Tally) -> None:
     if chat and len(conversation["messages"]) > 2 and random.random() < 0.05:
         edited = json.loads(json.dumps(conversation["messages"]))
         edited[0]["content"] += " (edited)"
-        body["messages"] = edited                     # must be a miss, never a wrong reuse
+        body["messages"] = edited  # must be a miss, never a wrong reuse
     path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
-        with requests.post(url + path, json=body, stream=stream, timeout=30,
-                           headers={"Connection": "close"} if random.random() < 0.5 else {}) as r:
+        with requests.post(
+            url + path,
+            json=body,
+            stream=stream,
+            timeout=30,
+            headers={"Connection": "close"} if random.random() < 0.5 else {},
+        ) as r:
             if r.status_code != 200:
                 tally.add(f"http_{r.status_code}", f"HTTP {r.status_code}: {r.text[:200]}")
                 return
@@ -112,8 +118,10 @@ def one_turn(url: str, conversation: dict, tally: Tally) -> None:
     if text is None:
         return
     if chat:
-        conversation["messages"] += [{"role": "assistant", "content": text},
-                                     {"role": "user", "content": words(20)}]
+        conversation["messages"] += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": words(20)},
+        ]
     else:
         conversation["prompt"] += text + " " + words(20)
 
@@ -121,10 +129,12 @@ def one_turn(url: str, conversation: dict, tally: Tally) -> None:
 def client(url: str, deadline: float, tally: Tally) -> None:
     while time.monotonic() < deadline:
         chat = random.random() < 0.9
-        conversation = {"chat": chat, "id": uuid.uuid4().hex if not chat or random.random() < 0.5
-                        else None,
-                        "messages": [{"role": "user", "content": words(200)}],
-                        "prompt": words(200)}
+        conversation = {
+            "chat": chat,
+            "id": uuid.uuid4().hex if not chat or random.random() < 0.5 else None,
+            "messages": [{"role": "user", "content": words(200)}],
+            "prompt": words(200),
+        }
         for _ in range(random.randint(2, 8)):
             if time.monotonic() >= deadline:
                 return
@@ -139,15 +149,20 @@ def chaos(prefills, decodes, deadline: float, injected: Counter) -> None:
     """Fault one engine at a time: clear the last fault, and let the requests it touched finish
     their retry (a hang holds one up to the read timeout) before faulting the next engine. A
     request that meets two faulty engines of one role is a 502 by design."""
-    faults = [("error500", {"count": 3}), ("slow", {"delay_s": 0.4, "count": 3}),
-              ("hang", {"max_s": 5, "count": 1}), ("down", {})]
+    faults = [
+        ("error500", {"count": 3}),
+        ("slow", {"delay_s": 0.4, "count": 3}),
+        ("hang", {"max_s": 5, "count": 1}),
+        ("down", {}),
+    ]
     while time.monotonic() < deadline:
         engine = random.choice(prefills + decodes)
-        mode, options = random.choice(faults + ([("die_after", {"tokens": 2, "count": 1})]
-                                                if engine in decodes else []))
+        mode, options = random.choice(
+            faults + ([("die_after", {"tokens": 2, "count": 1})] if engine in decodes else [])
+        )
         engine.set_fault(mode, **options)
         injected[(engine.role, mode)] += 1
-        time.sleep(random.uniform(0.5, 1.5))      # pacing the chaos, not waiting for a result
+        time.sleep(random.uniform(0.5, 1.5))  # pacing the chaos, not waiting for a result
         engine.set_fault("none")
         time.sleep(READ_TIMEOUT + 0.5)
 
@@ -160,27 +175,43 @@ def worker_reports(gateway) -> list[dict]:
 @pytest.mark.parametrize("worker_class", ["gevent", "gthread"])
 def test_soak_under_chaos(worker_class):
     with two_of_each(60) as (prefills, decodes):
-        gateway = gateway_process([e.url for e in prefills], [e.url for e in decodes],
-                                  workers=WORKERS, worker_class=worker_class, read_timeout=READ_TIMEOUT, breaker_cooldown=2,
-                                  probe_interval=0.5, keepalive=KEEPALIVE)
+        gateway = gateway_process(
+            [e.url for e in prefills],
+            [e.url for e in decodes],
+            workers=WORKERS,
+            worker_class=worker_class,
+            read_timeout=READ_TIMEOUT,
+            breaker_cooldown=2,
+            probe_interval=0.5,
+            keepalive=KEEPALIVE,
+        )
         try:
             for slot in range(WORKERS):
-                wait_until(lambda slot=slot: requests.get(
-                    f"http://127.0.0.1:{gateway.port + 1 + slot}/health", timeout=2), 20,
-                    f"worker {slot}")
+                wait_until(
+                    lambda slot=slot: requests.get(
+                        f"http://127.0.0.1:{gateway.port + 1 + slot}/health", timeout=2
+                    ),
+                    20,
+                    f"worker {slot}",
+                )
             before = worker_reports(gateway)
             tally, injected = Tally(), Counter()
             deadline = time.monotonic() + SECONDS
-            threads = [threading.Thread(target=client, args=(gateway.url, deadline, tally))
-                       for _ in range(CLIENTS)]
-            threads.append(threading.Thread(target=chaos,
-                                            args=(prefills, decodes, deadline, injected)))
+            threads = [
+                threading.Thread(target=client, args=(gateway.url, deadline, tally))
+                for _ in range(CLIENTS)
+            ]
+            threads.append(
+                threading.Thread(target=chaos, args=(prefills, decodes, deadline, injected))
+            )
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(SECONDS + 120)
-            print(f"\n{worker_class} soak {SECONDS:.0f} s: {dict(tally.counts)}; "
-                  f"faults {dict(injected)}")
+            print(
+                f"\n{worker_class} soak {SECONDS:.0f} s: {dict(tally.counts)}; "
+                f"faults {dict(injected)}"
+            )
             assert tally.problems == [], tally.problems[:10]
             # Only a D dying under a stream may reach a client, once per fault.
             assert tally.counts["error_event"] <= injected[("decode", "die_after")]
@@ -189,8 +220,12 @@ def test_soak_under_chaos(worker_class):
             # Whole again: every instance up, nothing in flight, no leak, and reuse works.
             def recovered():
                 reports = worker_reports(gateway)
-                return all(i["state"] == "up" and i["inflight"] == 0
-                           for r in reports for i in r["prefill"] + r["decode"])
+                return all(
+                    i["state"] == "up" and i["inflight"] == 0
+                    for r in reports
+                    for i in r["prefill"] + r["decode"]
+                )
+
             wait_until(recovered, 15, "every instance up with nothing in flight")
             convs = workload.run(gateway.url, conversations=40, turns=3)
             hits, later = workload.later_hits(convs)
@@ -201,11 +236,18 @@ def test_soak_under_chaos(worker_class):
             booted = [live(r) for r in before]
             seen = []
             try:
-                wait_until(lambda: seen.append([live(r) for r in worker_reports(gateway)])
-                           or seen[-1] == booted, KEEPALIVE + 20, "workers back to their boot state")
+                wait_until(
+                    lambda: (
+                        seen.append([live(r) for r in worker_reports(gateway)])
+                        or seen[-1] == booted
+                    ),
+                    KEEPALIVE + 20,
+                    "workers back to their boot state",
+                )
             except RuntimeError:
-                raise AssertionError(f"(pid, watchers, threads, greenlets) at boot {booted}, "
-                                     f"now {seen[-1]}") from None
+                raise AssertionError(
+                    f"(pid, watchers, threads, greenlets) at boot {booted}, now {seen[-1]}"
+                ) from None
             print(f"recovery: {hits}/{later} later turns hit; workers back to {booted}")
         finally:
             gateway.stop()

@@ -1,6 +1,7 @@
 """The gateway's connections to its engines (gateway/engines/upstream.py): pools that cover every
 engine and worker, a connection handed back to its pool never cut by the watch of the request
 that used it, and failures classified by their type, not their message."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from tests.helpers.servers import MODEL, QuietHandler
 from tests.helpers.transport import Replay
@@ -25,10 +27,13 @@ def test_the_connection_pools_cover_every_engine_and_worker():
     used: fewer pools than hosts would close and reopen connections all the time."""
     from gateway.engines.instances import Instance
     from gateway.engines.transport import Transport
+
     transport = Transport(pool_size=4)
-    hosts = ([Instance(f"http://10.0.0.{i}:8100", "prefill", i) for i in range(12)]
-             + [Instance(f"http://10.0.1.{i}:8200", "decode", i) for i in range(12)]
-             + [Instance(f"http://127.0.0.1:{9000 + i}", "decode", i) for i in range(8)])
+    hosts = (
+        [Instance(f"http://10.0.0.{i}:8100", "prefill", i) for i in range(12)]
+        + [Instance(f"http://10.0.1.{i}:8200", "decode", i) for i in range(12)]
+        + [Instance(f"http://127.0.0.1:{9000 + i}", "decode", i) for i in range(8)]
+    )
     pools = [transport._pool(instance) for instance in hosts]
     try:
         assert len(set(map(id, pools))) >= 12 + 12 + 8
@@ -38,9 +43,10 @@ def test_the_connection_pools_cover_every_engine_and_worker():
 
 
 def test_failures_are_classified_by_type_not_by_message():
-    from gateway.support.errors import BadGateway, GatewayTimeout, ServiceUnavailable
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import _translate
+    from gateway.support.errors import BadGateway, GatewayTimeout, ServiceUnavailable
+
     instance = Instance("http://10.9.0.1:8100", "prefill", 0)
 
     def caused(message, cause):
@@ -49,36 +55,46 @@ def test_failures_are_classified_by_type_not_by_message():
         return exc
 
     # A reset whose message happens to say "refused", and a refusal whose message does not.
-    assert isinstance(_translate(caused("peer refused to go on", ConnectionResetError()), instance),
-                      BadGateway)
-    assert isinstance(_translate(caused("Max retries exceeded", ConnectionRefusedError(111, "x")),
-                                 instance), ServiceUnavailable)
-    assert isinstance(_translate(caused("it timed out, says the text", OSError("no")), instance),
-                      BadGateway)
+    assert isinstance(
+        _translate(caused("peer refused to go on", ConnectionResetError()), instance), BadGateway
+    )
+    assert isinstance(
+        _translate(caused("Max retries exceeded", ConnectionRefusedError(111, "x")), instance),
+        ServiceUnavailable,
+    )
+    assert isinstance(
+        _translate(caused("it timed out, says the text", OSError("no")), instance), BadGateway
+    )
     assert isinstance(_translate(TimeoutError("read"), instance), GatewayTimeout)
 
 
 def test_a_rejected_stream_leaves_no_connection_for_its_watch_to_cut(fresh_engines):
     """A stream that gets a >= 400 reply gives its connection back to the pool; the next request
     reuses that socket. The first request's watch must not cut it when its deadline passes."""
-    from gateway.support.errors import GatewayError
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
     from gateway.engines.watch import Watch
+    from gateway.support.errors import GatewayError
+
     p, d = fresh_engines
     upstream = Upstream(2, 30, pool_size=1)
     instance = Instance(d.url, "decode", 0)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
-            "max_tokens": 20, "kv_transfer_params": {}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "max_tokens": 20,
+        "kv_transfer_params": {},
+    }
 
     def first():
-        Watch(None, time.monotonic() + 0.5)              # this request's deadline: 0.5 s
+        Watch(None, time.monotonic() + 0.5)  # this request's deadline: 0.5 s
         d.set_fault("error500", count=1)
         with pytest.raises(GatewayError):
             upstream.open_stream(instance, "/v1/chat/completions", body, {})
 
     contextvars.copy_context().run(first)
-    d.set_fault("slow", delay_s=1.0, count=1)           # the second request outlives it
+    d.set_fault("slow", delay_s=1.0, count=1)  # the second request outlives it
 
     def second():
         stream = upstream.open_stream(instance, "/v1/chat/completions", body, {})
@@ -105,6 +121,7 @@ def engine_that_answers(head: bytes, then_close: bool):
             connection.sendall(head)
             if not then_close:
                 done.wait(10)
+
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
@@ -115,14 +132,16 @@ def engine_that_answers(head: bytes, then_close: bool):
         server.close()
 
 
-@pytest.mark.parametrize("then_close, error", [(True, "BadGateway"), (False, "GatewayTimeout")],
-                         ids=["cut", "silent"])
+@pytest.mark.parametrize(
+    "then_close, error", [(True, "BadGateway"), (False, "GatewayTimeout")], ids=["cut", "silent"]
+)
 def test_a_json_reply_that_breaks_off_is_a_gateway_error(then_close, error):
     """P's headers came, its body did not all come: the engine's failure (502, or 504 when it
     goes silent past the read timeout), never an exception the view would answer with a 500."""
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
     from gateway.support import errors
+
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
     with engine_that_answers(head, then_close) as url:
         upstream = Upstream(2, 0.5, pool_size=1)
@@ -151,8 +170,16 @@ def engine_of_replies(replies: list):
                         return
                     request += chunk
                 head, _, body = request.partition(b"\r\n\r\n")
-                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length:")), b"0"))
+                length = int(
+                    next(
+                        (
+                            line.split(b":")[1]
+                            for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length:")
+                        ),
+                        b"0",
+                    )
+                )
                 while len(body) < length:
                     body += connection.recv(65536)
                 reply, then_close = pending.pop(0), False
@@ -170,6 +197,7 @@ def engine_of_replies(replies: list):
                 return
             accepted.append(connection)
             threading.Thread(target=serve_one, args=(connection,), daemon=True).start()
+
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
@@ -177,20 +205,23 @@ def engine_of_replies(replies: list):
     finally:
         stop.set()
         with contextlib.suppress(OSError):
-            socket.create_connection(server.getsockname(), timeout=1).close()   # ends accept()
+            socket.create_connection(server.getsockname(), timeout=1).close()  # ends accept()
         thread.join(10)
         server.close()
 
 
-OK_JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}'
-STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-          b"Transfer-Encoding: chunked\r\n\r\n"
-          b"10\r\ndata: {\"a\": 1}\n\n\r\n0\r\n\r\n")
+OK_JSON = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+STREAM = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+    b'10\r\ndata: {"a": 1}\n\n\r\n0\r\n\r\n'
+)
 
 
 def _upstream_and_instance(url: str):
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
+
     return Upstream(2, 5, pool_size=4), Instance(url, "prefill", 0)
 
 
@@ -210,13 +241,16 @@ def test_an_engine_connection_is_used_again_once_its_reply_was_read():
 def test_an_engine_connection_is_not_used_again_after(first):
     """A stream closed before its end still has bytes coming on its connection; an engine that
     said `Connection: close` closes it: the next call opens a new one."""
-    reply = (STREAM if first == "stream cut short" else
-             OK_JSON.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+    reply = (
+        STREAM
+        if first == "stream cut short"
+        else OK_JSON.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    )
     with engine_of_replies([reply, OK_JSON]) as (url, accepted):
         upstream, instance = _upstream_and_instance(url)
         if first == "stream cut short":
             stream = upstream.open_stream(instance, "/v1/completions", {}, {})
-            stream.close()                        # nothing of it read
+            stream.close()  # nothing of it read
         else:
             assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
         assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
@@ -226,6 +260,7 @@ def test_an_engine_connection_is_not_used_again_after(first):
 
 def test_an_engine_that_answers_no_http_is_a_bad_gateway():
     from gateway.support.errors import BadGateway
+
     with engine_of_replies([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"]) as (url, _):
         upstream, instance = _upstream_and_instance(url)
         with pytest.raises(BadGateway):
@@ -236,9 +271,10 @@ def test_an_engine_that_answers_no_http_is_a_bad_gateway():
 def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
     """A refused connection and one not accepted within the connect timeout: 503 (the engine
     never saw the request), not 502 or 504."""
-    from gateway.engines.upstream import Upstream
     from gateway.engines.instances import Instance
+    from gateway.engines.upstream import Upstream
     from gateway.support.errors import ServiceUnavailable
+
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
     upstream = Upstream(0.3, 5, pool_size=4)
@@ -250,7 +286,7 @@ def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
         full.listen(0)
         queued = [socket.create_connection(full.getsockname(), timeout=1)]
         try:
-            while True:      # fill the accept queue (its size is the backlog, plus one)
+            while True:  # fill the accept queue (its size is the backlog, plus one)
                 extra = socket.socket()
                 extra.settimeout(0.2)
                 try:
@@ -260,8 +296,9 @@ def test_an_engine_that_refuses_or_never_accepts_is_unavailable():
                     break
                 queued.append(extra)
             with pytest.raises(ServiceUnavailable, match="in time"):
-                upstream.post_json(Instance("http://%s:%d" % full.getsockname(), "prefill", 0),
-                                   "/x", {}, {})
+                upstream.post_json(
+                    Instance("http://{}:{}".format(*full.getsockname()), "prefill", 0), "/x", {}, {}
+                )
         finally:
             for sock in queued:
                 sock.close()
@@ -275,6 +312,7 @@ def engine_that_stalls(head: bytes):
     returned: b"" once the gateway closed it) and its thread, to join."""
     seen: list[bytes] = []
     with socket.create_server(("127.0.0.1", 0)) as server:
+
         def engine() -> None:
             connection, _ = server.accept()
             with connection:
@@ -282,9 +320,10 @@ def engine_that_stalls(head: bytes):
                 connection.sendall(head)
                 connection.settimeout(10)
                 seen.append(connection.recv(10))
+
         thread = threading.Thread(target=engine, daemon=True)
         thread.start()
-        yield "http://127.0.0.1:%d" % server.getsockname()[1], seen, thread
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", seen, thread
 
 
 def test_a_failed_body_read_closes_the_engine_connection_at_once():
@@ -293,10 +332,11 @@ def test_a_failed_body_read_closes_the_engine_connection_at_once():
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
     from gateway.support.errors import GatewayTimeout
+
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
     with engine_that_stalls(head) as (url, seen, thread):
         upstream = Upstream(2, 0.3, pool_size=1)
-        with pytest.raises(GatewayTimeout) as held:      # the error kept while P is checked
+        with pytest.raises(GatewayTimeout) as held:  # the error kept while P is checked
             upstream.post_json(Instance(url, "prefill", 0), "/v1/completions", {}, {})
         thread.join(10)
         assert seen == [b""] and held.value is not None
@@ -307,10 +347,12 @@ def test_an_error_reply_whose_body_stalls_is_a_gateway_error():
     """A 500 whose body stops coming, on a stream call: 504, not an exception the view answers
     with a 500 of its own."""
     from gateway.support.errors import GatewayTimeout
+
     head = b"HTTP/1.1 500 Oops\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
     with engine_that_answers(head, then_close=False) as url:
         from gateway.engines.instances import Instance
         from gateway.engines.upstream import Upstream
+
         upstream = Upstream(2, 0.3, pool_size=1)
         with pytest.raises(GatewayTimeout):
             upstream.open_stream(Instance(url, "decode", 0), "/v1/completions", {}, {})
@@ -323,6 +365,7 @@ def test_an_unreachable_engine_is_unavailable():
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
     from gateway.support.errors import ServiceUnavailable
+
     upstream = Upstream(1, 5, pool_size=1)
     with pytest.raises(ServiceUnavailable, match="could not be reached"):
         upstream.post_json(Instance("http://255.255.255.255:9", "decode", 0), "/x", {}, {})
@@ -346,17 +389,18 @@ def test_an_ipv6_engine_with_credentials_and_a_base_path():
                     request += connection.recv(65536)
                 requests_seen.append(request)
                 connection.sendall(OK_JSON)
+
     thread = threading.Thread(target=engine, daemon=True)
     thread.start()
     try:
         upstream, instance = _upstream_and_instance(f"http://u:p%40w@[::1]:{port}/base")
         assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
-        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}   # same connection
+        assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}  # same connection
         thread.join(10)
         first = requests_seen[0]
         assert first.startswith(b"POST /base/v1/completions ")
         assert f"Host: [::1]:{port}".encode() in first
-        assert b"Authorization: Basic dTpwQHc=" in first      # u:p@w
+        assert b"Authorization: Basic dTpwQHc=" in first  # u:p@w
         upstream.close()
     finally:
         server.close()
@@ -375,6 +419,7 @@ def test_threads_share_an_engine_pool():
                     assert upstream.post_json(instance, "/v1/completions", {}, {}) == {}
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
+
         threads = [threading.Thread(target=calls) for _ in range(8)]
         for thread in threads:
             thread.start()
@@ -391,6 +436,7 @@ def test_a_failed_stream_read_closes_the_engine_connection_at_once():
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
     from gateway.support.errors import GatewayTimeout
+
     with engine_that_stalls(STREAM.split(b"0\r\n\r\n")[0]) as (url, seen, thread):
         upstream = Upstream(2, 0.3, pool_size=1)
         stream = upstream.open_stream(Instance(url, "decode", 0), "/v1/completions", {}, {})
@@ -398,29 +444,42 @@ def test_a_failed_stream_read_closes_the_engine_connection_at_once():
         assert next(chunks) == b'data: {"a": 1}\n\n'
         with pytest.raises(GatewayTimeout):
             next(chunks)
-        thread.join(10)                                # the stream itself not closed yet
+        thread.join(10)  # the stream itself not closed yet
         assert seen == [b""]
         stream.close()
         upstream.close()
 
 
-@pytest.mark.parametrize("head, reused", [
-    # field names in any case, the chunked coding named in capitals
-    (b"HTTP/1.1 200 OK\r\nCONTENT-type: application/json\r\nTransfer-Encoding: Chunked\r\n\r\n"
-     b"2\r\n{}\r\n0\r\n\r\n", True),
-    # a line that is not a field ends the fields: the length after it is not read (to close)
-    (b"HTTP/1.1 200 OK\r\nno colon here\r\nContent-Length: 2\r\n\r\n{}", False),
-    (b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\n{}", False),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: Close\r\n\r\n{}", False),
-    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),       # 1.0 without keep-alive
-    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\n{}", True),
-    # interim replies before the reply: 100 Continue, 103 Early Hints
-    (b"HTTP/1.1 100 Continue\r\nX-Skipped: 1\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
-     True),
-    (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
-     True),
-    (b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 98 + b"Content-Length: 2\r\n\r\n{}", True),
-])
+@pytest.mark.parametrize(
+    "head, reused",
+    [
+        # field names in any case, the chunked coding named in capitals
+        (
+            b"HTTP/1.1 200 OK\r\nCONTENT-type: application/json\r\n"
+            b"Transfer-Encoding: Chunked\r\n\r\n"
+            b"2\r\n{}\r\n0\r\n\r\n",
+            True,
+        ),
+        # a line that is not a field ends the fields: the length after it is not read (to close)
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\nContent-Length: 2\r\n\r\n{}", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\n{}", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: Close\r\n\r\n{}", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),  # 1.0 without keep-alive
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\n{}", True),
+        # interim replies before the reply: 100 Continue, 103 Early Hints
+        (
+            b"HTTP/1.1 100 Continue\r\nX-Skipped: 1\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+            True,
+        ),
+        (
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+            True,
+        ),
+        (b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 98 + b"Content-Length: 2\r\n\r\n{}", True),
+    ],
+)
 def test_an_engine_reply_head_is_read_as_http_client_reads_it(head, reused):
     """The engine calls read a reply's head with their own field parser (transport.read_fields),
     not the email package's: the same fields, framing and keep-alive as http.client's (and an
@@ -450,6 +509,7 @@ def test_a_reply_without_a_body_leaves_the_connection_ready():
 def test_an_error_reply_s_message_in_latin_1_is_kept():
     """An engine's 400 whose JSON is not UTF-8: its message still reaches the client."""
     from gateway.support.errors import UpstreamRejected
+
     body = b'{"error": {"message": "caf\xe9"}}'
     head = b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(body)
     with engine_of_replies([head + body]) as (url, _):
@@ -462,9 +522,11 @@ def test_an_error_reply_s_message_in_latin_1_is_kept():
 def test_a_streamed_reply_s_fields_are_found_in_any_case():
     """What the gateway reads of a stream's head (its content type; through forwarding, the
     owner's Retry-After and rate-limit fields) is found whatever the case either side wrote."""
-    head = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-            b"RETRY-AFTER: 7\r\nx-ratelimit-remaining-requests: 0\r\nX-Note: one\r\n  two\r\n  \r\n"
-            b"x-note: three\r\nContent-Length: 2\r\n\r\n{}")
+    head = (
+        b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+        b"RETRY-AFTER: 7\r\nx-ratelimit-remaining-requests: 0\r\nX-Note: one\r\n  two\r\n  \r\n"
+        b"x-note: three\r\nContent-Length: 2\r\n\r\n{}"
+    )
     with engine_of_replies([head]) as (url, _):
         upstream, instance = _upstream_and_instance(url)
         stream = upstream.post_raw(instance, "/v1/completions", b"{}", {})
@@ -479,15 +541,19 @@ def test_a_streamed_reply_s_fields_are_found_in_any_case():
         upstream.close()
 
 
-@pytest.mark.parametrize("head", [
-    b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 99 + b"Content-Length: 2\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\nContent-Length: 2\r\n\r\n{}",
-    b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\n{}",
-])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 99 + b"Content-Length: 2\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+        b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    ],
+)
 def test_an_engine_reply_head_past_http_client_s_limits_is_a_bad_gateway(head):
-    """More lines than http.client takes (100, the blank one too), a field line longer than it takes (64 KiB),
-    an HTTP version it does not speak: 502, as with http.client's own parser."""
+    """More lines than http.client takes (100, the blank one too), a field line longer than it takes
+    (64 KiB), an HTTP version it does not speak: 502, as with http.client's own parser."""
     from gateway.support.errors import BadGateway
+
     with engine_of_replies([head]) as (url, _):
         upstream, instance = _upstream_and_instance(url)
         with pytest.raises(BadGateway):
@@ -495,25 +561,53 @@ def test_an_engine_reply_head_past_http_client_s_limits_is_a_bad_gateway(head):
         upstream.close()
 
 
-_FIELD_NAMES = st.sampled_from(["Content-Length", "content-length", "Transfer-Encoding",
-                                 "Connection", "Keep-Alive", "X-Note", "x-note", "Retry-After"])
+_FIELD_NAMES = st.sampled_from(
+    [
+        "Content-Length",
+        "content-length",
+        "Transfer-Encoding",
+        "Connection",
+        "Keep-Alive",
+        "X-Note",
+        "x-note",
+        "Retry-After",
+    ]
+)
 _FIELD_VALUES = st.one_of(
-    st.sampled_from(["2", " 7 ", "-1", "abc", "chunked", "Chunked", "chunked ", "gzip, chunked",
-                     "close", "close\t", "keep-alive", "Keep-Alive", ""]),
-    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xFF,
-                                   blacklist_characters="\x7f"), max_size=20))
+    st.sampled_from(
+        [
+            "2",
+            " 7 ",
+            "-1",
+            "abc",
+            "chunked",
+            "Chunked",
+            "chunked ",
+            "gzip, chunked",
+            "close",
+            "close\t",
+            "keep-alive",
+            "Keep-Alive",
+            "",
+        ]
+    ),
+    st.text(
+        alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xFF, blacklist_characters="\x7f"),
+        max_size=20,
+    ),
+)
 _HEAD_LINES = st.one_of(
-    st.tuples(_FIELD_NAMES, _FIELD_VALUES).map(lambda f: f"{f[0]}: {f[1]}"),   # a field
+    st.tuples(_FIELD_NAMES, _FIELD_VALUES).map(lambda f: f"{f[0]}: {f[1]}"),  # a field
     st.tuples(st.sampled_from([" ", "\t", "   "]), _FIELD_VALUES).map("".join),  # folded
     st.sampled_from(["no colon here", "Content-Length : 2", "X Note: 1", ":"]),  # odd lines
 )
 
 
 @given(st.lists(_HEAD_LINES, max_size=40), st.sampled_from(["HTTP/1.1", "HTTP/1.0"]))
-@example(["Transfer-Encoding: chunked", " "], "HTTP/1.1")    # a fold of blanks only
-@example(["Transfer-Encoding: chunked  "], "HTTP/1.1")       # trailing blanks
+@example(["Transfer-Encoding: chunked", " "], "HTTP/1.1")  # a fold of blanks only
+@example(["Transfer-Encoding: chunked  "], "HTTP/1.1")  # trailing blanks
 @example(["Content-Length: 2 ", "Connection: close\t"], "HTTP/1.1")
-@settings(max_examples=1000, deadline=None, derandomize=True)    # the same heads every run
+@settings(max_examples=1000, deadline=None, derandomize=True)  # the same heads every run
 def test_a_reply_head_is_read_as_http_client_reads_it(lines, version):
     """Any head, odd lines and all: each field is http.client's own first value of it (the
     email package's parser; a folded line's break and indent as one space), and the reply is
@@ -522,20 +616,27 @@ def test_a_reply_head_is_read_as_http_client_reads_it(lines, version):
     import http.client
 
     from gateway.engines.transport import EngineHTTPResponse
+
     raw = (f"{version} 200 OK\r\n" + "".join(f"{line}\r\n" for line in lines)).encode("latin-1")
     raw += b"\r\nbody"
-    ours, theirs = EngineHTTPResponse(Replay(raw), method="POST"), \
-        http.client.HTTPResponse(Replay(raw), method="POST")
+    ours, theirs = (
+        EngineHTTPResponse(Replay(raw), method="POST"),
+        http.client.HTTPResponse(Replay(raw), method="POST"),
+    )
     ours.begin()
     theirs.begin()
 
     def words(value):  # type: ignore[no-untyped-def]
         return None if value is None else value.split()
+
     for name in {line.partition(":")[0] for line in lines}:
         for variant in (name, name.lower(), name.upper()):
             assert words(ours.headers.get(variant)) == words(theirs.headers.get(variant))
-    assert (ours.chunked, ours.length, ours.will_close) == \
-        (theirs.chunked, theirs.length, theirs.will_close)
+    assert (ours.chunked, ours.length, ours.will_close) == (
+        theirs.chunked,
+        theirs.length,
+        theirs.will_close,
+    )
 
 
 class _Sizes(QuietHandler):
@@ -547,11 +648,12 @@ class _Sizes(QuietHandler):
     def do_POST(self):  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers["Content-Length"]))
         message = "x" * (self.size - 30)
-        body = json.dumps({"error": {"message": message}} if self.status >= 400
-                          else {"text": message}).encode()
+        body = json.dumps(
+            {"error": {"message": message}} if self.status >= 400 else {"text": message}
+        ).encode()
         try:
             self.answer(self.status, body, {"Content-Type": "application/json"})
-        except OSError:       # the gateway stopped reading: as it should
+        except OSError:  # the gateway stopped reading: as it should
             pass
 
 
@@ -561,6 +663,7 @@ def test_an_engine_reply_is_read_up_to_its_limit_and_no_further(monkeypatch):
     from gateway.engines import upstream as module
     from gateway.engines.instances import Instance
     from gateway.support.errors import BadGateway, UpstreamRejected
+
     monkeypatch.setattr(module, "REPLY_LIMIT", 1000)
     with contextlib.ExitStack() as stack:
         upstream = module.Upstream(2.0, 5.0, pool_size=2)
@@ -572,13 +675,13 @@ def test_an_engine_reply_is_read_up_to_its_limit_and_no_further(monkeypatch):
             stack.callback(server.shutdown)
             threading.Thread(target=server.serve_forever, daemon=True).start()
             engine = Instance(f"http://127.0.0.1:{server.server_address[1]}", "prefill", 0)
-            call = lambda: upstream.post_json(engine, "/v1/completions", {}, {})  # noqa: E731
+            call = lambda engine=engine: upstream.post_json(engine, "/v1/completions", {}, {})  # noqa: E731
             if size == 900:
                 assert len(call()["text"]) == 870
             elif status == 200:
                 with pytest.raises(BadGateway, match="larger than 1,000 bytes"):
                     call()
-            else:           # a stream's error: its body read for the message, 1 MiB at most
+            else:  # a stream's error: its body read for the message, 1 MiB at most
                 with pytest.raises(UpstreamRejected) as refused:
                     upstream.open_stream(engine, "/v1/completions", {}, {})
                 assert refused.value.status == 400 and len(refused.value.message) < 2000
@@ -588,7 +691,7 @@ class _Gzipped(QuietHandler):
     """An engine (or a proxy before it) that compresses its pages whatever it is asked."""
 
     protocol_version = "HTTP/1.1"
-    page = b"vllm:num_requests_running{engine=\"0\"} 1.0\n" * 100
+    page = b'vllm:num_requests_running{engine="0"} 1.0\n' * 100
     asked: list = []
 
     def do_GET(self):  # noqa: N802 (http.server's name)
@@ -599,6 +702,7 @@ class _Gzipped(QuietHandler):
 def test_a_compressed_page_is_read_as_its_text_and_none_is_asked_for():
     from gateway.engines.instances import Instance
     from gateway.engines.upstream import Upstream
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Gzipped)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     upstream = Upstream(2.0, 5.0, pool_size=2)
@@ -633,6 +737,7 @@ class _Page(QuietHandler):
 def tls_engine(certificate=CERTIFICATE):
     """An `https://` engine on loopback; yields its URL and the sockets it accepted."""
     import ssl
+
     cert, key = certificate
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
@@ -658,10 +763,12 @@ def test_an_https_engine_is_called_over_verified_tls():
     engine whose certificate is not trusted (here: not in certifi's bundle, as with requests)
     is never called: 502 for a POST, down for a probe."""
     import ssl
+
     from gateway.engines.instances import Instance
     from gateway.engines.transport import Transport
     from gateway.engines.upstream import Upstream
     from gateway.support.errors import BadGateway
+
     trusting = ssl.create_default_context(cafile=str(CERTIFICATE[0]))
     with tls_engine() as (url, accepted):
         engine = Instance(url, "prefill", 0)

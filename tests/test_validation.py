@@ -1,4 +1,5 @@
 """Bad client input gets a 400/413 OpenAI envelope and never reaches an engine."""
+
 from __future__ import annotations
 
 import threading
@@ -25,13 +26,23 @@ BAD = [
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "model": 3}', "model"),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
-    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "conversation_id": 7}',
-     "conversation_id"),
-    (CHAT, b'[' * 2000 + b']' * 2000, None),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "conversation_id": 7}',
+        "conversation_id",
+    ),
+    (CHAT, b"[" * 2000 + b"]" * 2000, None),
     # Parsed fine, but nested past any later walk's reach (fuzzing found a 500 at ~900 levels).
-    (COMPLETIONS, b'{"prompt": "", "temperature": ' + b'[' * 900 + b']' * 900 + b'}', None),
-    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "tools": '
-     + b'[{"a": ' * 65 + b'1' + b'}]' * 65 + b'}', None),
+    (COMPLETIONS, b'{"prompt": "", "temperature": ' + b"[" * 900 + b"]" * 900 + b"}", None),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": '
+        + b'[{"a": ' * 65
+        + b"1"
+        + b"}]" * 65
+        + b"}",
+        None,
+    ),
     (COMPLETIONS, b'{"model": "m"}', "prompt"),
     (COMPLETIONS, b'{"prompt": {"a": 1}}', "prompt"),
     (COMPLETIONS, b'{"prompt": []}', "prompt"),
@@ -39,7 +50,7 @@ BAD = [
 ]
 
 
-@responses.activate   # no mocks registered: any call to an engine would fail the test
+@responses.activate  # no mocks registered: any call to an engine would fail the test
 @pytest.mark.parametrize("path,raw,param", BAD)
 def test_bad_bodies_get_400_envelopes(client, path, raw, param):
     reply = client.post(path, data=raw, content_type="application/json")
@@ -48,8 +59,10 @@ def test_bad_bodies_get_400_envelopes(client, path, raw, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param
-    assert not responses.calls, ([(c.request.method, c.request.url) for c in responses.calls],
-                                 [t.name for t in threading.enumerate()])
+    assert not responses.calls, (
+        [(c.request.method, c.request.url) for c in responses.calls],
+        [t.name for t in threading.enumerate()],
+    )
 
 
 @responses.activate

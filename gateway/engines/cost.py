@@ -6,10 +6,12 @@ of the choice): the work queued there before this turn, plus the tokens this tur
 there, plus those it would pull, each at --route-pull-cost of a computed one. A D's cost is in
 streams: those it runs, plus --route-move-streams where it does not hold the conversation.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -18,18 +20,18 @@ T = TypeVar("T")
 class Need:
     """What a turn asks of P, estimated before P sees it (prompt tokens as characters / 4)."""
 
-    tokens: int         # its prompt
-    held: int = 0       # of which D holds the blocks (the entry's remote_num_tokens): any P reads
-    cached: int = 0     # of which the conversation's own P (rendezvous first) computed before
+    tokens: int  # its prompt
+    held: int = 0  # of which D holds the blocks (the entry's remote_num_tokens): any P reads
+    cached: int = 0  # of which the conversation's own P (rendezvous first) computed before
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """The parameters (--route-pull-cost, --route-request-tokens, --route-move-streams)."""
 
-    pull: float = 0.1             # one token's KV pulled from another engine, against computing it
-    request_tokens: int = 512     # the prefill tokens a request an engine reports stands for
-    move_streams: float = 4.0     # streams a D must carry beyond another's before a turn leaves it
+    pull: float = 0.1  # one token's KV pulled from another engine, against computing it
+    request_tokens: int = 512  # the prefill tokens a request an engine reports stands for
+    move_streams: float = 4.0  # streams a D must carry beyond another's before a turn leaves it
 
     def prefill(self, need: Need, own: bool, queued: float, reported: float) -> float:
         """P's cost: the larger of the prefill tokens this process has in flight there

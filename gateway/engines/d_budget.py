@@ -39,11 +39,13 @@ each of a host's workers makes its share. Releases a worker queued for a D and h
 count as made. Several hosts each make the whole cut: they over-release by their number, which
 the next report shows, and no cut follows.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from gateway.engines.engine_load import EngineLoad
 from gateway.engines.instances import Instance, public_url
@@ -51,9 +53,9 @@ from gateway.support import metrics
 
 log = logging.getLogger(__name__)
 
-HIGH_WATER = 0.9        # of D's capacity: what its pins may bring its KV cache usage up to
-FALLBACK = 8192         # blocks, for a D that does not report its capacity
-LOOK_AGAIN = 0.25       # seconds a D's cap is kept before the engine's table is read again
+HIGH_WATER = 0.9  # of D's capacity: what its pins may bring its KV cache usage up to
+FALLBACK = 8192  # blocks, for a D that does not report its capacity
+LOOK_AGAIN = 0.25  # seconds a D's cap is kept before the engine's table is read again
 
 
 class Limit(NamedTuple):
@@ -86,27 +88,34 @@ class DBudget:
     """`budget(decode_url)`: the `Limit` of the blocks this store may keep pinned on that D.
     The store releases what is beyond it at once: at a put, or at its sweep (each second)."""
 
-    def __init__(self, given: int | None, load: EngineLoad,
-                 find: Callable[[str], Instance | None], shares: int = 1, workers: int = 1,
-                 pending: Callable[[str], int] = lambda decode_url: 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.given = given          # --pinned-blocks: a number for every D, or None (derived)
+    def __init__(
+        self,
+        given: int | None,
+        load: EngineLoad,
+        find: Callable[[str], Instance | None],
+        shares: int = 1,
+        workers: int = 1,
+        pending: Callable[[str], int] = lambda decode_url: 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.given = given  # --pinned-blocks: a number for every D, or None (derived)
         self.load = load
-        self.find = find            # the D instance at a URL, if it is in a pool
+        self.find = find  # the D instance at a URL, if it is in a pool
         # Workers each keeping their own pins (a local store's) share the cap; every worker
         # makes its share of a cut, whatever the store; each publishes its part of the whole.
         self.shares = max(1, shares)
         self.workers = max(1, workers)
         self._part = self.shares / self.workers
-        self.pending = pending      # blocks this worker's releases queued for a D still hold
+        self.pending = pending  # blocks this worker's releases queued for a D still hold
         self.clock = clock
         self._known: dict[str, _Known] = {}
         self._published: dict[str, float] = {}
 
     def __call__(self, decode_url: str) -> Limit:
         if self.given is not None:
-            return self._publish(decode_url, Limit(max(1, self.given // self.shares)
-                                                   if self.given else 0))
+            return self._publish(
+                decode_url, Limit(max(1, self.given // self.shares) if self.given else 0)
+            )
         known = self._look(decode_url)
         if not known.capacity:
             return self._publish(decode_url, Limit(known.cap))
@@ -129,16 +138,21 @@ class DBudget:
             return known
         if known is None:
             known = self._known[decode_url] = _Known()
-            if len(self._known) > 4096:          # Ds come and go: forget those long gone
+            if len(self._known) > 4096:  # Ds come and go: forget those long gone
                 self._known = {decode_url: known}
         known.until = now + LOOK_AGAIN
         instance = self.find(decode_url)
         facts = self.load.facts(instance) if instance is not None else None
         capacity = facts.capacity if facts is not None else 0
         if capacity and capacity != known.capacity:
-            log.info("%s reports %d blocks of KV cache: its pins are kept within %d of them, "
-                     "and cut where its usage passes %d%%", instance.name, capacity,
-                     int(HIGH_WATER * capacity), HIGH_WATER * 100)
+            log.info(
+                "%s reports %d blocks of KV cache: its pins are kept within %d of them, "
+                "and cut where its usage passes %d%%",
+                instance.name,
+                capacity,
+                int(HIGH_WATER * capacity),
+                HIGH_WATER * 100,
+            )
         known.instance, known.capacity = instance, capacity
         known.ranks = facts.ranks if facts is not None else 1
         known.cap = max(1, int((HIGH_WATER * capacity if capacity else FALLBACK) / self.shares))

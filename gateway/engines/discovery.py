@@ -6,6 +6,7 @@ A Kubernetes headless Service answers its name with one A (or AAAA) record per r
 `--resolve-interval` seconds. IP literals and `localhost` are used exactly as given, as are
 https URLs (connecting to an address would fail the certificate's name check).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -98,7 +99,7 @@ class Resolver:
             except dns.exception.DNSException as exc:
                 raise ResolveError(f"{host} {rdtype}: {exc!r}") from exc
             found.update(record.address for record in answer)
-            if found:        # A records found: no AAAA query
+            if found:  # A records found: no AAAA query
                 break
         return _preferred(found)
 
@@ -118,7 +119,7 @@ class Discovery:
     def __init__(self, resolver: Resolver, enabled: bool = True) -> None:
         self.resolver = resolver
         self.enabled = enabled
-        self.names: list[tuple[Pool, str]] = []     # (pool, settings URL with a DNS name)
+        self.names: list[tuple[Pool, str]] = []  # (pool, settings URL with a DNS name)
         self._failing: set[str] = set()
 
     def seed(self, pool: Pool, urls: list[str]) -> None:
@@ -128,7 +129,7 @@ class Discovery:
                 continue
             self.names.append((pool, url))
             if not self._resolve(pool, url):
-                pool.add(url, origin=f"dns:{url}")    # replaced by its addresses once known
+                pool.add(url, origin=f"dns:{url}")  # replaced by its addresses once known
 
     def refresh(self) -> None:
         for pool, url in self.names:
@@ -143,8 +144,11 @@ class Discovery:
         except ResolveError as exc:
             metrics.RESOLUTIONS.labels("failed").inc()
             (log.debug if url in self._failing else log.warning)(
-                "resolving %s failed (%s); its %s instances stay as they are", public_url(url),
-                exc, pool.role)
+                "resolving %s failed (%s); its %s instances stay as they are",
+                public_url(url),
+                exc,
+                pool.role,
+            )
             self._failing.add(url)
             return False
         metrics.RESOLUTIONS.labels("ok").inc()
@@ -156,4 +160,3 @@ class Discovery:
             if instances:
                 metrics.INSTANCE_CHANGES.labels(pool.role, kind, "dns").inc(len(instances))
         return True
-

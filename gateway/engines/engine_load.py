@@ -27,6 +27,7 @@ memory the gunicorn master shares with its workers (gateway.slots.LOAD_*), and a
 engine only when no other worker has claimed it within the interval. Outside gunicorn the table
 is the process's own.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,9 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
 
 from gateway.engines.instances import Instance, Pool
 from gateway.slots import LOAD_KEYS, LOAD_ROWS, LOAD_VALUES
@@ -44,18 +46,31 @@ from gateway.support.fanout import Fanout
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("waiting", "running", "kv_usage", "block_size", "capacity", "prefix_caching", "ranks",
-          "read_at", "claimed_at")
-(_WAITING, _RUNNING, _KV, _BLOCK, _CAPACITY, _CACHING, _RANKS, _READ_AT,
- _CLAIMED_AT) = range(len(FIELDS))
+FIELDS = (
+    "waiting",
+    "running",
+    "kv_usage",
+    "block_size",
+    "capacity",
+    "prefix_caching",
+    "ranks",
+    "read_at",
+    "claimed_at",
+)
+(_WAITING, _RUNNING, _KV, _BLOCK, _CAPACITY, _CACHING, _RANKS, _READ_AT, _CLAIMED_AT) = range(
+    len(FIELDS)
+)
 _WIDTH = len(FIELDS)
 assert len(LOAD_VALUES) == LOAD_ROWS * _WIDTH, "gateway.slots.LOAD_VALUES: a row per FIELDS"
-_PROBES = 16            # rows looked at from a key's own before the table counts as full
-RECLAIM = 60.0          # seconds unclaimed after which a row's engine counts as gone
-CONCURRENT = 8          # engines read at once
+_PROBES = 16  # rows looked at from a key's own before the table counts as full
+RECLAIM = 60.0  # seconds unclaimed after which a row's engine counts as gone
+CONCURRENT = 8  # engines read at once
 # The three gauges, by the name each sample line starts with.
-_GAUGES = {b"vllm:num_requests_waiting": _WAITING, b"vllm:num_requests_running": _RUNNING,
-           b"vllm:kv_cache_usage_perc": _KV}
+_GAUGES = {
+    b"vllm:num_requests_waiting": _WAITING,
+    b"vllm:num_requests_running": _RUNNING,
+    b"vllm:kv_cache_usage_perc": _KV,
+}
 _BY_REASON = b"vllm:num_requests_waiting_by_reason"
 _CACHE_CONFIG = b"vllm:cache_config_info"
 _LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -66,8 +81,8 @@ class Reported:
     waiting: float
     running: float
     kv_usage: float
-    age: float          # seconds since it was read
-    read_at: float = 0.0    # when, on the table's clock: a new read is a new value
+    age: float  # seconds since it was read
+    read_at: float = 0.0  # when, on the table's clock: a new read is a new value
 
 
 @dataclass(frozen=True)
@@ -75,16 +90,18 @@ class Facts:
     """What an engine says of its KV cache (vllm:cache_config_info), 0 or None where it did
     not say: fixed while it runs."""
 
-    block_size: int         # tokens a block
-    capacity: int           # blocks (num_gpu_blocks): every data-parallel rank's together
+    block_size: int  # tokens a block
+    capacity: int  # blocks (num_gpu_blocks): every data-parallel rank's together
     prefix_caching: bool | None
-    ranks: int = 1          # its data-parallel engines, each with its share of the capacity
+    ranks: int = 1  # its data-parallel engines, each with its share of the capacity
 
     def said(self) -> str:
         """As a log line or a report says them."""
         on = {True: "on", False: "off", None: "not said"}[self.prefix_caching]
-        return (f"KV block size {self.block_size or 'not said'}, "
-                f"{self.capacity or 'not said'} blocks, prefix caching {on}")
+        return (
+            f"KV block size {self.block_size or 'not said'}, "
+            f"{self.capacity or 'not said'} blocks, prefix caching {on}"
+        )
 
 
 class Page(NamedTuple):
@@ -103,17 +120,19 @@ class Page(NamedTuple):
         """The cache's facts, if the page says any."""
         if not (self.block_size or self.capacity or self.prefix_caching):
             return None
-        return Facts(int(self.block_size), int(self.capacity),
-                     None if not self.prefix_caching else self.prefix_caching == 2.0,
-                     max(1, int(self.ranks)))
+        return Facts(
+            int(self.block_size),
+            int(self.capacity),
+            None if not self.prefix_caching else self.prefix_caching == 2.0,
+            max(1, int(self.ranks)),
+        )
 
 
 def _cache_config(line: bytes) -> tuple[float, float, float]:
     """(block size, blocks, prefix caching) out of one vllm:cache_config_info sample: each
     CacheConfig field a label, its value `str()` of the field (vLLM 0.33.0 `config/cache.py`
     ~L440-443), so "16", "None", "True"."""
-    labels = dict(_LABEL.findall(line.split(b"{", 1)[1].rsplit(b"}", 1)[0])) if b"{" in line \
-        else {}
+    labels = dict(_LABEL.findall(line.split(b"{", 1)[1].rsplit(b"}", 1)[0])) if b"{" in line else {}
 
     def number(name: bytes) -> float:
         value = labels.get(name, b"")
@@ -180,15 +199,20 @@ class LoadTable:
 
     def __init__(self, keys=LOAD_KEYS, values=LOAD_VALUES, rows: int = LOAD_ROWS) -> None:
         self.keys, self.values, self.rows = keys, values, rows
-        self._found: dict[str, tuple[int, int]] = {}    # url -> (key, row), checked each read
+        self._found: dict[str, tuple[int, int]] = {}  # url -> (key, row), checked each read
 
     @staticmethod
     def key(url: str) -> int:
-        return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(),
-                              "little", signed=True) or 1
+        return (
+            int.from_bytes(
+                hashlib.blake2b(url.encode(), digest_size=8).digest(), "little", signed=True
+            )
+            or 1
+        )
 
-    def row(self, url: str, make: bool = False, now: float | None = None,
-            interval: float = 0.0) -> int | None:
+    def row(
+        self, url: str, make: bool = False, now: float | None = None, interval: float = 0.0
+    ) -> int | None:
         """The row of `url` (taken if `make` and it has none); None if it has none. With `now`,
         a row no worker has claimed for RECLAIM seconds, or three intervals if that is longer
         (its engine gone from every pool), is taken when no other is free: engines come and go,
@@ -204,7 +228,7 @@ class LoadTable:
             if held == 0:
                 if not make:
                     return None
-                self.keys[row] = key        # two workers taking one row: the next read mends it
+                self.keys[row] = key  # two workers taking one row: the next read mends it
             elif held != key:
                 continue
             return self._found_at(url, key, row)
@@ -212,13 +236,13 @@ class LoadTable:
             for row in rows:
                 base = row * _WIDTH
                 if now - self.values[base + _CLAIMED_AT] >= max(RECLAIM, 3 * interval):
-                    self.values[base:base + _WIDTH] = [0.0] * _WIDTH
+                    self.values[base : base + _WIDTH] = [0.0] * _WIDTH
                     self.keys[row] = key
                     return self._found_at(url, key, row)
         return None
 
     def _found_at(self, url: str, key: int, row: int) -> int:
-        if len(self._found) >= self.rows:      # engines come and go: start the cache again
+        if len(self._found) >= self.rows:  # engines come and go: start the cache again
             self._found.clear()
         self._found[url] = (key, row)
         return row
@@ -235,10 +259,10 @@ class LoadTable:
         return row
 
     def write(self, url: str, row: int, page: Page, now: float) -> None:
-        if self.keys[row] != self.key(url):      # another worker took the row meanwhile
+        if self.keys[row] != self.key(url):  # another worker took the row meanwhile
             return
         base = row * _WIDTH
-        self.values[base + _WAITING:base + _RANKS + 1] = list(page)
+        self.values[base + _WAITING : base + _RANKS + 1] = list(page)
         self.values[base + _READ_AT] = now
 
     def read(self, url: str, now: float, stale: float) -> Reported | None:
@@ -246,7 +270,7 @@ class LoadTable:
         if row is None:
             return None
         base = row * _WIDTH
-        waiting, running, kv = self.values[base:base + _KV + 1]
+        waiting, running, kv = self.values[base : base + _KV + 1]
         read_at = self.values[base + _READ_AT]
         if read_at <= 0 or now - read_at > stale:
             return None
@@ -260,24 +284,30 @@ class LoadTable:
         base = row * _WIDTH
         if self.values[base + _READ_AT] <= 0:
             return None
-        return Page(0.0, 0.0, 0.0, *self.values[base + _BLOCK:base + _RANKS + 1]).facts()
+        return Page(0.0, 0.0, 0.0, *self.values[base + _BLOCK : base + _RANKS + 1]).facts()
 
 
 class EngineLoad:
     """Reads every engine's /metrics on an interval (a background thread, a greenlet under
     gevent) and tells a pool which engines are busy."""
 
-    def __init__(self, get: Callable[[Instance, float], bytes], pools: Iterable[Pool],
-                 interval: float, queue_limit: int, kv_full: float,
-                 table: LoadTable | None = None, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
-        self.get = get              # GET instance's /metrics within a timeout: its body
+    def __init__(
+        self,
+        get: Callable[[Instance, float], bytes],
+        pools: Iterable[Pool],
+        interval: float,
+        queue_limit: int,
+        kv_full: float,
+        table: LoadTable | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.get = get  # GET instance's /metrics within a timeout: its body
         self.pools = list(pools)
         self.interval = interval
         self.queue_limit = queue_limit
         self.kv_full = kv_full
         self.table = table or LoadTable()
-        self.clock = clock          # CLOCK_MONOTONIC: one clock for every process of the host
+        self.clock = clock  # CLOCK_MONOTONIC: one clock for every process of the host
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._readers = Fanout(CONCURRENT)
@@ -290,8 +320,9 @@ class EngineLoad:
         if self.enabled and self._thread is None:
             for pool in self.pools:
                 pool.busy, pool.reported, pool.load = self.busy, self.report, self.reported
-            self._thread = threading.Thread(target=self._run, name="pd-gateway-engine-load",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="pd-gateway-engine-load", daemon=True
+            )
             self._thread.start()
 
     def stop(self) -> None:
@@ -310,23 +341,33 @@ class EngineLoad:
     def report(self, instance: Instance) -> dict | None:
         """What /admin/status shows: the engine's last report, if fresh."""
         found = self.reported(instance)
-        return None if found is None else {
-            "waiting": found.waiting, "running": found.running,
-            "kv_cache_usage": round(found.kv_usage, 4), "age_seconds": round(found.age, 2),
-            "busy": self.busy(instance)}
+        return (
+            None
+            if found is None
+            else {
+                "waiting": found.waiting,
+                "running": found.running,
+                "kv_cache_usage": round(found.kv_usage, 4),
+                "age_seconds": round(found.age, 2),
+                "busy": self.busy(instance),
+            }
+        )
 
     def busy(self, instance: Instance) -> bool:
         """Queueing or full by its own report (a stale or missing report: not busy)."""
         report = self.reported(instance)
-        return report is not None and (report.waiting > self.queue_limit
-                                       or report.kv_usage >= self.kv_full)
+        return report is not None and (
+            report.waiting > self.queue_limit or report.kv_usage >= self.kv_full
+        )
 
     def read_all(self) -> None:
         """One round: each engine no other worker has read within the interval, `CONCURRENT`
         at once (an engine that answers slowly, or trickles its page, costs its own read's
         time, at most its timeout, not the others' turn)."""
-        self._readers.run(lambda job: self.read_one(*job),
-                          [(pool, instance) for pool in self.pools for instance in pool.instances])
+        self._readers.run(
+            lambda job: self.read_one(*job),
+            [(pool, instance) for pool in self.pools for instance in pool.instances],
+        )
 
     def read_one(self, pool: Pool, instance: Instance) -> None:
         if self._stop.is_set():
@@ -337,7 +378,7 @@ class EngineLoad:
         try:
             # Bounded in time and size (Upstream.get_bytes): a page that trickles is cut.
             page = parse(self.get(instance, min(self.interval, 2.0)))
-        except Exception as exc:      # down, slow, too large, not vLLM: its report goes stale
+        except Exception as exc:  # down, slow, too large, not vLLM: its report goes stale
             log.debug("%s /metrics: %r", instance.name, exc)
             page = None
         if page is None:
@@ -361,7 +402,7 @@ class EngineLoad:
             started = self.clock()
             try:
                 self.read_all()
-            except Exception:          # a bug must not end the loop
+            except Exception:  # a bug must not end the loop
                 log.exception("reading the engines' /metrics failed")
             self._stop.wait(max(0.05, self.interval - (self.clock() - started)))
 
@@ -377,8 +418,13 @@ class BlockSize:
     (none then: a warning says so); vLLM's default where reports are off. Looked at again
     once a second (five times while unknown), not per turn."""
 
-    def __init__(self, given: int | None, pools: Iterable[Pool], load: EngineLoad,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        given: int | None,
+        pools: Iterable[Pool],
+        load: EngineLoad,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.given = given
         self.pools = list(pools)
         self.load = load
@@ -399,16 +445,22 @@ class BlockSize:
         return self._value
 
     def _read(self) -> int | None:
-        sizes = {facts.block_size for pool in self.pools for instance in pool.instances
-                 if (facts := self.load.facts(instance)) is not None and facts.block_size}
+        sizes = {
+            facts.block_size
+            for pool in self.pools
+            for instance in pool.instances
+            if (facts := self.load.facts(instance)) is not None and facts.block_size
+        }
         if len(sizes) > 1:
             if sizes != self._warned:
                 self._warned = frozenset(sizes)
                 model = self.pools[0].model if self.pools else ""
-                log.warning("the engines%s report different KV block sizes (%s): no partial "
-                            "reuse (with bidirectional transfer each side reads the other's "
-                            "blocks, so vLLM needs them equal: `pd-gateway check`)",
-                            f" of model {model!r}" if model else "",
-                            ", ".join(map(str, sorted(sizes))))
+                log.warning(
+                    "the engines%s report different KV block sizes (%s): no partial "
+                    "reuse (with bidirectional transfer each side reads the other's "
+                    "blocks, so vLLM needs them equal: `pd-gateway check`)",
+                    f" of model {model!r}" if model else "",
+                    ", ".join(map(str, sorted(sizes))),
+                )
             return None
         return next(iter(sizes), None)

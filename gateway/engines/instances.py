@@ -1,6 +1,7 @@
 """What this process knows of the engines: instances, their pools (whose instance sets may change
 while the process runs), the choice between them, breakers, and the prober that asks each engine
 whether it answers, from the start."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,8 +9,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from gateway.engines.cost import CostModel, Need, cheapest
@@ -23,11 +25,13 @@ log = logging.getLogger(__name__)
 # bidirectional transfer, off by default (vLLM 0.33.0 nixl/base_scheduler.py ~L174-180), without
 # which a D keeps nothing after a turn (nixl/pull_scheduler.py ~L232-233) and a P reads nothing
 # from a D (~L130-134).
-KV_TRANSFER_CONFIG = ("--kv-transfer-config '{\"kv_connector\":\"NixlConnector\","
-                      "\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
-                      "{\"bidirectional_kv_xfer\":true}}'")
-MISSES = 2          # probes in a row an engine that answered before may miss before it is down
-CONCURRENT = 8      # probes at once in a round
+KV_TRANSFER_CONFIG = (
+    '--kv-transfer-config \'{"kv_connector":"NixlConnector",'
+    '"kv_role":"kv_both","kv_connector_extra_config":'
+    '{"bidirectional_kv_xfer":true}}\''
+)
+MISSES = 2  # probes in a row an engine that answered before may miss before it is down
+CONCURRENT = 8  # probes at once in a round
 
 
 def public_url(url: str) -> str:
@@ -35,9 +39,9 @@ def public_url(url: str) -> str:
     in logs, metrics or reports. The host is what follows the last "@" of the netloc, as
     urllib reads it, whatever the password holds."""
     if "@" not in url:
-        return url            # most URLs, on every pinned-count update: no parse
+        return url  # most URLs, on every pinned-count update: no parse
     prefix = "dns:" if url.startswith("dns:") else ""
-    parts = urlsplit(url[len(prefix):])
+    parts = urlsplit(url[len(prefix) :])
     if "@" not in parts.netloc:
         return url
     return prefix + urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
@@ -47,11 +51,11 @@ def public_url(url: str) -> str:
 class Policy:
     """How a pool chooses and when it stops choosing an instance."""
 
-    routing: str = "affinity"        # "affinity" (the cheapest by `cost`) or "round_robin"
-    overload_factor: float = 2.0     # skip an instance whose in-flight > factor x (least + 1)
-    cost: CostModel = CostModel()    # affinity: how P and D weigh work, pulls and queues
-    breaker_failures: int = 3        # consecutive failures that open the breaker
-    breaker_cooldown: float = 10.0   # seconds an open breaker skips the instance
+    routing: str = "affinity"  # "affinity" (the cheapest by `cost`) or "round_robin"
+    overload_factor: float = 2.0  # skip an instance whose in-flight > factor x (least + 1)
+    cost: CostModel = CostModel()  # affinity: how P and D weigh work, pulls and queues
+    breaker_failures: int = 3  # consecutive failures that open the breaker
+    breaker_cooldown: float = 10.0  # seconds an open breaker skips the instance
 
 
 @dataclass(eq=False)
@@ -68,33 +72,36 @@ class Instance:
     role: str
     index: int
     origin: str = "settings"
-    model: str = ""             # with several models, its model's name (in `name`)
+    model: str = ""  # with several models, its model's name (in `name`)
     host: str = field(init=False)
-    base_path: str = field(init=False)      # the URL's own path, before the API's (usually "")
-    credentials: tuple[str, str] | None = field(init=False)   # user:password in the URL
+    base_path: str = field(init=False)  # the URL's own path, before the API's (usually "")
+    credentials: tuple[str, str] | None = field(init=False)  # user:password in the URL
     salt: bytes = field(init=False)
     inflight: int = 0
-    queued: int = 0             # a P: the prefill work (Need, costed) this process has in flight
-    down: bool = False          # a connection or a probe failed: skipped until a probe answers
-    failures: int = 0           # consecutive failed requests
-    open_until: float = 0.0     # breaker: skipped until then, then tried again (half-open)
+    queued: int = 0  # a P: the prefill work (Need, costed) this process has in flight
+    down: bool = False  # a connection or a probe failed: skipped until a probe answers
+    failures: int = 0  # consecutive failed requests
+    open_until: float = 0.0  # breaker: skipped until then, then tried again (half-open)
     # The last probe's answer (Prober): None before the first, or with probes off.
     answered: bool | None = None
-    missed: int = 0             # probes in a row it did not answer
-    served: tuple[str, ...] | None = None   # the models its /v1/models lists, once it answered
-    why: str = ""               # why the last probe found it not ready
+    missed: int = 0  # probes in a row it did not answer
+    served: tuple[str, ...] | None = None  # the models its /v1/models lists, once it answered
+    why: str = ""  # why the last probe found it not ready
     # A D: did its last finished two-stage turn return kv_transfer_params (keep its blocks for
     # the next turn's P)? None before any; and how many such turns kept nothing.
     keeps_blocks: bool | None = None
     kept_nothing: int = 0
-    warned: bool = False        # ...said once (per worker)
+    warned: bool = False  # ...said once (per worker)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         self.host = parts.hostname or ""
         self.base_path = parts.path.rstrip("/")
-        self.credentials = ((unquote(parts.username), unquote(parts.password or ""))
-                            if parts.username or parts.password else None)
+        self.credentials = (
+            (unquote(parts.username), unquote(parts.password or ""))
+            if parts.username or parts.password
+            else None
+        )
         self.salt = self.url.encode()
 
     @property
@@ -132,25 +139,31 @@ class Pool:
     release work on the object), so they finish there.
     """
 
-    def __init__(self, role: str, urls: list[str], policy: Policy = Policy(),
-                 clock: Callable[[], float] = time.monotonic, model: str = "") -> None:
+    def __init__(
+        self,
+        role: str,
+        urls: list[str],
+        policy: Policy = Policy(),
+        clock: Callable[[], float] = time.monotonic,
+        model: str = "",
+    ) -> None:
         self.role = role
         self.model = model
         self.policy = policy
         self.instances: list[Instance] = []
         self._by_url: dict[str, Instance] = {}
         self._numbers = itertools.count()
-        self._turn = 0                    # round robin: where the next search starts
+        self._turn = 0  # round robin: where the next search starts
         self._lock = threading.Lock()
         self._clock = clock
-        self.on_down: Callable[[], None] | None = None   # wakes the prober (down, or added)
+        self.on_down: Callable[[], None] | None = None  # wakes the prober (down, or added)
         # Are the instances probed (Prober)? Then one is ready only once it answered; without
         # probes, every instance not marked down is taken as ready.
         self.probed = False
         # Is an instance queueing or full by its own report (gateway.engines.engine_load)? None: no
         # reports, in-flight counts alone.
         self.busy: Callable[[Instance], bool] | None = None
-        self.reported: Callable[[Instance], object] | None = None     # for report()
+        self.reported: Callable[[Instance], object] | None = None  # for report()
         # Its fresh report (waiting, running), for the cost; None: no reports.
         self.load: Callable[[Instance], Any] | None = None
         for url in urls:
@@ -166,10 +179,10 @@ class Pool:
             self._by_url[url] = instance
             self.instances = [*self.instances, instance]
         # Run-time changes are news; the settings' own instances are not.
-        (log.debug if origin == "settings" else log.info)("%s (%s) added (%s)", instance.name,
-                                                          instance.public_url,
-                                                          public_url(origin))
-        if self.on_down is not None:        # probed at once, not at the next round
+        (log.debug if origin == "settings" else log.info)(
+            "%s (%s) added (%s)", instance.name, instance.public_url, public_url(origin)
+        )
+        if self.on_down is not None:  # probed at once, not at the next round
             self.on_down()
         return instance, True
 
@@ -181,8 +194,12 @@ class Pool:
             if instance is None:
                 return None
             self.instances = [i for i in self.instances if i is not instance]
-        log.info("%s (%s) removed (%d in flight finish there)", instance.name,
-                 instance.public_url, instance.inflight)
+        log.info(
+            "%s (%s) removed (%d in flight finish there)",
+            instance.name,
+            instance.public_url,
+            instance.inflight,
+        )
         return instance
 
     def sync(self, origin: str, urls: list[str]) -> tuple[list[Instance], list[Instance]]:
@@ -200,8 +217,13 @@ class Pool:
         with self._lock:
             return self._by_url.get(url) if url else None
 
-    def choose(self, key: str, prefer: str | None = None,
-               exclude: Collection[Instance] = (), need: Need | None = None) -> Instance:
+    def choose(
+        self,
+        key: str,
+        prefer: str | None = None,
+        exclude: Collection[Instance] = (),
+        need: Need | None = None,
+    ) -> Instance:
         """Choose for the conversation `key`; `prefer` is the D holding its KV, `need` what the
         turn asks of a P.
 
@@ -212,16 +234,16 @@ class Pool:
         now = self._clock()
         with self._lock:
             instances = self.instances
-            if not instances:     # every address of its names gone, say: nothing to choose
-                raise ServiceUnavailable(f"no {self.role} instance is known",
-                                         instance_fault=False)
+            if not instances:  # every address of its names gone, say: nothing to choose
+                raise ServiceUnavailable(f"no {self.role} instance is known", instance_fault=False)
             candidates = [i for i in instances if i not in exclude and i.available(now)]
             if not candidates:
                 # Each marked down or open: try them anyway (a request's failure marks an
                 # instance down at once, before a probe could confirm it), except those whose
                 # last probe found them not answering.
-                candidates = ([i for i in instances if i not in exclude and i.answered is not False]
-                              or [i for i in instances if i.answered is not False])
+                candidates = [
+                    i for i in instances if i not in exclude and i.answered is not False
+                ] or [i for i in instances if i.answered is not False]
                 if not candidates:
                     raise ServiceUnavailable(self.unservable(), instance_fault=False)
             if self.policy.routing == "round_robin":
@@ -232,7 +254,7 @@ class Pool:
                     if chosen in candidates:
                         self._turn = (self._turn + step + 1) % len(instances)
                         return chosen
-            if len(candidates) == 1:      # what the ranking below would end on, in any case
+            if len(candidates) == 1:  # what the ranking below would end on, in any case
                 return candidates[0]
             limit = self._limit(candidates)
             busy = self.busy
@@ -244,8 +266,11 @@ class Pool:
                 if need is not None:
                     # The conversation's own P: first in rendezvous order of every instance
                     # (a retry excludes it, and the next in order computed nothing for it).
-                    own = (ranked[0] if len(candidates) == len(instances)
-                           else max(instances, key=lambda i: _weight(raw, i)))
+                    own = (
+                        ranked[0]
+                        if len(candidates) == len(instances)
+                        else max(instances, key=lambda i: _weight(raw, i))
+                    )
                     return cheapest(eligible, lambda i: self._prefill_cost(i, need, i is own))
                 if self.role == "decode":
                     # The D that holds the entry; without one, the first in rendezvous order,
@@ -273,8 +298,11 @@ class Pool:
 
     def _decode_cost(self, instance: Instance, holds: bool) -> float:
         report = self.load(instance) if self.load is not None else None
-        streams = (max(instance.inflight, report.running) + max(report.waiting, 0.0)
-                   if report is not None else instance.inflight)
+        streams = (
+            max(instance.inflight, report.running) + max(report.waiting, 0.0)
+            if report is not None
+            else instance.inflight
+        )
         return self.policy.cost.decode(streams, holds)
 
     def _limit(self, candidates: list[Instance]) -> float:
@@ -314,16 +342,23 @@ class Pool:
                 instance.failures, instance.down, instance.open_until = 0, False, 0.0
             elif not answered:
                 instance.down = True
-        if before is None:          # the first answer: what the operator needs to see
+        if before is None:  # the first answer: what the operator needs to see
             if answered:
-                log.info("%s (%s) answers; serves %s", instance.name, instance.public_url,
-                         ", ".join(instance.served or ()) or "models it does not list")
+                log.info(
+                    "%s (%s) answers; serves %s",
+                    instance.name,
+                    instance.public_url,
+                    ", ".join(instance.served or ()) or "models it does not list",
+                )
             else:
                 log.warning("%s (%s) is not ready: %s", instance.name, instance.public_url, why)
         elif before != answered:
             (log.info if answered else log.warning)(
-                "%s (%s) %s", instance.name, instance.public_url,
-                "answers again" if answered else f"is not ready: {why}")
+                "%s (%s) %s",
+                instance.name,
+                instance.public_url,
+                "answers again" if answered else f"is not ready: {why}",
+            )
 
     def kept_nothing(self, instance: Instance, streamed: bool) -> None:
         """A D finished a turn it loaded from P without kv_transfer_params: it keeps no blocks,
@@ -338,9 +373,13 @@ class Pool:
                 "%s (%s) finished a turn without kv_transfer_params: it keeps no KV blocks for "
                 "the next turn, so no turn of its conversations can reuse them. Start it with "
                 "bidirectional KV transfer: %s%s (`pd-gateway check` tests a P/D pair)",
-                instance.name, instance.public_url, KV_TRANSFER_CONFIG,
-                "; a streamed turn also needs a vLLM whose streams carry the params "
-                "(PR #40186)" if streamed else "")
+                instance.name,
+                instance.public_url,
+                KV_TRANSFER_CONFIG,
+                "; a streamed turn also needs a vLLM whose streams carry the params (PR #40186)"
+                if streamed
+                else "",
+            )
 
     @staticmethod
     def kept(instance: Instance) -> None:
@@ -381,7 +420,7 @@ class Pool:
                 instance.failures = 0
                 instance.down = False
                 instance.open_until = 0.0
-                if instance.answered is False:    # it answered a request: it answers
+                if instance.answered is False:  # it answered a request: it answers
                     instance.answered, instance.missed, instance.why = True, 0, ""
 
     def failed(self, instance: Instance, unreachable: bool) -> None:
@@ -392,22 +431,38 @@ class Pool:
                 instance.down = True
             elif instance.failures >= self.policy.breaker_failures or instance.open_until:
                 instance.open_until = self._clock() + self.policy.breaker_cooldown
-        log.warning("%s (%s) %s", instance.name, instance.public_url,
-                    "marked down" if unreachable else f"failed {instance.failures} time(s)")
+        log.warning(
+            "%s (%s) %s",
+            instance.name,
+            instance.public_url,
+            "marked down" if unreachable else f"failed {instance.failures} time(s)",
+        )
         if unreachable and self.on_down is not None:
             self.on_down()
 
     def report(self) -> list[dict]:
         now = self._clock()
         reported = self.reported or (lambda i: None)
-        return [{"name": i.name, "url": i.public_url, "origin": public_url(i.origin),
-                 "state": i.state(now), "ready": self.ready(i), "inflight": i.inflight,
-                 "consecutive_failures": i.failures, "models": list(i.served or ()),
-                 **({"keeps_blocks": i.keeps_blocks, "turns_kept_nothing": i.kept_nothing}
-                    if self.role == "decode" else {}),
-                 **({"why": i.why} if i.why and i.down else {}),
-                 "reported": reported(i)}
-                for i in self.instances]
+        return [
+            {
+                "name": i.name,
+                "url": i.public_url,
+                "origin": public_url(i.origin),
+                "state": i.state(now),
+                "ready": self.ready(i),
+                "inflight": i.inflight,
+                "consecutive_failures": i.failures,
+                "models": list(i.served or ()),
+                **(
+                    {"keeps_blocks": i.keeps_blocks, "turns_kept_nothing": i.kept_nothing}
+                    if self.role == "decode"
+                    else {}
+                ),
+                **({"why": i.why} if i.why and i.down else {}),
+                "reported": reported(i),
+            }
+            for i in self.instances
+        ]
 
 
 class Prober:
@@ -422,11 +477,15 @@ class Prober:
     One background thread per process (a greenlet under gevent), from `start` to `stop`.
     """
 
-    def __init__(self, probe: Callable[[Instance], bool], pools: list[Pool],
-                 interval: float, models: Callable[[Instance], list[str] | None] = lambda i: None
-                 ) -> None:
-        self.probe = probe        # does the instance answer GET /health? (Upstream.probe)
-        self.models = models      # what its GET /v1/models lists (None: no answer)
+    def __init__(
+        self,
+        probe: Callable[[Instance], bool],
+        pools: list[Pool],
+        interval: float,
+        models: Callable[[Instance], list[str] | None] = lambda i: None,
+    ) -> None:
+        self.probe = probe  # does the instance answer GET /health? (Upstream.probe)
+        self.models = models  # what its GET /v1/models lists (None: no answer)
         self.pools = pools
         self.interval = interval
         self._thread: threading.Thread | None = None
@@ -442,8 +501,7 @@ class Prober:
         if self.enabled and self._thread is None:
             for pool in self.pools:
                 pool.probed = True
-            self._thread = threading.Thread(target=self._run, name="pd-gateway-prober",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="pd-gateway-prober", daemon=True)
             self._thread.start()
 
     def wake(self) -> None:
@@ -454,7 +512,7 @@ class Prober:
         while not self._stop.is_set():
             try:
                 self.probe_all()
-            except Exception:          # a bug must not end the loop
+            except Exception:  # a bug must not end the loop
                 log.exception("probing the engines failed")
             self._wake.wait(self.interval)
             self._wake.clear()
@@ -462,8 +520,10 @@ class Prober:
     def probe_all(self) -> None:
         """One round: every instance of every pool, at most `CONCURRENT` at once (one that does
         not answer costs its timeout, not the others' turn)."""
-        self._probes.run(lambda job: self.probe_one(*job),
-                         [(pool, instance) for pool in self.pools for instance in pool.instances])
+        self._probes.run(
+            lambda job: self.probe_one(*job),
+            [(pool, instance) for pool in self.pools for instance in pool.instances],
+        )
 
     def probe_one(self, pool: Pool, instance: Instance) -> None:
         if not self.probe(instance):
@@ -474,8 +534,9 @@ class Prober:
             instance.served = tuple(served) if served is not None else None
         if pool.model and instance.served is not None and pool.model not in instance.served:
             # (Asked again at the next probe: the answer may change with a restart.)
-            pool.probed_now(instance, False, f"serves {', '.join(instance.served)}, not "
-                                             f"{pool.model}")
+            pool.probed_now(
+                instance, False, f"serves {', '.join(instance.served)}, not {pool.model}"
+            )
             return
         pool.probed_now(instance, True)
 
@@ -483,5 +544,5 @@ class Prober:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(self.interval + 2)    # a probe in progress times out within 1 s
+            self._thread.join(self.interval + 2)  # a probe in progress times out within 1 s
         self._probes.close()

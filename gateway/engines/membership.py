@@ -16,6 +16,7 @@ Admin changes live as long as the master: a restart, or a reload (SIGHUP), start
 the settings. Outside gunicorn's hooks (one process, an embedder without `install`), a file of
 this process's own: the change applies here only.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -26,7 +27,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from urllib3.exceptions import LocationParseError
@@ -40,7 +41,7 @@ from gateway.support import metrics
 from gateway.support.errors import BadRequest, NotFound
 
 log = logging.getLogger(__name__)
-TICK = 0.5          # seconds between looks at the changes file
+TICK = 0.5  # seconds between looks at the changes file
 CONFIRM_WAIT = 5.0  # seconds an admin call waits for the other workers to apply its change
 
 
@@ -55,14 +56,14 @@ class ChangeLog:
         else:
             self.shared = False
             self._fd, own = tempfile.mkstemp(prefix="pd-gateway-instances-")
-            os.unlink(own)       # this process's alone; gone when it exits
-        self.offset = 0          # bytes read and applied
+            os.unlink(own)  # this process's alone; gone when it exits
+        self.offset = 0  # bytes read and applied
 
     def append(self, change: dict) -> None:
         line = (json.dumps(change, separators=(",", ":")) + "\n").encode()
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            os.write(self._fd, line)     # O_APPEND: at the end, whatever another worker wrote
+            os.write(self._fd, line)  # O_APPEND: at the end, whatever another worker wrote
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
@@ -104,16 +105,18 @@ class Allowed:
         """`url` as `added_url` gives it (one parse: urllib3's, the connection's own)."""
         parsed = parse_url(url)
         host, port = (parsed.host or "").strip("[]").lower(), parsed.port
-        fits = lambda allowed: allowed is None or allowed == port   # noqa: E731
+        fits = lambda allowed: allowed is None or allowed == port  # noqa: E731
         try:
             address = ipaddress.ip_address(host)
         except ValueError:
-            return (any(host == name and fits(p) for name, p in self.names)
-                    or any(host.endswith(domain) and fits(p) for domain, p in self.domains))
+            return any(host == name and fits(p) for name, p in self.names) or any(
+                host.endswith(domain) and fits(p) for domain, p in self.domains
+            )
         # An IPv4 address written as IPv6 (::ffff:169.254.169.254) is the IPv4 host it maps.
         address = getattr(address, "ipv4_mapped", None) or address
-        return (any(address in network and fits(p) for network, p in self.networks)
-                or any(host == name and fits(p) for name, p in self.names))
+        return any(address in network and fits(p) for network, p in self.networks) or any(
+            host == name and fits(p) for name, p in self.names
+        )
 
 
 def added_url(url: object) -> str:
@@ -133,7 +136,11 @@ def added_url(url: object) -> str:
         raise ValueError(f"{url!r} is not an http://host:port URL")
     if parsed.auth is not None:
         raise ValueError("no user:password in an added engine's URL")
-    if parsed.path not in (None, "", "/") or parsed.query is not None or parsed.fragment is not None:
+    if (
+        parsed.path not in (None, "", "/")
+        or parsed.query is not None
+        or parsed.fragment is not None
+    ):
         raise ValueError("an added engine's URL is scheme://host:port, with no path or query")
     (checked,) = _url_list(f"{parsed.scheme}://{parsed.host}:{parsed.port}")
     return checked
@@ -142,29 +149,36 @@ def added_url(url: object) -> str:
 class Membership:
     """Fills the pools from the settings (names resolved), then keeps them current."""
 
-    def __init__(self, settings: Settings, pools: dict[str, dict[str, Pool]],
-                 environ=os.environ, on_tick: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        pools: dict[str, dict[str, Pool]],
+        environ=os.environ,
+        on_tick: Callable[[], None] = lambda: None,
+    ) -> None:
         """`pools`: each model's ("" for the one pool of --prefill/--decode) by role;
         `on_tick` runs after each look at the changes file (the engine gauges)."""
         self.models = pools
         self.on_tick = on_tick
         self.slot = int(environ.get(SLOT_ENV, "-1"))
         self.interval = settings.resolve_interval
-        self.discovery = Discovery(Resolver(settings.resolve_nameserver),
-                                   enabled=self.interval > 0)
+        self.discovery = Discovery(Resolver(settings.resolve_nameserver), enabled=self.interval > 0)
         for spec in settings.model_specs():
             for role, pool in pools[spec.name].items():
                 self.discovery.seed(pool, getattr(spec, role))
-        self.allowed = Allowed(settings.admin_instance_hosts or
-                               [urlsplit(url).hostname or "" for url in settings.engine_urls()])
+        self.allowed = Allowed(
+            settings.admin_instance_hosts
+            or [urlsplit(url).hostname or "" for url in settings.engine_urls()]
+        )
         self.changes = ChangeLog(environ.get(CHANGES_ENV))
-        self._lock = threading.Lock()       # one applier at a time: the file's order holds
-        self.apply_pending()               # a worker that (re)starts catches up with the rest
+        self._lock = threading.Lock()  # one applier at a time: the file's order holds
+        self.apply_pending()  # a worker that (re)starts catches up with the rest
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.changes.shared or self.discovery.names:
-            self._thread = threading.Thread(target=self._run, name="pd-gateway-membership",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="pd-gateway-membership", daemon=True
+            )
             self._thread.start()
 
     # --- the admin endpoint's calls ----------------------------------------------------------
@@ -173,8 +187,11 @@ class Membership:
         """Add an instance in every worker: (its report and which workers have it, new?)."""
         pool, url = self._pool(role, model), self._url(url)
         if not self.allowed(url):
-            raise BadRequest(f"{public_url(url)} is not on a host --admin-instance-hosts allows",
-                             param="url", status=403)
+            raise BadRequest(
+                f"{public_url(url)} is not on a host --admin-instance-hosts allows",
+                param="url",
+                status=403,
+            )
         if pool.get(url) is not None:
             return self._confirmed(pool, url), False
         self.changes.append({"op": "add", "role": role, "url": url, **self._tag(pool)})
@@ -188,38 +205,45 @@ class Membership:
         if instance is None:
             raise NotFound(f"no {role} instance at {public_url(url)}")
         if instance.origin.startswith("dns:"):
-            raise BadRequest(f"{instance.name} is an address of "
-                             f"{public_url(instance.origin)[4:]}: it comes and goes with DNS",
-                             status=409)
+            raise BadRequest(
+                f"{instance.name} is an address of "
+                f"{public_url(instance.origin)[4:]}: it comes and goes with DNS",
+                status=409,
+            )
         if len(pool.instances) == 1:
             raise BadRequest(f"{instance.name} is the last {role} instance", status=409)
         self.changes.append({"op": "remove", "role": role, "url": url, **self._tag(pool)})
         self.apply_pending()
-        return {**self._confirmed(pool, url), "name": instance.name,
-                "inflight": instance.inflight}
+        return {**self._confirmed(pool, url), "name": instance.name, "inflight": instance.inflight}
 
     def report(self) -> dict:
         out = {"worker": self.slot, "shared": self.changes.shared}
-        if "" in self.models:           # one pool: as before there were models
+        if "" in self.models:  # one pool: as before there were models
             return {**out, **{role: pool.report() for role, pool in self.models[""].items()}}
-        return {**out, "models": {name: {role: pool.report() for role, pool in pools.items()}
-                                  for name, pools in self.models.items()}}
+        return {
+            **out,
+            "models": {
+                name: {role: pool.report() for role, pool in pools.items()}
+                for name, pools in self.models.items()
+            },
+        }
 
     def _pool(self, role: object, model: object) -> Pool:
         if "" in self.models:
             if model is not None:
-                raise BadRequest("this gateway has one pool (--prefill, --decode): name no model",
-                                 param="model")
+                raise BadRequest(
+                    "this gateway has one pool (--prefill, --decode): name no model", param="model"
+                )
             pools = self.models[""]
         elif model is None:
             raise BadRequest(f"model is required: one of {', '.join(self.models)}", param="model")
         elif not isinstance(model, str) or model not in self.models:
             raise NotFound(f"no model {model!r} (one of {', '.join(self.models)})")
         else:
-            pools = self.models[model]     # type: ignore[index]
+            pools = self.models[model]
         if role not in pools:
             raise BadRequest(f"role must be one of {', '.join(pools)}", param="role")
-        return pools[role]       # type: ignore[index]
+        return pools[role]
 
     @staticmethod
     def _tag(pool: Pool) -> dict:
@@ -237,7 +261,7 @@ class Membership:
         """A URL naming an instance to remove, as the settings may have given it (a path, a
         user:password): it only names what is there."""
         try:
-            return added_url(url)       # as an added one was kept
+            return added_url(url)  # as an added one was kept
         except ValueError:
             pass
         try:
@@ -257,15 +281,22 @@ class Membership:
             time.sleep(0.05)
             pending = self._pending(target)
         instance = pool.get(url)
-        return {**self._tag(pool), "role": pool.role, "url": public_url(url),
-                "name": instance.name if instance else None, "workers_pending": pending}
+        return {
+            **self._tag(pool),
+            "role": pool.role,
+            "url": public_url(url),
+            "name": instance.name if instance else None,
+            "workers_pending": pending,
+        }
 
     def _pending(self, target: int) -> list[int]:
         if not self.changes.shared or self.slot < 0:
             return []
-        return [slot for slot in range(MAX_SLOTS)
-                if LIVE_SLOTS[slot] and slot != self.slot
-                and APPLIED[slot] < target]
+        return [
+            slot
+            for slot in range(MAX_SLOTS)
+            if LIVE_SLOTS[slot] and slot != self.slot and APPLIED[slot] < target
+        ]
 
     # --- applying ------------------------------------------------------------------------------
 
@@ -300,7 +331,7 @@ class Membership:
                 if self.discovery.names and time.monotonic() >= next_resolve:
                     self.discovery.refresh()
                     next_resolve = time.monotonic() + self.interval
-            except Exception:        # a bad line, a full disk: logged, and the loop goes on
+            except Exception:  # a bad line, a full disk: logged, and the loop goes on
                 log.exception("updating the instance set failed")
 
     def stop(self) -> None:

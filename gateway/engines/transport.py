@@ -19,6 +19,7 @@ watch while in use (gateway.engines.watch); head and body in one write. An `http
 certificate is verified against certifi's bundle and the engine's host name, as requests
 verified it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -53,7 +54,7 @@ class Fields(dict):
     """A response's header fields by lower-cased name (the first of repeated ones), looked up
     in any case: `get`, `in`, `[]` (and http.client's `get_all`)."""
 
-    def get(self, name: str, default=None):  # type: ignore[no-untyped-def, override]
+    def get(self, name: str, default=None):
         return dict.get(self, name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
@@ -62,12 +63,12 @@ class Fields(dict):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and dict.__contains__(self, name.lower())
 
-    def get_all(self, name: str, failobj=None):  # type: ignore[no-untyped-def]
+    def get_all(self, name: str, failobj=None):
         value = self.get(name)
         return failobj if value is None else [value]
 
 
-def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
+def read_fields(fp) -> Fields:
     """A response head's header fields, read up to its blank line, as http.client reads them
     (its limits on a line and on the number of lines; the email package's rules: the fields
     end at the first line that is not one, a field name holds no space, a folded line continues
@@ -78,9 +79,9 @@ def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
     which costs several times this on every reply (two or three a turn; docs/BENCHMARKS.md),
     and `HTTPResponse.begin` takes the parser from its module, with no hook for another."""
     fields = Fields()
-    name = ""               # the field a folded line continues ("": none, or one not kept)
-    ended = False           # a line that is not a field was read: the rest is not read as any
-    for _ in range(http.client._MAXHEADERS):      # the blank line counts, as in http.client
+    name = ""  # the field a folded line continues ("": none, or one not kept)
+    ended = False  # a line that is not a field was read: the rest is not read as any
+    for _ in range(http.client._MAXHEADERS):  # the blank line counts, as in http.client
         line = fp.readline(http.client._MAXLINE + 1)
         if len(line) > http.client._MAXLINE:
             raise http.client.LineTooLong("header line")
@@ -90,7 +91,7 @@ def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
             continue
         text = line.decode("iso-8859-1")
         if text[0] in " \t":
-            if name:       # (one of spaces only still adds a space: "chunked " is not chunked)
+            if name:  # (one of spaces only still adds a space: "chunked " is not chunked)
                 dict.__setitem__(fields, name, f"{dict.__getitem__(fields, name)} {text.strip()}")
             continue
         field, colon, value = text.partition(":")
@@ -99,11 +100,11 @@ def read_fields(fp) -> Fields:  # type: ignore[no-untyped-def]
             ended = True
             continue
         if not field:
-            name = ""                                 # no name: skipped, as the email package does
+            name = ""  # no name: skipped, as the email package does
             continue
         name = field.lower()
         if dict.__contains__(fields, name):
-            name = ""                                 # a repeated field: the first counts
+            name = ""  # a repeated field: the first counts
         else:
             # What follows the colon but its leading blanks, as the email package keeps it
             dict.__setitem__(fields, name, value.lstrip(" \t").rstrip("\r\n"))
@@ -134,7 +135,7 @@ class EngineHTTPResponse(http.client.HTTPResponse):
             self.version = 11
         else:
             raise http.client.UnknownProtocol(version)
-        self.headers = self.msg = read_fields(self.fp)  # type: ignore[assignment]
+        self.headers = self.msg = read_fields(self.fp)
         encoding = self.headers.get("transfer-encoding")
         self.chunked = bool(encoding) and encoding.lower() == "chunked"
         self.chunk_left = None
@@ -149,8 +150,11 @@ class EngineHTTPResponse(http.client.HTTPResponse):
             else:
                 if self.length < 0:
                     self.length = None
-        if status in (http.client.NO_CONTENT, http.client.NOT_MODIFIED) or 100 <= status < 200 \
-                or self._method == "HEAD":
+        if (
+            status in (http.client.NO_CONTENT, http.client.NOT_MODIFIED)
+            or 100 <= status < 200
+            or self._method == "HEAD"
+        ):
             self.length = 0
         if not self.will_close and not self.chunked and self.length is None:
             self.will_close = True
@@ -158,7 +162,7 @@ class EngineHTTPResponse(http.client.HTTPResponse):
 
 # --- connections ------------------------------------------------------------------------------
 
-ONE_SEND_BYTES = 1 << 20    # a request's head and body go out together up to this size
+ONE_SEND_BYTES = 1 << 20  # a request's head and body go out together up to this size
 
 
 class EngineConnection(http.client.HTTPConnection):
@@ -172,8 +176,8 @@ class EngineConnection(http.client.HTTPConnection):
 
     connect_timeout: float | None = None
     response_class = EngineHTTPResponse
-    pd_watch = None                 # the Watch this connection is registered with
-    _head: bytes | None = None      # held until the body comes, while `_one_send`
+    pd_watch = None  # the Watch this connection is registered with
+    _head: bytes | None = None  # held until the body comes, while `_one_send`
     _one_send = False
 
     @property
@@ -187,7 +191,7 @@ class EngineConnection(http.client.HTTPConnection):
             sock = socket.create_connection((self.host, self.port), self.connect_timeout)
         except TimeoutError as exc:
             raise ConnectTimedOut(f"connecting to {self.host}:{self.port} timed out") from exc
-        except OSError as exc:        # a refusal among them: its cause says so
+        except OSError as exc:  # a refusal among them: its cause says so
             raise ConnectFailed(f"no connection to {self.host}:{self.port}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -197,7 +201,7 @@ class EngineConnection(http.client.HTTPConnection):
             raise
         self.sock = sock
 
-    def request(self, method, url, body=None, headers=None, **kwargs):  # type: ignore[no-untyped-def]  # noqa: E501
+    def request(self, method, url, body=None, headers=None, **kwargs):
         watch = current_watch()
         if watch is not None:
             self.pd_watch = watch
@@ -208,9 +212,9 @@ class EngineConnection(http.client.HTTPConnection):
         finally:
             self._one_send, self._head = False, None
 
-    def send(self, data):  # type: ignore[no-untyped-def]
+    def send(self, data):
         if self._one_send:
-            if self._head is None:           # the head (http.client's _send_output)
+            if self._head is None:  # the head (http.client's _send_output)
                 self._head = data
                 return
             data, self._one_send, self._head = self._head + data, False, None
@@ -247,18 +251,18 @@ def still_open(sock: socket.socket) -> bool:
             poller = select.poll()
             poller.register(sock, select.POLLIN)
             return not poller.poll(0)
-        except (OSError, ValueError):    # closed meanwhile
+        except (OSError, ValueError):  # closed meanwhile
             return False
     try:
         raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
-        return True         # nothing to read: still connected
+        return True  # nothing to read: still connected
     except OSError:
-        return False        # reset, or closed meanwhile
-    return False            # EOF, or bytes nobody asked for: urllib3 drops it too
+        return False  # reset, or closed meanwhile
+    return False  # EOF, or bytes nobody asked for: urllib3 drops it too
 
 
-def untrack(connection) -> None:  # type: ignore[no-untyped-def]
+def untrack(connection) -> None:
     """Before a connection goes back to its pool, where another request may take it."""
     watch = getattr(connection, "pd_watch", None)
     if watch is not None:
@@ -274,15 +278,19 @@ class EngineResponse:
     `read1`), and the connection it came on, which goes back to its pool once the body was read
     to its end (`release_conn`) and is closed if not (`close`)."""
 
-    def __init__(self, pool: EnginePool | None, connection: EngineConnection | None,
-                 response: http.client.HTTPResponse) -> None:
+    def __init__(
+        self,
+        pool: EnginePool | None,
+        connection: EngineConnection | None,
+        response: http.client.HTTPResponse,
+    ) -> None:
         self._pool = pool
         self.connection = connection
         self._fp = response
         self.status = response.status
         self.reason = response.reason
-        self.headers = response.msg          # Fields
-        self.content: bytes | None = None    # the whole body, once upstream has read it
+        self.headers = response.msg  # Fields
+        self.content: bytes | None = None  # the whole body, once upstream has read it
         # What has come of the body, up to n bytes, waiting only if nothing has (a stream's
         # tokens as they come): http.client's own, no call around it on every token.
         self.read1 = response.read1
@@ -299,7 +307,7 @@ class EngineResponse:
         try:
             data = self._fp.read(amt)
         except BaseException:
-            self.close()          # at once: an engine computes a request until its socket closes
+            self.close()  # at once: an engine computes a request until its socket closes
             raise
         if self._fp.isclosed():
             self.release_conn()
@@ -308,9 +316,9 @@ class EngineResponse:
     def finish(self) -> None:
         """The body's last `read1` gave nothing: short of its Content-Length, that is an error
         (http.client's IncompleteRead); whole, its connection goes back to the pool."""
-        if self._fp.length:                 # bytes still owed
+        if self._fp.length:  # bytes still owed
             raise http.client.IncompleteRead(b"", self._fp.length)
-        self._fp.close()                    # http.client's end of a response
+        self._fp.close()  # http.client's end of a response
         self.release_conn()
 
     def release_conn(self) -> None:
@@ -335,21 +343,28 @@ class EnginePool:
     """Kept-alive connections to one engine: the last given back is the first taken, at most
     `maxsize` kept (more are opened when more calls run at once, and closed after)."""
 
-    def __init__(self, host: str, port: int, maxsize: int,
-                 context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, host: str, port: int, maxsize: int, context: ssl.SSLContext | None = None
+    ) -> None:
         self.host, self.port, self.maxsize = host, port, maxsize
         self._context = context
         self._idle: collections.deque[EngineConnection] = collections.deque()
         self.closed = False
 
-    def urlopen(self, method: str, url: str, body: bytes | None, headers: dict,
-                timeout: tuple[float | None, float | None]) -> EngineResponse:
+    def urlopen(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: dict,
+        timeout: tuple[float | None, float | None],
+    ) -> EngineResponse:
         """The response to `method url` once its head has arrived (`timeout`: connect, read)."""
         connection = self._take()
         connection.connect_timeout, connection.timeout = timeout
         try:
             if connection.sock is not None:
-                connection.sock.settimeout(timeout[1])     # a stream may have taken it off
+                connection.sock.settimeout(timeout[1])  # a stream may have taken it off
             connection.request(method, url, body=body, headers=headers)
             response = connection.getresponse()
         except BaseException:
@@ -382,14 +397,21 @@ class EnginePool:
             self._idle.pop().close()
 
 
-Timeouts = tuple[float | None, float | None]     # (connect, read) seconds
+Timeouts = tuple[float | None, float | None]  # (connect, read) seconds
 
 
 class EngineTransport(Protocol):
     """What `Upstream` needs of a transport (tests give it another: tests/helpers/transport)."""
 
-    def send(self, instance: Instance, method: str, path: str, body: bytes | None,
-             headers: dict[str, str], timeout: Timeouts) -> EngineResponse: ...
+    def send(
+        self,
+        instance: Instance,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: Timeouts,
+    ) -> EngineResponse: ...
 
     def close(self) -> None: ...
 
@@ -405,8 +427,15 @@ class Transport:
         self._tls = tls
         self._lock = threading.Lock()
 
-    def send(self, instance: Instance, method: str, path: str, body: bytes | None,
-             headers: dict[str, str], timeout: Timeouts) -> EngineResponse:
+    def send(
+        self,
+        instance: Instance,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: Timeouts,
+    ) -> EngineResponse:
         """`method` `path` (after the instance URL's own path) with `body` and `headers` (all
         of them: Host and, with a body, Content-Length are the only ones added); the response
         once its head has arrived, whatever its status."""
@@ -423,8 +452,8 @@ class Transport:
             pool = self._pools.get(instance.url)
             if pool is not None:
                 return pool
-            if len(self._pools) >= 1024:   # engines come and go: keep it bounded
-                old, self._pools = self._pools, {}   # (other threads read it)
+            if len(self._pools) >= 1024:  # engines come and go: keep it bounded
+                old, self._pools = self._pools, {}  # (other threads read it)
                 for each in list(old.values()):
                     each.close()
             context = None
@@ -432,8 +461,9 @@ class Transport:
                 context = self._tls = self._tls or tls_context()
             # An IPv6 host without its brackets: http.client keeps them when given a port.
             port = parsed.port or (443 if context is not None else 80)
-            pool = self._pools[instance.url] = EnginePool((parsed.host or "").strip("[]"), port,
-                                                          self._pool_size, context)
+            pool = self._pools[instance.url] = EnginePool(
+                (parsed.host or "").strip("[]"), port, self._pool_size, context
+            )
             return pool
 
     def close(self) -> None:
@@ -445,4 +475,5 @@ class Transport:
 def tls_context() -> ssl.SSLContext:
     """What requests verified an `https://` engine with: certifi's CA bundle, the host name."""
     import certifi
+
     return ssl.create_default_context(cafile=certifi.where())

@@ -1,6 +1,7 @@
 """HTTP to the engines: what each engine call sends and reads (JSON calls, open streams, pages
 read by GET) and what a failed call becomes (a `GatewayError`), over one transport
 (gateway.engines.transport), which tests replace."""
+
 from __future__ import annotations
 
 import base64
@@ -11,15 +12,29 @@ import re
 import socket
 import time
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from gateway.engines.instances import Instance
-from gateway.engines.transport import (ConnectFailed, ConnectTimedOut, EngineResponse,
-                                       EngineTransport, Timeouts, Transport)
+from gateway.engines.transport import (
+    ConnectFailed,
+    ConnectTimedOut,
+    EngineResponse,
+    EngineTransport,
+    Timeouts,
+    Transport,
+)
 from gateway.engines.watch import NOT_WAITING, Watch, current_watch
 from gateway.support import jsonio
-from gateway.support.errors import (BadGateway, BadRequest, GatewayError, GatewayTimeout,
-                                    ServiceUnavailable, UpstreamRejected, clip)
+from gateway.support.errors import (
+    BadGateway,
+    BadRequest,
+    GatewayError,
+    GatewayTimeout,
+    ServiceUnavailable,
+    UpstreamRejected,
+    clip,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +57,12 @@ class Stream:
         # The request's watch keeps the read timeout from here on, if it can (engines.watch).
         sock = response.sock
         timeout = sock.gettimeout() if sock is not None else None
-        if timeout and self._watch is not None and self._watch.keep_quiet_limit(timeout,
-                                                                                instance.name):
-            sock.settimeout(None)   # the next request on this connection sets its own again
+        if (
+            timeout
+            and self._watch is not None
+            and self._watch.keep_quiet_limit(timeout, instance.name)
+        ):
+            sock.settimeout(None)  # the next request on this connection sets its own again
 
     def chunks(self) -> Iterator[bytes]:
         """Bytes as they arrive; `read1` returns whatever is buffered instead of filling a block."""
@@ -54,16 +72,16 @@ class Stream:
         try:
             while True:
                 if watch is not None:
-                    watch.heard_at = clock()     # silence counts while waiting for D's bytes,
+                    watch.heard_at = clock()  # silence counts while waiting for D's bytes,
                 data = read1(65536)
                 if watch is not None:
-                    watch.heard_at = NOT_WAITING   # not while the client takes them
+                    watch.heard_at = NOT_WAITING  # not while the client takes them
                 if not data:
                     self._ended()
                     return
                 yield data
         except CALL_ERRORS as exc:
-            self.close()        # at once: D computes the request until its connection closes
+            self.close()  # at once: D computes the request until its connection closes
             raise _translate(exc, self.instance, self._watch) from exc
 
     def _ended(self) -> None:
@@ -74,7 +92,7 @@ class Stream:
         self._response.finish()
 
     def close(self) -> None:
-        self._response.close()     # its connection closed, untracked first (EnginePool.put)
+        self._response.close()  # its connection closed, untracked first (EnginePool.put)
 
 
 def _caused_by(exc: BaseException, *types: type) -> bool:
@@ -89,13 +107,15 @@ def _caused_by(exc: BaseException, *types: type) -> bool:
         seen.add(id(current))
         if isinstance(current, types):
             return True
-        todo += [current.__cause__, current.__context__,
-                 *(a for a in current.args if isinstance(a, BaseException))]
+        todo += [
+            current.__cause__,
+            current.__context__,
+            *(a for a in current.args if isinstance(a, BaseException)),
+        ]
     return False
 
 
-def _translate(exc: Exception, instance: Instance,
-               watch: Watch | None = None) -> GatewayError:
+def _translate(exc: Exception, instance: Instance, watch: Watch | None = None) -> GatewayError:
     """The GatewayError for a failed engine call, by the exception's types, never its text."""
     cut = watch.error() if watch is not None else None
     if cut is not None:
@@ -128,8 +148,8 @@ def _error_message(response: EngineResponse) -> str:
     its body."""
     if response.content is None:
         body = response.read(ERROR_LIMIT + 1)
-        if len(body) > ERROR_LIMIT:          # more than a message: the rest is never read, so
-            response.close()                 # the connection is closed, not pooled
+        if len(body) > ERROR_LIMIT:  # more than a message: the rest is never read, so
+            response.close()  # the connection is closed, not pooled
             body = body[:ERROR_LIMIT]
         response.content = body
     try:
@@ -172,7 +192,7 @@ class EngineReplyTooLarge(EngineGetFailed):
     """An engine's page beyond what the gateway reads of one."""
 
 
-def _decoder(encoding: str | None):  # type: ignore[no-untyped-def]
+def _decoder(encoding: str | None):
     """A page's content decoding (`decompress(data, max_length)`), None for `identity`: an
     engine, or a proxy before it, may compress a page whatever it was asked."""
     encoding = (encoding or "").strip().lower()
@@ -181,7 +201,7 @@ def _decoder(encoding: str | None):  # type: ignore[no-untyped-def]
     if encoding in ("gzip", "x-gzip"):
         return zlib.decompressobj(16 + zlib.MAX_WBITS)
     if encoding == "deflate":
-        return zlib.decompressobj(32 + zlib.MAX_WBITS)     # zlib's header (or gzip's)
+        return zlib.decompressobj(32 + zlib.MAX_WBITS)  # zlib's header (or gzip's)
     raise EngineGetFailed(f"a page in {encoding}, which the gateway does not decode")
 
 
@@ -189,8 +209,14 @@ class Upstream:
     """Every call to the engines of one process, over its transport (one per process, created
     after fork: gateway.engines.transport.Transport, unless given another)."""
 
-    def __init__(self, connect_timeout: float, read_timeout: float, pool_size: int,
-                 api_key: str = "", transport: EngineTransport | None = None) -> None:
+    def __init__(
+        self,
+        connect_timeout: float,
+        read_timeout: float,
+        pool_size: int,
+        api_key: str = "",
+        transport: EngineTransport | None = None,
+    ) -> None:
         # One pool per engine, `pool_size` connections kept in each; a burst above it opens
         # extra connections instead of waiting.
         self.transport = transport if transport is not None else Transport(pool_size)
@@ -208,8 +234,13 @@ class Upstream:
         """Close every kept connection."""
         self.transport.close()
 
-    def headers(self, request_id: str, authorization: str | None, traceparent: str = "",
-                tracestate: str | None = None) -> dict[str, str]:
+    def headers(
+        self,
+        request_id: str,
+        authorization: str | None,
+        traceparent: str = "",
+        tracestate: str | None = None,
+    ) -> dict[str, str]:
         """Headers for the engine calls (request id, W3C trace context, credential); a client
         credential that cannot be sent on is a 400."""
         out = {"X-Request-Id": request_id, "Accept-Encoding": "identity"}
@@ -221,42 +252,67 @@ class Upstream:
             out["Authorization"] = f"Bearer {self.api_key}"
         elif authorization:
             if not _FORWARDABLE.fullmatch(authorization):
-                raise BadRequest("The Authorization header has characters that cannot be "
-                                 "forwarded", param="Authorization")
+                raise BadRequest(
+                    "The Authorization header has characters that cannot be forwarded",
+                    param="Authorization",
+                )
             out["Authorization"] = authorization
         return out
 
-    def _send(self, instance: Instance, path: str, body: bytes, headers: dict,
-              stream: bool, timeout: Timeouts | None = None,
-              method: str = "POST") -> EngineResponse:
+    def _send(
+        self,
+        instance: Instance,
+        path: str,
+        body: bytes,
+        headers: dict,
+        stream: bool,
+        timeout: Timeouts | None = None,
+        method: str = "POST",
+    ) -> EngineResponse:
         """POST `body` (or another `method`), whatever the reply's status; raise a GatewayError
         if it failed. Not `stream`: the body is read whole (`content`)."""
         headers = {**headers, "Content-Length": str(len(body))}
-        if instance.credentials:      # user:password in the URL, as requests sent them
+        if instance.credentials:  # user:password in the URL, as requests sent them
             headers["Authorization"] = _basic_auth(*instance.credentials)
         try:
-            response = self.transport.send(instance, method, path, body, headers,
-                                           timeout or self.timeout)
+            response = self.transport.send(
+                instance, method, path, body, headers, timeout or self.timeout
+            )
             if not stream:
                 # In one read; one byte more than may come says it was more.
                 content = response.read(REPLY_LIMIT + 1)
                 if len(content) > REPLY_LIMIT:
                     response.close()
-                    raise BadGateway(f"{instance.name} sent a reply larger than "
-                                     f"{REPLY_LIMIT:,} bytes")
+                    raise BadGateway(
+                        f"{instance.name} sent a reply larger than {REPLY_LIMIT:,} bytes"
+                    )
                 response.content = content
         except CALL_ERRORS as exc:
             raise _translate(exc, instance, current_watch()) from exc
         return response
 
-    def _post(self, instance: Instance, path: str, body: dict, headers: dict,
-              stream: bool, timeout: Timeouts | None = None) -> EngineResponse:
-        response = self._send(instance, path, jsonio.dumps(body),
-                              {**headers, "Content-Type": "application/json"}, stream, timeout)
+    def _post(
+        self,
+        instance: Instance,
+        path: str,
+        body: dict,
+        headers: dict,
+        stream: bool,
+        timeout: Timeouts | None = None,
+    ) -> EngineResponse:
+        response = self._send(
+            instance,
+            path,
+            jsonio.dumps(body),
+            {**headers, "Content-Type": "application/json"},
+            stream,
+            timeout,
+        )
         return self._unless_failed(instance, response)
 
-    def _unless_failed(self, instance: Instance, response: EngineResponse,
-                       relay: bool = False) -> EngineResponse:
+    def _unless_failed(
+        self, instance: Instance, response: EngineResponse, relay: bool = False
+    ) -> EngineResponse:
         """The response, unless its status is an error: a 4xx raises UpstreamRejected with the
         engine's message, a 5xx BadGateway. With `relay`, a 4xx and a 501 (vLLM's answer to
         an API its model does not serve) are the engine's answer, returned as they came."""
@@ -275,8 +331,14 @@ class Upstream:
             raise BadGateway(f"{instance.name} failed with HTTP {status}")
         return response
 
-    def post_json(self, instance: Instance, path: str, body: dict, headers: dict,
-                  read_timeout: float | None = None) -> dict:
+    def post_json(
+        self,
+        instance: Instance,
+        path: str,
+        body: dict,
+        headers: dict,
+        read_timeout: float | None = None,
+    ) -> dict:
         """POST and parse a JSON object reply, or raise a GatewayError; `read_timeout` instead
         of --read-timeout for a call that should never take long."""
         timeout = None if read_timeout is None else (self.timeout[0], read_timeout)
@@ -304,14 +366,20 @@ class Upstream:
         """POST the client's bytes unchanged and return the open response, whatever its status."""
         return Stream(self._send(instance, path, raw, headers, stream=True), instance)
 
-    def relay(self, instance: Instance, method: str, path: str, raw: bytes,
-              headers: dict) -> Stream:
+    def relay(
+        self, instance: Instance, method: str, path: str, raw: bytes, headers: dict
+    ) -> Stream:
         """Send the client's request as it came (its bytes, `headers` beside the gateway's)
         and return the open response, an engine's refusal (4xx, 501) among them; an engine
         that failed (another 5xx, or no answer) raises a GatewayError, as any call."""
-        return Stream(self._unless_failed(
-            instance, self._send(instance, path, raw, headers, stream=True, method=method),
-            relay=True), instance)
+        return Stream(
+            self._unless_failed(
+                instance,
+                self._send(instance, path, raw, headers, stream=True, method=method),
+                relay=True,
+            ),
+            instance,
+        )
 
     def _get(self, instance: Instance, path: str, timeout: float, limit: int) -> bytes:
         """GET `path`'s body, answered 200: each read within `timeout` and no read begun after
@@ -323,12 +391,13 @@ class Upstream:
         if instance.credentials:
             headers = {**headers, "Authorization": _basic_auth(*instance.credentials)}
         try:
-            response = self.transport.send(instance, "GET", path, None, headers,
-                                           (min(self.timeout[0], timeout), timeout))
+            response = self.transport.send(
+                instance, "GET", path, None, headers, (min(self.timeout[0], timeout), timeout)
+            )
         except CALL_ERRORS as exc:
             raise EngineGetFailed(f"{instance.name}'s {path}: {exc!r}") from exc
         try:
-            if response.status != 200:     # a redirect among them: never followed
+            if response.status != 200:  # a redirect among them: never followed
                 raise EngineGetFailed(f"{instance.name}'s {path} answered {response.status}")
             decoder = _decoder(response.headers.get("Content-Encoding"))
             chunks: list[bytes] = []
@@ -339,22 +408,24 @@ class Upstream:
                 if not chunk:
                     response.finish()
                     return b"".join(chunks)
-                if decoder is not None:      # decoded, a read's output capped at what is left
+                if decoder is not None:  # decoded, a read's output capped at what is left
                     chunk = decoder.decompress(chunk, limit + 1 - size)
                     if decoder.unconsumed_tail:
-                        size = limit            # more than is left: too large below
+                        size = limit  # more than is left: too large below
                 size += len(chunk)
                 if size > limit:
-                    raise EngineReplyTooLarge(f"{instance.name}'s {path} is larger than "
-                                              f"{limit:,} bytes")
+                    raise EngineReplyTooLarge(
+                        f"{instance.name}'s {path} is larger than {limit:,} bytes"
+                    )
                 if time.monotonic() > deadline:
-                    raise EngineGetFailed(f"{instance.name}'s {path} took longer than "
-                                          f"{timeout:g} s")
+                    raise EngineGetFailed(
+                        f"{instance.name}'s {path} took longer than {timeout:g} s"
+                    )
                 chunks.append(chunk)
         except (*CALL_ERRORS, zlib.error) as exc:
             raise EngineGetFailed(f"{instance.name}'s {path}: {exc!r}") from exc
         finally:
-            response.close()        # a whole body gave its connection back already
+            response.close()  # a whole body gave its connection back already
 
     def probe(self, instance: Instance, timeout: float = 1.0) -> bool:
         """Does the instance answer GET /health with 200?"""
@@ -367,8 +438,9 @@ class Upstream:
     def served_models(self, instance: Instance, timeout: float = 5.0) -> list[str] | None:
         """The model ids the instance's GET /v1/models lists; None if it did not answer so."""
         try:
-            data = jsonio.loads_engine(self._get(instance, "/v1/models", timeout,
-                                                 PAGE_LIMIT)).get("data")
+            data = jsonio.loads_engine(self._get(instance, "/v1/models", timeout, PAGE_LIMIT)).get(
+                "data"
+            )
         except (EngineGetFailed, ValueError, AttributeError):
             return None
         if not isinstance(data, list):
@@ -382,8 +454,9 @@ class Upstream:
 
     def get_json(self, instance: Instance, path: str, read_timeout: float | None = None) -> dict:
         try:
-            reply = jsonio.loads_engine(self._get(instance, path,
-                                                  read_timeout or self.timeout[1], PAGE_LIMIT))
+            reply = jsonio.loads_engine(
+                self._get(instance, path, read_timeout or self.timeout[1], PAGE_LIMIT)
+            )
         except (EngineGetFailed, ValueError) as exc:
             raise BadGateway(f"{instance.name} did not answer {path}") from exc
         if not isinstance(reply, dict):

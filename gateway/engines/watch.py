@@ -1,5 +1,6 @@
 """Cancelling one request's engine calls: a watcher of its client socket and deadline, which
 each engine connection registers with while in use (gateway.engines.transport)."""
+
 from __future__ import annotations
 
 import contextvars
@@ -7,16 +8,20 @@ import select
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gevent
 from gevent import monkey
 
 from gateway.support.errors import ClientGone, GatewayError, GatewayTimeout
 
-_WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("pd_gateway_watch",
-                                                                     default=None)
-NOT_WAITING = float("inf")    # Watch.heard_at while its stream is not waiting for bytes
+if TYPE_CHECKING:
+    from gevent._types import _IoWatcher, _TimerWatcher
+
+_WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar(
+    "pd_gateway_watch", default=None
+)
+NOT_WAITING = float("inf")  # Watch.heard_at while its stream is not waiting for bytes
 
 
 class Watch:
@@ -32,8 +37,8 @@ class Watch:
     once); with threads, a background thread polls.
     """
 
-    POLL_SECONDS = 0.5   # how long a finished request's watcher may linger
-    live = 0             # watchers running in this process (the admin report shows it)
+    POLL_SECONDS = 0.5  # how long a finished request's watcher may linger
+    live = 0  # watchers running in this process (the admin report shows it)
     _live_lock = threading.Lock()
 
     def __init__(self, client: socket.socket | None, deadline: float | None) -> None:
@@ -52,14 +57,16 @@ class Watch:
         self._connections: list[Any] = []
         self._lock = threading.Lock()
         self._done = False
-        self._io = self._timer = None       # the event loop's watchers, under gevent
+        # The event loop's watchers, under gevent.
+        self._io: _IoWatcher | None = None
+        self._timer: _TimerWatcher | None = None
         self._looped = self._running and monkey.is_module_patched("threading")
-        self._counted = False               # in Watch.live, under gevent
+        self._counted = False  # in Watch.live, under gevent
         if self._looped:
             self._loop = gevent.get_hub().loop
             if client is not None:
                 self._raw = getattr(client, "_sock", client)
-                self._io = self._loop.io(client.fileno(), 1)    # 1: readable
+                self._io = self._loop.io(client.fileno(), 1)  # 1: readable
                 self._io.start(self._readable)
             self._arm()
             self._counted = True
@@ -67,8 +74,7 @@ class Watch:
             with Watch._live_lock:
                 Watch.live += 1
             if not self._looped:
-                threading.Thread(target=self._watch, name="pd-gateway-watch",
-                                 daemon=True).start()
+                threading.Thread(target=self._watch, name="pd-gateway-watch", daemon=True).start()
         self._token = _WATCH.set(self)
 
     def track(self, connection: Any) -> None:
@@ -107,11 +113,11 @@ class Watch:
         if self.gone:
             return ClientGone("the client closed the connection")
         if self.silent:
-            return GatewayTimeout(f"{self.quiet_source} sent nothing for "
-                                  f"{self.quiet_limit:g} s")
+            return GatewayTimeout(f"{self.quiet_source} sent nothing for {self.quiet_limit:g} s")
         if self.expired:
-            return GatewayTimeout("the request took longer than its total deadline",
-                                  instance_fault=False)
+            return GatewayTimeout(
+                "the request took longer than its total deadline", instance_fault=False
+            )
         return None
 
     def stop(self) -> None:
@@ -123,7 +129,7 @@ class Watch:
         self._stop_watchers()
         try:
             _WATCH.reset(self._token)
-        except ValueError:        # stopped from another context (a generator's close)
+        except ValueError:  # stopped from another context (a generator's close)
             _WATCH.set(None)
 
     # --- under gevent: the event loop's watchers, their callbacks run in the hub -------------
@@ -144,9 +150,9 @@ class Watch:
             waiting_since = self.heard_at if self.heard_at != NOT_WAITING else now
             due = min(due, waiting_since + self.quiet_limit)
         if due == NOT_WAITING:
-            return        # no deadline, no stream's limit yet: only the socket is watched
-        self._timer = self._loop.timer(max(due - now, 0.0))
-        self._timer.start(self._tick)
+            return  # no deadline, no stream's limit yet: only the socket is watched
+        self._timer = timer = self._loop.timer(max(due - now, 0.0))
+        timer.start(self._tick)
 
     def _tick(self) -> None:
         if self._done:
@@ -159,12 +165,14 @@ class Watch:
         else:
             return self._arm()
         self._stop_watchers()
-        gevent.spawn(self._cut)     # a greenlet may wait for the lock; the hub must not
+        gevent.spawn(self._cut)  # a greenlet may wait for the lock; the hub must not
 
     def _readable(self) -> None:
         if self._done:
             return
-        if self.client.fileno() < 0:     # closed under us (gevent tells its watchers so)
+        # Registered only with a client, and stopped (watchers None) before the watch ends.
+        assert self.client is not None and self._io is not None
+        if self.client.fileno() < 0:  # closed under us (gevent tells its watchers so)
             self._stop_watchers()
             return
         try:
@@ -175,9 +183,9 @@ class Watch:
             return
         except OSError:
             peeked = b""
-        self._io.stop()           # readable it stays: look no more
+        self._io.stop()  # readable it stays: look no more
         if peeked:
-            return                # a pipelined next request: keep only the deadline
+            return  # a pipelined next request: keep only the deadline
         self.gone = True
         self._stop_watchers()
         gevent.spawn(self._cut)
@@ -205,9 +213,10 @@ class Watch:
 
     def _run(self) -> None:
         poller = None
-        if self.client is not None:
+        client = self.client
+        if client is not None:
             poller = select.poll()
-            poller.register(self.client, select.POLLIN | select.POLLHUP)
+            poller.register(client, select.POLLIN | select.POLLHUP)
         while not self._done:
             wait = self.POLL_SECONDS
             if self.deadline is not None:
@@ -221,7 +230,7 @@ class Watch:
                     self.silent = True
                     return self._cut()
                 wait = min(wait, quiet_left)
-            if poller is None:
+            if poller is None or client is None:  # (both or neither)
                 time.sleep(wait)
                 continue
             if poller.poll(wait * 1000) and not self._done:
@@ -229,14 +238,14 @@ class Watch:
                     # The raw socket: gevent's recv would wait on the socket's read event on
                     # EAGAIN, which the request's own greenlet may be using (it reads the next
                     # request on a kept-alive connection): ConcurrentObjectUseError.
-                    raw = getattr(self.client, "_sock", self.client)
+                    raw: socket.socket = getattr(client, "_sock", client)
                     peeked = raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     continue
                 except OSError:
                     peeked = b""
                 if peeked:
-                    poller = None      # a pipelined next request: keep only the deadline
+                    poller = None  # a pipelined next request: keep only the deadline
                     continue
                 self.gone = True
                 return self._cut()

@@ -1,10 +1,12 @@
 """One engine call tried on the instances of a pool until one answers (`attempt`), and what a
 request's engines have done for it so far (`Work`), for its key's limits."""
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool
@@ -22,7 +24,7 @@ class Work:
     no engine worked for is given back."""
 
     done: bool = False
-    prompt_tokens: int | None = None     # as P reported them
+    prompt_tokens: int | None = None  # as P reported them
 
 
 class Answered(NamedTuple, Generic[T]):
@@ -32,10 +34,17 @@ class Answered(NamedTuple, Generic[T]):
     result: T
 
 
-def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None], T],
-            attempts: int, prefer: str | None = None, hold: bool = False,
-            only: Instance | None = None, work: Work | None = None,
-            need: Need | None = None) -> Answered[T]:
+def attempt(
+    pool: Pool,
+    key: str,
+    call: Callable[[Instance, GatewayError | None], T],
+    attempts: int,
+    prefer: str | None = None,
+    hold: bool = False,
+    only: Instance | None = None,
+    work: Work | None = None,
+    need: Need | None = None,
+) -> Answered[T]:
     """`call(instance, last failure)` on instances of `pool` until one answers, `attempts` at
     most (`key`, `prefer` and `need`, a P's estimate of the turn, choose them: `Pool.choose`).
 
@@ -69,7 +78,7 @@ def attempt(pool: Pool, key: str, call: Callable[[Instance, GatewayError | None]
             failure = exc
             continue
         except BaseException:
-            pool.release(instance, queued)   # a bug, or the worker stopping: never a leaked count
+            pool.release(instance, queued)  # a bug, or the worker stopping: never a leaked count
             raise
         pool.succeeded(instance)
         if not hold:

@@ -1,5 +1,6 @@
 """What D produced in one turn (its KV params, how it finished, the reply a client will echo,
 its token ids), folded from streamed chunks or a whole body: the next turn's identity."""
+
 from __future__ import annotations
 
 import json
@@ -21,26 +22,30 @@ class Decoded:
 
     params: Any = None
     finish_reasons: list = field(default_factory=list)
-    text: list = field(default_factory=list)          # content (chat) or text (completions)
+    text: list = field(default_factory=list)  # content (chat) or text (completions)
     reasoning: list = field(default_factory=list)
-    tool_calls: dict = field(default_factory=dict)    # index -> call, arguments concatenated
+    tool_calls: dict = field(default_factory=dict)  # index -> call, arguments concatenated
     choices: set = field(default_factory=set)
-    done: bool = False                                # [DONE] seen (stream) or body complete
+    done: bool = False  # [DONE] seen (stream) or body complete
     error: bool = False
-    stored: bool = False                              # the entry for the next turn was put
-    kept: bool = False                                # ...and D's params with it
-    prompt_ids: list | None = None                    # D's token ids, when it returned them
+    stored: bool = False  # the entry for the next turn was put
+    kept: bool = False  # ...and D's params with it
+    prompt_ids: list | None = None  # D's token ids, when it returned them
     output_ids: list | None = None
-    strip_ids: bool = False                           # the gateway asked for them, not the client
-    prompt_tokens: int | None = None                  # as P (or D's whole body) reported them
-    completion_tokens: int | None = None              # as D's whole body reported them
+    strip_ids: bool = False  # the gateway asked for them, not the client
+    prompt_tokens: int | None = None  # as P (or D's whole body) reported them
+    completion_tokens: int | None = None  # as D's whole body reported them
 
     @property
     def reusable(self) -> bool:
         """Only a single-choice turn that completed with stop/length leaves usable blocks."""
-        return (self.done and not self.error and self.choices <= {0}
-                and bool(self.finish_reasons)
-                and all(r in REUSABLE_FINISH for r in self.finish_reasons))
+        return (
+            self.done
+            and not self.error
+            and self.choices <= {0}
+            and bool(self.finish_reasons)
+            and all(r in REUSABLE_FINISH for r in self.finish_reasons)
+        )
 
     def reply_message(self) -> dict:
         """The assistant message as a client will echo it in the next request."""
@@ -58,7 +63,7 @@ class Decoded:
         """Collect token ids from a chunk, body or choice; null them if the client did not ask.
         True if `holder` changed."""
         if PROMPT_IDS not in holder and OUTPUT_IDS not in holder:
-            return False                   # every chunk of a turn whose ids nobody asked for
+            return False  # every chunk of a turn whose ids nobody asked for
         changed = False
         for key in (PROMPT_IDS, OUTPUT_IDS):
             ids = holder.get(key)
@@ -70,7 +75,7 @@ class Decoded:
                 if self.output_ids is None:
                     self.output_ids = list(ids)
                 else:
-                    self.output_ids.extend(ids)    # per chunk: never re-copy the reply so far
+                    self.output_ids.extend(ids)  # per chunk: never re-copy the reply so far
             if self.strip_ids:
                 holder[key] = None
                 changed = True
@@ -101,7 +106,8 @@ class Decoded:
     def _add_tool_call(self, call: dict) -> None:
         index = call.get("index", len(self.tool_calls))
         known = self.tool_calls.setdefault(
-            index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+        )
         known["id"] = call.get("id") or known["id"]
         known["type"] = call.get("type") or known["type"]
         function = call.get("function") or {}
@@ -145,5 +151,6 @@ class Decoded:
 
 
 def _count(value: object, default: int | None) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
-        else default
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+    )

@@ -1,11 +1,13 @@
 """The two-stage flow for one request: take the entry, prefill on P, decode on D, relay, put."""
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool
@@ -21,8 +23,8 @@ from gateway.reuse.exactness import Exactness, Reuse, plain_reply
 from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
 from gateway.support import metrics
-from gateway.support.jsonio import Written
 from gateway.support.errors import GatewayError, ServiceUnavailable
+from gateway.support.jsonio import Written
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
@@ -30,13 +32,15 @@ access = logging.getLogger("gateway.access")
 T = TypeVar("T")
 
 
-def count_prefill(reply: dict, sent: dict | None, model: str,
-                  partial: bool = False) -> tuple[int | None, str]:
+def count_prefill(
+    reply: dict, sent: dict | None, model: str, partial: bool = False
+) -> tuple[int | None, str]:
     """Counts what P reports of its prompt (`prefill_counts`) and, for a turn that sent it D's
     params (`sent`), whether it read what D held. Returns P's prompt tokens, if it said, and
     the turn's KV outcome: read, recomputed, own_cache, unreported, or none (no params sent)."""
-    prompt, cached, result = prefill_counts(reply, None if sent is None else
-                                            sent.get("remote_num_tokens"))
+    prompt, cached, result = prefill_counts(
+        reply, None if sent is None else sent.get("remote_num_tokens")
+    )
     if prompt is not None:
         metrics.PREFILL_TOKENS.labels("prompt").inc(prompt)
     if cached is not None:
@@ -78,8 +82,11 @@ def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, s
     if prompt is None or cached is None or not _count(held):
         return prompt, cached, "unreported"
     reach = min(held, prompt)
-    return prompt, cached, ("read" if cached == reach else "recomputed" if cached < reach
-                            else "own_cache")
+    return (
+        prompt,
+        cached,
+        ("read" if cached == reach else "recomputed" if cached < reach else "own_cache"),
+    )
 
 
 def _count(value: object) -> bool:
@@ -97,7 +104,7 @@ def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
         tokens = len(prompt.data) // CHARS_PER_TOKEN + 1
     elif isinstance(prompt, str):
         tokens = len(prompt) // CHARS_PER_TOKEN + 1
-    else:       # token ids (or what orjson could not write): as many as it has items
+    else:  # token ids (or what orjson could not write): as many as it has items
         tokens = len(prompt) if isinstance(prompt, list) else 1
     if entry is not None:
         held = entry.params.get("remote_num_tokens")
@@ -106,8 +113,11 @@ def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
     messages = request.body.get("messages") if request.is_chat else None
     if isinstance(messages, list) and len(messages) > 1 and isinstance(messages[-1], dict):
         content = messages[-1].get("content")
-        last = (len(content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE
-                if isinstance(content, str) else tokens)
+        last = (
+            len(content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE
+            if isinstance(content, str)
+            else tokens
+        )
         return Need(tokens, 0, max(tokens - last, 0))
     return Need(tokens)
 
@@ -157,11 +167,11 @@ def replayable(failure: GatewayError | None) -> bool:
 class TurnPath:
     """The way a turn went, as its response headers, metrics and access-log line say it."""
 
-    name: str          # decode-only, or two-stage
-    reason: str        # why (pd_gateway_turn_paths_total's reasons)
-    prefill: str       # P's name, or "-"
-    cache: str         # hit, partial, miss: whether P was sent D's params (X-Gateway-Cache)
-    kv: str            # what came of D's blocks: metrics.KV's words
+    name: str  # decode-only, or two-stage
+    reason: str  # why (pd_gateway_turn_paths_total's reasons)
+    prefill: str  # P's name, or "-"
+    cache: str  # hit, partial, miss: whether P was sent D's params (X-Gateway-Cache)
+    kv: str  # what came of D's blocks: metrics.KV's words
 
     @property
     def kv_word(self) -> str:
@@ -177,9 +187,9 @@ class Plan:
     turn, the D that holds it. P is chosen as it is called (`Pool.choose`), each retry another;
     a two-stage D prefers the one holding the entry."""
 
-    reason: str                   # why (pd_gateway_turn_paths_total's reasons)
-    entry: Entry | None = None    # the previous turn's, if it is there to read
-    admitted: Reuse | None = None   # what P may read of it, where deciding the path proved it
+    reason: str  # why (pd_gateway_turn_paths_total's reasons)
+    entry: Entry | None = None  # the previous turn's, if it is there to read
+    admitted: Reuse | None = None  # what P may read of it, where deciding the path proved it
     decode: Instance | None = None  # set: decode-only on this D; None: two-stage
 
     @property
@@ -201,22 +211,30 @@ class Turn:
 
     request: ClientRequest
     identity: Identity
-    headers: dict          # the engines' headers (request id, trace context, credential)
-    request_id: str        # for the access log
-    started: float         # perf_counter() at its start: TTFT and P's time count from it
-    work: Work             # what the engines did for it (the caller's, for the key's limits)
-    model: str = "unknown"     # its model, as the metrics label it
+    headers: dict  # the engines' headers (request id, trace context, credential)
+    request_id: str  # for the access log
+    started: float  # perf_counter() at its start: TTFT and P's time count from it
+    work: Work  # what the engines did for it (the caller's, for the key's limits)
+    model: str = "unknown"  # its model, as the metrics label it
     decoded: Decoded | None = None
-    params_to_d: bool = False   # D was sent P's params (it loads the prompt from P)
+    params_to_d: bool = False  # D was sent P's params (it loads the prompt from P)
 
 
 class Disagg:
     """Runs requests through P and D and keeps the conversation store up to date."""
 
-    def __init__(self, store: ConversationStore, upstream: Upstream,
-                 prefill: Pool, decode: Pool, releaser: Releaser | None = None,
-                 attempts: int = 2, exactness: Exactness | None = None,
-                 fast_path: FastPath = FastPath(), access_log: bool = False) -> None:
+    def __init__(
+        self,
+        store: ConversationStore,
+        upstream: Upstream,
+        prefill: Pool,
+        decode: Pool,
+        releaser: Releaser | None = None,
+        attempts: int = 2,
+        exactness: Exactness | None = None,
+        fast_path: FastPath = FastPath(),
+        access_log: bool = False,
+    ) -> None:
         self.store = store
         self.upstream = upstream
         self.prefill = prefill
@@ -241,7 +259,7 @@ class Disagg:
         if identity.extends(entry.history_digest, entry.history_len):
             metrics.ENTRIES.labels("found").inc()
             if entry.plain and identity.reasoning_added(entry.history_digest, entry.history_len):
-                return replace(entry, plain=False)     # only tokens can prove that reuse
+                return replace(entry, plain=False)  # only tokens can prove that reuse
             return entry
         # Edited history, a rewritten or stripped reply, or another conversation's id.
         metrics.ENTRIES.labels("mismatch").inc()
@@ -253,19 +271,34 @@ class Disagg:
             self.releaser.drop(entry, "mismatch")
         return None
 
-    def _attempt(self, pool: Pool, key: str, prefer: str | None,
-                 call: Callable[[Instance, GatewayError | None], T],
-                 hold: bool = False, only: Instance | None = None,
-                 work: Work | None = None, need: Need | None = None) -> Answered[T]:
+    def _attempt(
+        self,
+        pool: Pool,
+        key: str,
+        prefer: str | None,
+        call: Callable[[Instance, GatewayError | None], T],
+        hold: bool = False,
+        only: Instance | None = None,
+        work: Work | None = None,
+        need: Need | None = None,
+    ) -> Answered[T]:
         """`call` on instances of `pool` until one answers, --attempts at most (`attempt`)."""
         return attempt(pool, key, call, self.attempts, prefer, hold, only, work, need)
 
-    def run(self, request: ClientRequest, identity: Identity, headers: dict,
-            request_id: str, work: Work | None = None, model: str = "unknown") -> Reply:
+    def run(
+        self,
+        request: ClientRequest,
+        identity: Identity,
+        headers: dict,
+        request_id: str,
+        work: Work | None = None,
+        model: str = "unknown",
+    ) -> Reply:
         """One turn: planned (`plan`), then run on its path. `work` hears what the engines did
         for it as they do it; `model` labels its metrics."""
-        turn = Turn(request, identity, headers, request_id, time.perf_counter(), work or Work(),
-                    model)
+        turn = Turn(
+            request, identity, headers, request_id, time.perf_counter(), work or Work(), model
+        )
         for pool in (self.decode, self.prefill):
             # No D (or P) answers its probes: fail now, before P computes a prompt no D can
             # decode, and before the conversation's entry is taken (it stays for a retry).
@@ -281,8 +314,9 @@ class Disagg:
                     raise
                 # Its D failed before a byte: the two-stage path, as a miss (the blocks that D
                 # held are not to be trusted now).
-                log.info("decode-only turn failed on %s (%s); two-stage", plan.decode.name,
-                         exc.message)
+                log.info(
+                    "decode-only turn failed on %s (%s); two-stage", plan.decode.name, exc.message
+                )
                 self.releaser.drop(plan.entry, "decode_failed")
                 plan = Plan("decode_failed")
         return self._two_stage(turn, plan)
@@ -304,8 +338,13 @@ class Disagg:
             return Plan("fast_path_off", entry)
         headers = turn.headers
         target = self.fast_path.target(
-            entry, turn.request, turn.identity, self.decode, self.exactness,
-            lambda d, body: self.upstream.tokenize(d, body, headers))
+            entry,
+            turn.request,
+            turn.identity,
+            self.decode,
+            self.exactness,
+            lambda d, body: self.upstream.tokenize(d, body, headers),
+        )
         return Plan(target.reason, entry, target.reuse, target.decode)
 
     def _decode_only(self, turn: Turn, plan: Plan) -> Reply:
@@ -314,10 +353,14 @@ class Disagg:
         serving most of it). The entry's blocks, now unread, go once the turn is over."""
         entry = plan.entry
         d_body = self._body_for_d(turn)
-        return self._decode(turn, lambda failure: d_body, None,
-                            TurnPath("decode-only", plan.reason, "-", "hit", "own_cache"),
-                            only=plan.decode,
-                            ended=lambda: self.releaser.drop(entry, "decode_only"))
+        return self._decode(
+            turn,
+            lambda failure: d_body,
+            None,
+            TurnPath("decode-only", plan.reason, "-", "hit", "own_cache"),
+            only=plan.decode,
+            ended=lambda: self.releaser.drop(entry, "decode_only"),
+        )
 
     def _two_stage(self, turn: Turn, plan: Plan) -> Reply:
         """P prefills (sent the entry's params where they are proven), then D decodes, loading
@@ -325,9 +368,13 @@ class Disagg:
         sent = Sent(plan.entry, self.releaser)
         try:
             answered = self._attempt(
-                self.prefill, turn.identity.root, None,
+                self.prefill,
+                turn.identity.root,
+                None,
                 lambda instance, failure: self._prefill(turn, plan, sent, instance, failure),
-                work=turn.work, need=prefill_need(turn.request, plan.entry))
+                work=turn.work,
+                need=prefill_need(turn.request, plan.entry),
+            )
         except GatewayError as exc:
             sent.failed(exc)
             raise
@@ -335,9 +382,10 @@ class Disagg:
         metrics.PREFILL_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
         reuse = prefilled.reuse
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
-        prompt_tokens, kv = count_prefill(prefilled.reply, reuse.entry.params if reuse else None,
-                                          turn.model, cache == "partial")
-        turn.work.done, turn.work.prompt_tokens = True, prompt_tokens     # P computed it
+        prompt_tokens, kv = count_prefill(
+            prefilled.reply, reuse.entry.params if reuse else None, turn.model, cache == "partial"
+        )
+        turn.work.done, turn.work.prompt_tokens = True, prompt_tokens  # P computed it
         d_body = self._body_for_d(turn)
         turn.decoded.prompt_tokens = prompt_tokens
         with_blocks = decode_body(d_body, prefilled.reply, prefill)
@@ -346,11 +394,16 @@ class Disagg:
             turn.params_to_d = replayable(failure)
             return with_blocks if turn.params_to_d else d_body
 
-        return self._decode(turn, body_for, plan.prefer_decode,
-                            TurnPath("two-stage", plan.reason, prefill.name, cache, kv))
+        return self._decode(
+            turn,
+            body_for,
+            plan.prefer_decode,
+            TurnPath("two-stage", plan.reason, prefill.name, cache, kv),
+        )
 
-    def _prefill(self, turn: Turn, plan: Plan, sent: Sent, instance: Instance,
-                 failure: GatewayError | None) -> Prefilled:
+    def _prefill(
+        self, turn: Turn, plan: Plan, sent: Sent, instance: Instance, failure: GatewayError | None
+    ) -> Prefilled:
         """One attempt at P: the entry's params offered if proven and this is the first try."""
         request, identity, headers = turn.request, turn.identity, turn.headers
 
@@ -364,10 +417,13 @@ class Disagg:
         # (After a refused connection it cannot have; one more miss keeps the rule simple.)
         reuse = None
         if plan.entry is not None and failure is None:
-            reuse = (plan.admitted if plan.admitted is not None
-                     else self.exactness.admit(plan.entry, request, identity, tokenize))
+            reuse = (
+                plan.admitted
+                if plan.admitted is not None
+                else self.exactness.admit(plan.entry, request, identity, tokenize)
+            )
         if reuse is not None and reuse.entry is not None:
-            sent.carried = True       # whole or cut, P's notification frees D's request
+            sent.carried = True  # whole or cut, P's notification frees D's request
         else:
             reuse = None
             sent.drop("unproven" if failure is None else "prefill_failed")
@@ -380,26 +436,42 @@ class Disagg:
         D's token ids let the next turn be verified; asked for here (once the template is
         known), they never reach a client that did not ask for them itself."""
         request = turn.request
-        ask_ids = (turn.identity.reusable
-                   and self.exactness.wants_ids(request, turn.identity.tenant)
-                   and not request.body.get("return_token_ids"))
+        ask_ids = (
+            turn.identity.reusable
+            and self.exactness.wants_ids(request, turn.identity.tenant)
+            and not request.body.get("return_token_ids")
+        )
         turn.decoded = Decoded(strip_ids=ask_ids)
         return {**request.wire, "return_token_ids": True} if ask_ids else request.wire
 
-    def _decode(self, turn: Turn, body_for: Callable[[GatewayError | None], dict],
-                prefer: str | None, path: TurnPath, only: Instance | None = None,
-                ended: Callable[[], None] | None = None) -> Reply:
+    def _decode(
+        self,
+        turn: Turn,
+        body_for: Callable[[GatewayError | None], dict],
+        prefer: str | None,
+        path: TurnPath,
+        only: Instance | None = None,
+        ended: Callable[[], None] | None = None,
+    ) -> Reply:
         """Decode on D (retried before the first byte unless `only`), relay, remember;
         `ended` runs when the turn is over (its stream closed), never before."""
-        reply_headers = {"X-Gateway-Cache": path.cache, "X-Gateway-KV": path.kv_word,
-                         "X-Gateway-Path": f"{path.name}; reason={path.reason}"}
+        reply_headers = {
+            "X-Gateway-Cache": path.cache,
+            "X-Gateway-KV": path.kv_word,
+            "X-Gateway-Path": f"{path.name}; reason={path.reason}",
+        }
         request, decoded, headers = turn.request, turn.decoded, turn.headers
         if not request.stream:
             decode, reply = self._attempt(
-                self.decode, turn.identity.root, prefer,
-                lambda d, failure: self.upstream.post_json(d, request.path, body_for(failure),
-                                                           headers),
-                only=only, work=turn.work)
+                self.decode,
+                turn.identity.root,
+                prefer,
+                lambda d, failure: self.upstream.post_json(
+                    d, request.path, body_for(failure), headers
+                ),
+                only=only,
+                work=turn.work,
+            )
             turn.work.done = True
             self._count(turn, path)
             reply = decoded.absorb_body(reply)
@@ -409,29 +481,44 @@ class Disagg:
             self._log_turn(turn, path, decode, None, "completed")
             return Reply(headers=reply_headers, body=reply, decoded=decoded)
         decode, stream = self._attempt(
-            self.decode, turn.identity.root, prefer,
-            lambda d, failure: self.upstream.open_stream(d, request.path, body_for(failure),
-                                                         headers),
-            hold=True, only=only, work=turn.work)
+            self.decode,
+            turn.identity.root,
+            prefer,
+            lambda d, failure: self.upstream.open_stream(
+                d, request.path, body_for(failure), headers
+            ),
+            hold=True,
+            only=only,
+            work=turn.work,
+        )
         turn.work.done = True
-        relay = StreamRelay(stream, decoded, decode, self.decode, turn.started, turn.model,
-                            lambda: self._remember(turn, decode),
-                            lambda ttft, outcome: self._log_turn(turn, path, decode, ttft,
-                                                                 outcome))
+        relay = StreamRelay(
+            stream,
+            decoded,
+            decode,
+            self.decode,
+            turn.started,
+            turn.model,
+            lambda: self._remember(turn, decode),
+            lambda ttft, outcome: self._log_turn(turn, path, decode, ttft, outcome),
+        )
         try:
             self._count(turn, path)
         except BaseException:
-            relay.finish()        # D's count and its stream are held from here on
+            relay.finish()  # D's count and its stream are held from here on
             raise
         chunks = relay.chunks()
-        closing = ExitStack()          # run last first, each even if one before it fails
+        closing = ExitStack()  # run last first, each even if one before it fails
         closing.callback(self._let_go, decoded, decode, ended)
         closing.callback(relay.finish)  # never iterated at all: the stream and D's count go
         closing.callback(chunks.close)  # cut short: its GeneratorExit counts a disconnect
-        return Reply(headers={**reply_headers, "Cache-Control": "no-cache",
-                              "X-Accel-Buffering": "no"},
-                     stream=chunks, content_type=stream.content_type, close=closing.close,
-                     decoded=decoded)
+        return Reply(
+            headers={**reply_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            stream=chunks,
+            content_type=stream.content_type,
+            close=closing.close,
+            decoded=decoded,
+        )
 
     def _let_go(self, decoded: Decoded, decode: Instance, ended: Callable[[], None] | None) -> None:
         """The turn is over: run `ended`, and release what D kept that no entry holds (a turn
@@ -442,12 +529,17 @@ class Disagg:
                 ended()
             raw = decoded.params
             # D's own params (do_remote_decode) name blocks D keeps for a next turn.
-            params = (clean_params(raw) if isinstance(raw, dict) and raw.get("do_remote_decode")
-                      and not decoded.kept else None)
+            params = (
+                clean_params(raw)
+                if isinstance(raw, dict) and raw.get("do_remote_decode") and not decoded.kept
+                else None
+            )
             if params is not None:
                 params["remote_host"] = decode.host
-                self.releaser.drop(Entry(params=params, decode_url=decode.url,
-                                         history_digest="", history_len=0), "unstored")
+                self.releaser.drop(
+                    Entry(params=params, decode_url=decode.url, history_digest="", history_len=0),
+                    "unstored",
+                )
         except Exception:
             log.exception("letting go of the turn's blocks failed")
 
@@ -456,16 +548,28 @@ class Disagg:
         metrics.REQUESTS.labels(turn.request.label, turn.model, path.cache).inc()
         metrics.TURN_PATHS.labels(path.name, path.reason, turn.model).inc()
 
-    def _log_turn(self, turn: Turn, path: TurnPath, decode: Instance, ttft: float | None,
-                  outcome: str) -> None:
+    def _log_turn(
+        self, turn: Turn, path: TurnPath, decode: Instance, ttft: float | None, outcome: str
+    ) -> None:
         if self.access_log:
             decoded = turn.decoded
             chunks = len(decoded.text) + len(decoded.reasoning)
-            access.info("turn %s model=%s cache=%s kv=%s path=%s reason=%s prefill=%s decode=%s "
-                        "ttft_ms=%s chunks=%d finish=%s outcome=%s", turn.request_id, turn.model,
-                        path.cache, path.kv_word, path.name, path.reason, path.prefill,
-                        decode.name, "-" if ttft is None else f"{ttft * 1000:.1f}", chunks,
-                        ",".join(decoded.finish_reasons) or "-", outcome)
+            access.info(
+                "turn %s model=%s cache=%s kv=%s path=%s reason=%s prefill=%s decode=%s "
+                "ttft_ms=%s chunks=%d finish=%s outcome=%s",
+                turn.request_id,
+                turn.model,
+                path.cache,
+                path.kv_word,
+                path.name,
+                path.reason,
+                path.prefill,
+                decode.name,
+                "-" if ttft is None else f"{ttft * 1000:.1f}",
+                chunks,
+                ",".join(decoded.finish_reasons) or "-",
+                outcome,
+            )
 
     def _remember(self, turn: Turn, decode: Instance) -> None:
         request, identity, decoded = turn.request, turn.identity, turn.decoded
@@ -474,7 +578,7 @@ class Disagg:
         if not decoded.reusable:
             return
         if decoded.params is None:
-            if turn.params_to_d:        # D loaded the prompt from P, finished, kept nothing
+            if turn.params_to_d:  # D loaded the prompt from P, finished, kept nothing
                 self.decode.kept_nothing(decode, request.stream)
             return
         if turn.params_to_d:
@@ -488,15 +592,26 @@ class Disagg:
         key, digest, length = identity.after(reply)
         if key is None:
             return
-        held, prefixes = self.exactness.held(decoded.prompt_ids, decoded.output_ids,
-                                             params.get("remote_num_tokens"),
-                                             len(params["remote_block_ids"]) == 1)
+        held, prefixes = self.exactness.held(
+            decoded.prompt_ids,
+            decoded.output_ids,
+            params.get("remote_num_tokens"),
+            len(params["remote_block_ids"]) == 1,
+        )
         params["remote_host"] = decode.host
-        self.store.put(key, Entry(params=params, decode_url=decode.url,
-                                  history_digest=digest, history_len=length,
-                                  plain=plain_reply(identity, decoded, request.body),
-                                  token_digest=held, prefixes=prefixes), identity.root,
-                       identity.key)
+        self.store.put(
+            key,
+            Entry(
+                params=params,
+                decode_url=decode.url,
+                history_digest=digest,
+                history_len=length,
+                plain=plain_reply(identity, decoded, request.body),
+                token_digest=held,
+                prefixes=prefixes,
+            ),
+            identity.root,
+            identity.key,
+        )
         decoded.kept = True
         metrics.ENTRIES.labels("stored").inc()
-

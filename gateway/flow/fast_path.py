@@ -5,12 +5,13 @@ A short follow-up ("and in Python?") costs D a few tokens of prefill from its ow
 the two-stage path costs a P round trip and two KV transfers. The threshold (`--fast-path-tokens`)
 is where the two cross; docs/fast-path.md says how to choose it.
 """
+
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from gateway.engines.instances import Instance, Pool
 from gateway.parse import ClientRequest
@@ -29,18 +30,24 @@ TOKENS_PER_MESSAGE = 8
 class Target(NamedTuple):
     """The fast path's answer for one turn."""
 
-    decode: Instance | None     # the D for a decode-only turn; None: two-stage
-    reason: str                 # why (pd_gateway_turn_paths_total's reasons)
-    reuse: Reuse | None         # the entry's reuse, where deciding the path proved it
+    decode: Instance | None  # the D for a decode-only turn; None: two-stage
+    reason: str  # why (pd_gateway_turn_paths_total's reasons)
+    reuse: Reuse | None  # the entry's reuse, where deciding the path proved it
 
 
 @dataclass(frozen=True)
 class FastPath:
-    max_tokens: int = 0            # new prompt tokens below which a turn skips P; 0: off
+    max_tokens: int = 0  # new prompt tokens below which a turn skips P; 0: off
 
-    def target(self, entry: Entry, request: ClientRequest, identity: Identity, decode: Pool,
-               exactness: Exactness, tokenize: Callable[[Instance, dict], list]
-               ) -> Target:
+    def target(
+        self,
+        entry: Entry,
+        request: ClientRequest,
+        identity: Identity,
+        decode: Pool,
+        exactness: Exactness,
+        tokenize: Callable[[Instance, dict], list],
+    ) -> Target:
         """Decode-only on the D that holds `entry`, or two-stage, and why."""
         instance, state = decode.readiness(entry.decode_url)
         if instance is None:
@@ -64,9 +71,12 @@ class FastPath:
             # P reads what the prompt shares, computes the rest.
             return Target(None, "partial", reuse)
         held = entry.params.get("remote_num_tokens")
-        if (reuse.prompt_tokens is not None and isinstance(held, int)
-                and reuse.prompt_tokens - held >= self.max_tokens):
-            return Target(None, "long", reuse)           # exact where the tokens were counted
+        if (
+            reuse.prompt_tokens is not None
+            and isinstance(held, int)
+            and reuse.prompt_tokens - held >= self.max_tokens
+        ):
+            return Target(None, "long", reuse)  # exact where the tokens were counted
         return Target(instance, "short", reuse)
 
     @staticmethod
@@ -75,7 +85,7 @@ class FastPath:
         body = request.body
         if request.is_chat:
             chars = 0
-            for message in body["messages"][entry.history_len:]:
+            for message in body["messages"][entry.history_len :]:
                 content = canonical_content(message.get("content"))
                 chars += len(content) if isinstance(content, str) else len(json.dumps(content))
                 if message.get("tool_calls"):
@@ -84,5 +94,5 @@ class FastPath:
             return new * TOKENS_PER_MESSAGE + chars // CHARS_PER_TOKEN
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            return 1 << 30                 # token-id or batched prompts: never estimated short
+            return 1 << 30  # token-id or batched prompts: never estimated short
         return (len(prompt) - entry.history_len) // CHARS_PER_TOKEN + 1

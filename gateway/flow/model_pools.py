@@ -6,6 +6,7 @@ A conversation never crosses models: its identity digests the body's `model` (be
 other prompt-relevant field), so two models' turns never share an entry, and each entry's D
 belongs to one pool.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,11 @@ class ModelNotFound(NotFound):
     type = "NotFoundError"
 
     def __init__(self, model: object, served: list[str]) -> None:
-        super().__init__(f"The model `{clip(str(model))}` does not exist. Valid aliases: "
-                         f"{clip(', '.join(served), 2000)}.", param="model")
+        super().__init__(
+            f"The model `{clip(str(model))}` does not exist. Valid aliases: "
+            f"{clip(', '.join(served), 2000)}.",
+            param="model",
+        )
 
 
 @dataclass(eq=False)
@@ -76,7 +80,7 @@ class ModelPools:
             self._by_name.update((alias, (pool, pool.name)) for alias in pool.spec.aliases)
             self._by_name.update((adapter, (pool, None)) for adapter in pool.spec.adapters)
         self.served = [name for pool in pools for name in pool.spec.names]
-        self._decodes: dict[str, ModelPool] = {}      # every D each model has had
+        self._decodes: dict[str, ModelPool] = {}  # every D each model has had
         self.remember()
 
     def route(self, request: ClientRequest) -> tuple[ModelPool, ClientRequest]:
@@ -101,8 +105,11 @@ class ModelPools:
     def label(self, model: object) -> str:
         """The metrics' label of a request naming `model`, before it is routed ("unknown" for
         a model no pool serves)."""
-        found = (self.default, None) if self.single or model is None else (
-            self._by_name.get(model) if isinstance(model, str) else None)
+        found = (
+            (self.default, None)
+            if self.single or model is None
+            else (self._by_name.get(model) if isinstance(model, str) else None)
+        )
         return "unknown" if found is None else found[0].label(model)
 
     def remember(self) -> None:
@@ -115,7 +122,7 @@ class ModelPools:
     def of_decode(self, url: str) -> ModelPool | None:
         """The model whose D is, or was, at `url` (an engine serves one model)."""
         if url not in self._decodes:
-            self.remember()           # added since the last look
+            self.remember()  # added since the last look
         return self._decodes.get(url)
 
     def listing(self, ask: Callable[[Pool], dict | None]) -> dict:
@@ -127,8 +134,11 @@ class ModelPools:
             answer = ask(pool.decode)
             entries = [m for m in (answer or {}).get("data", []) if isinstance(m, dict)]
             known = {m.get("id") for m in entries}
-            entries += [_entry(name, pool.name) for name in (pool.name, *pool.spec.adapters)
-                        if name not in known]
+            entries += [
+                _entry(name, pool.name)
+                for name in (pool.name, *pool.spec.adapters)
+                if name not in known
+            ]
             base = next((m for m in entries if m.get("id") == pool.name), entries[0])
             entries += [{**base, "id": alias} for alias in pool.spec.aliases]
             data += entries
@@ -139,6 +149,13 @@ def _entry(name: str, root: str) -> dict:
     """A model card as vLLM's /v1/models writes one (vLLM 0.33.0,
     vllm/entrypoints/serve/engine/protocol.py ModelCard ~L105-113), for a model whose engines
     did not answer."""
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-            "root": root, "parent": None if name == root else root, "max_model_len": None,
-            "permission": []}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "vllm",
+        "root": root,
+        "parent": None if name == root else root,
+        "max_model_len": None,
+        "permission": [],
+    }

@@ -16,6 +16,7 @@ That P request computes a one-token prompt, generates one token and keeps its on
 Releases run in the background, one at a time, at most `rate` a second per worker; a failed
 release is counted and the blocks are freed at D's TTL as before.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,30 +36,44 @@ log = logging.getLogger(__name__)
 
 PATH = "/v1/completions"
 # One token of any tokenizer, so P computes next to nothing and never fills a block whose hash
-# could be found by a real prompt; no `model`: vLLM serves its own (serving.py `_is_model_supported`).
+# could be found by a real prompt; no `model`: vLLM serves its own (serving.py
+# `_is_model_supported`).
 PROMPT = "."
-BACKLOG = 10_000        # releases waiting; beyond, a new one is skipped (D's TTL frees it)
-READ_TIMEOUT = 10.0     # a release is a one-token prefill: a P slower than this is in trouble
-SWEEP_SECONDS = 1.0     # how often the store is asked for entries expired or over budget
+BACKLOG = 10_000  # releases waiting; beyond, a new one is skipped (D's TTL frees it)
+READ_TIMEOUT = 10.0  # a release is a one-token prefill: a P slower than this is in trouble
+SWEEP_SECONDS = 1.0  # how often the store is asked for entries expired or over budget
 
 
 def release_body(params: dict) -> dict:
     """A P request that reads nothing of `params`'s blocks and so makes D free them."""
-    return {"prompt": PROMPT, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {**params, "do_remote_decode": True,
-                                   "do_remote_prefill": False, "remote_num_tokens": 0}}
+    return {
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            **params,
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_num_tokens": 0,
+        },
+    }
 
 
 class Releaser:
     """Sends the release of each dropped entry to a P, in the background, bounded in rate."""
 
-    def __init__(self, upstream: Upstream, prefill_for: Callable[[Entry], Pool | None],
-                 rate: float, sweep: Callable[[], None] = lambda: None,
-                 backlog: int = BACKLOG) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        prefill_for: Callable[[Entry], Pool | None],
+        rate: float,
+        sweep: Callable[[], None] = lambda: None,
+        backlog: int = BACKLOG,
+    ) -> None:
         self.upstream = upstream
-        self.prefill_for = prefill_for      # the P pool of the entry's model (None: no D there)
+        self.prefill_for = prefill_for  # the P pool of the entry's model (None: no D there)
         self.rate = rate
-        self.sweep = sweep                  # the store's expiry and budgets, once a second
+        self.sweep = sweep  # the store's expiry and budgets, once a second
         self._jobs: queue.Queue[tuple[Entry, str] | None] = queue.Queue(backlog)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,15 +116,16 @@ class Releaser:
         if self._thread is None and self.enabled:
             with self._lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="pd-gateway-release",
-                                                    daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._run, name="pd-gateway-release", daemon=True
+                    )
                     self._thread.start()
 
     def stop(self, timeout: float = READ_TIMEOUT + 1) -> None:
         """End the loop, waiting for a release in flight (none outlives its gateway)."""
         self._stop.set()
         try:
-            self._jobs.put_nowait(None)     # wakes the loop now, not at its next timeout
+            self._jobs.put_nowait(None)  # wakes the loop now, not at its next timeout
         except queue.Full:
             pass
         thread = self._thread
@@ -128,7 +144,7 @@ class Releaser:
                 job = self._jobs.get(timeout=SWEEP_SECONDS)
             except queue.Empty:
                 continue
-            if job is None:                 # stop() woke it
+            if job is None:  # stop() woke it
                 continue
             entry, reason = job
             started = time.monotonic()
@@ -141,7 +157,7 @@ class Releaser:
     def _sweep(self) -> None:
         try:
             self.sweep()
-        except Exception:               # a store's bug must not end the loop
+        except Exception:  # a store's bug must not end the loop
             log.exception("sweeping expired entries failed")
 
     def release(self, entry: Entry, reason: str) -> bool:
@@ -150,7 +166,7 @@ class Releaser:
         30 s), skipping those down or overloaded."""
         request_id = f"release-{uuid.uuid4().hex}"
         prefill = self.prefill_for(entry)
-        if prefill is None:     # its D left every model's pool: no P of its model is known
+        if prefill is None:  # its D left every model's pool: no P of its model is known
             metrics.RELEASES.labels(reason, "skipped").inc()
             return False
         try:
@@ -158,15 +174,16 @@ class Releaser:
             prefill.acquire(instance)
             try:
                 headers = self.upstream.headers(request_id, None)
-                self.upstream.post_json(instance, PATH, release_body(entry.params), headers,
-                                        read_timeout=READ_TIMEOUT)
+                self.upstream.post_json(
+                    instance, PATH, release_body(entry.params), headers, read_timeout=READ_TIMEOUT
+                )
             finally:
                 prefill.release(instance)
         except GatewayError as exc:
             log.info("release of a %s entry failed: %s", reason, exc.message)
             metrics.RELEASES.labels(reason, "failed").inc()
             return False
-        except Exception:               # a bug must not end the loop: counted, logged
+        except Exception:  # a bug must not end the loop: counted, logged
             log.exception("release of a %s entry failed", reason)
             metrics.RELEASES.labels(reason, "failed").inc()
             return False

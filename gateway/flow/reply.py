@@ -1,5 +1,6 @@
 """What a client gets (`Reply`) and the relay of D's stream to it (`StreamRelay`), with the
 cleanup that releases what a reply holds exactly once, however it ends."""
+
 from __future__ import annotations
 
 import logging
@@ -28,16 +29,17 @@ class Reply:
     watcher): call it once the reply has ended, or was dropped unsent; calling again is a no-op."""
 
     headers: dict
-    body: dict | bytes | None = None     # bytes: an engine's body as it came (`content_type`)
+    body: dict | bytes | None = None  # bytes: an engine's body as it came (`content_type`)
     stream: Iterator[bytes] | None = None
     content_type: str = "application/json"
     status: int = 200
     close: Callable[[], None] = _nothing
-    decoded: Decoded | None = None    # what D produced, once the reply has ended (None: relayed)
+    decoded: Decoded | None = None  # what D produced, once the reply has ended (None: relayed)
 
 
-def relayed(stream: Stream, sse: bool,
-            failed: Callable[[GatewayError], None] = lambda exc: None) -> Iterator[bytes]:
+def relayed(
+    stream: Stream, sse: bool, failed: Callable[[GatewayError], None] = lambda exc: None
+) -> Iterator[bytes]:
     """An engine's (or an owner worker's) bytes as they arrive. Once bytes are out the status
     can't change: a failure after them ends an event stream (`sse`) with an error event, other
     bodies just end; `failed` hears of it. The stream is closed however it ends."""
@@ -56,16 +58,24 @@ class StreamRelay:
     [DONE], and `finish`, which runs once however the stream ends: completed, failed, the
     client gone, or the reply closed before its first byte."""
 
-    def __init__(self, stream: Stream, decoded: Decoded, decode: Instance, pool: Pool,
-                 started: float, model: str, remember: Callable[[], None],
-                 log_turn: Callable[[float | None, str], None]) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        decoded: Decoded,
+        decode: Instance,
+        pool: Pool,
+        started: float,
+        model: str,
+        remember: Callable[[], None],
+        log_turn: Callable[[float | None, str], None],
+    ) -> None:
         self.stream, self.decoded, self.decode, self.pool = stream, decoded, decode, pool
         self.started = started
-        self.model = model                  # the metrics' label
-        self.remember = remember            # puts the next turn's entry
-        self.log_turn = log_turn            # the access-log line, with TTFT and outcome
+        self.model = model  # the metrics' label
+        self.remember = remember  # puts the next turn's entry
+        self.log_turn = log_turn  # the access-log line, with TTFT and outcome
         self.ttft: float | None = None
-        self.outcome = "client_gone"          # until the relay ends otherwise
+        self.outcome = "client_gone"  # until the relay ends otherwise
         self._finished = False
         # The gaps between chunks sent, counted here and observed once at the end.
         self._gaps = metrics.bucket_counts(metrics.ITL_BUCKETS)
@@ -75,8 +85,8 @@ class StreamRelay:
         decoded, decode = self.decoded, self.decode
         relay = EventFilter(decoded)
         gaps, bounds = self._gaps, metrics.ITL_BUCKETS
-        sent = 0.0            # when the last chunk went out
-        done_at = None        # when [DONE] went out: the turn's end, as its client sees it
+        sent = 0.0  # when the last chunk went out
+        done_at = None  # when [DONE] went out: the turn's end, as its client sees it
         try:
             for chunk in self.stream.chunks():
                 out = relay.feed(chunk)
@@ -108,7 +118,7 @@ class StreamRelay:
                 self.outcome = "completed"
                 self._ended(done_at)
             else:
-                metrics.DISCONNECTS.inc()       # noticed by the watcher: nobody to tell
+                metrics.DISCONNECTS.inc()  # noticed by the watcher: nobody to tell
         except GatewayError as exc:
             self.outcome = f"error_{exc.status}"
             # Bytes are out, so the status can't change: finish with an error event instead.
@@ -145,8 +155,9 @@ class StreamRelay:
         self.pool.release(self.decode)
         try:
             if any(self._gaps):
-                metrics.INTER_TOKEN_SECONDS.labels(self.model).observe_many(self._gaps,
-                                                                            self._gaps_total)
+                metrics.INTER_TOKEN_SECONDS.labels(self.model).observe_many(
+                    self._gaps, self._gaps_total
+                )
             self.log_turn(self.ttft, self.outcome)
         except Exception:
             log.exception("logging the turn failed")

@@ -6,9 +6,10 @@ rebuild events from decoded lines, and `requests.iter_lines` miscounts a split C
 
 This runs once per token of every stream, so it is written for the common case, an event that
 is one `data: {...}` line ended by a blank line (what vLLM sends): found with `bytes.find`,
-parsed with orjson (jsonio.loads_engine), passed on as it came unless it changed. Anything else (CR line ends,
-comments, several fields) takes the general path.
+parsed with orjson (jsonio.loads_engine), passed on as it came unless it changed. Anything else (CR
+line ends, comments, several fields) takes the general path.
 """
+
 from __future__ import annotations
 
 import re
@@ -49,12 +50,12 @@ class EventFilter:
             return b""
         out = None
         start = 0
-        while end >= 0:        # left to right, as the general path: a run of LFs is blank lines
+        while end >= 0:  # left to right, as the general path: a run of LFs is blank lines
             end += 2
             event = data if start == 0 and end == len(data) else data[start:end]
             kept = self._event(event)
             if kept is not event and out is None:
-                out = [data[:start]]         # the events before this one, as they came
+                out = [data[:start]]  # the events before this one, as they came
             if out is not None:
                 out.append(kept)
             start = end
@@ -69,11 +70,11 @@ class EventFilter:
         if not bounds:
             self._pending = data
             return b""
-        complete, self._pending = data[:bounds[-1]], data[bounds[-1]:]
+        complete, self._pending = data[: bounds[-1]], data[bounds[-1] :]
         out = []
         rewritten = False
         start = 0
-        for end in bounds:          # one scan: no boundary lies before scan_from
+        for end in bounds:  # one scan: no boundary lies before scan_from
             event = complete[start:end]
             start = end
             kept = self._event(event)
@@ -83,12 +84,12 @@ class EventFilter:
 
     def _event(self, event: bytes) -> bytes:
         if event.startswith(b"data: ") and event.find(b"\n", 6) == len(event) - 2:
-            payload = event[6:-2]             # one data line, LF-ended: vLLM's every event
+            payload = event[6:-2]  # one data line, LF-ended: vLLM's every event
         else:
             match = _DATA.search(event)
             if match is None:
-                return event                  # a comment or keep-alive: pass it on
-            payload = event[match.end():]
+                return event  # a comment or keep-alive: pass it on
+            payload = event[match.end() :]
         if payload[:1] != b"{":
             payload = payload.strip()
             if payload == _DONE:
@@ -98,8 +99,9 @@ class EventFilter:
                 return event
         try:
             # Exact only where the event may be written again: one that carries params or ids.
-            chunk = jsonio.loads_engine(payload, exact=b"kv_transfer_params" in payload
-                                        or b"token_ids" in payload)
+            chunk = jsonio.loads_engine(
+                payload, exact=b"kv_transfer_params" in payload or b"token_ids" in payload
+            )
         except ValueError:
             return event
         if type(chunk) is not dict:
@@ -108,13 +110,16 @@ class EventFilter:
             # The engine's message may name hosts or engine ids; the client gets the gist.
             self.decoded.error = True
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
-            return error_event(GatewayError(
-                "the decode engine failed during generation",
-                status=error.get("code") if isinstance(error.get("code"), int) else 500),
-                done=False)
+            return error_event(
+                GatewayError(
+                    "the decode engine failed during generation",
+                    status=error.get("code") if isinstance(error.get("code"), int) else 500,
+                ),
+                done=False,
+            )
         carried_params = PARAMS_KEY in chunk
         if not self.decoded.absorb_chunk(chunk):
             return event
         if carried_params and not chunk.get("choices") and chunk.get("usage") is None:
-            return b""                       # a params-only event: nothing left for the client
+            return b""  # a params-only event: nothing left for the client
         return b"data: " + jsonio.dumps(chunk) + b"\n\n"

@@ -3,12 +3,14 @@ a place, and a refusal (429 with Retry-After) beyond it, before any engine is ca
 
 A turn relayed to the worker that owns its conversation (which admits it again) holds a thread
 or a connection here for as long, so it takes a place too (gateway.service: with gthread among
-the turns, with gevent among relays). A turn holds its place until its reply has ended (a stream until its last byte or its client's
-disconnect), so streams in flight are never cut to make room: newcomers wait or are refused.
+the turns, with gevent among relays). A turn holds its place until its reply has ended (a stream
+until its last byte or its client's disconnect), so streams in flight are never cut to make room:
+newcomers wait or are refused.
 
 Hand-written: a counter and a condition are all it takes, and `threading.Condition` is what
 gevent patches (a greenlet waits cooperatively) as well as what gthread's threads share.
 """
+
 from __future__ import annotations
 
 import threading
@@ -50,8 +52,16 @@ class Admission:
     active for ACTIVE_SECONDS after its last turn (twice the Retry-After if longer), so its
     client's retry finds the place it claimed."""
 
-    def __init__(self, limit: int, queue: int, wait: float, retry_after: int,
-                 fair_wait: float = 0.0, patient: int = 0, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        limit: int,
+        queue: int,
+        wait: float,
+        retry_after: int,
+        fair_wait: float = 0.0,
+        patient: int = 0,
+        clock=time.monotonic,
+    ) -> None:
         self.limit = limit
         self.queue = queue
         self.wait = wait
@@ -67,8 +77,13 @@ class Admission:
         self.tenants: dict[str, _Tenant] = {}
         self._ready = threading.Condition(threading.Lock())
 
-    def enter(self, tenant: str = "", weight: float = 1.0, turns: int = 0,
-              gone: Callable[[], bool] | None = None) -> Callable[[], None]:
+    def enter(
+        self,
+        tenant: str = "",
+        weight: float = 1.0,
+        turns: int = 0,
+        gone: Callable[[], bool] | None = None,
+    ) -> Callable[[], None]:
         """Take a place for one of `tenant`'s turns (at most `turns` at once, waiting ones
         counted; 0: no bound), or raise `Overloaded`; returns what gives it back when the turn
         ends. `gone()`: has the turn's client left? (asked each second of a long wait)"""
@@ -77,17 +92,23 @@ class Admission:
             own = self._tenant(tenant, weight, now)
             if turns and own.inflight + own.waiting >= turns:
                 metrics.ADMISSIONS.labels("rejected_key_turns").inc()
-                raise Overloaded(f"This key has its limit of {turns} turns at once in flight; "
-                                 f"retry after {self.retry_after} s",
-                                 retry_after=self.retry_after)
+                raise Overloaded(
+                    f"This key has its limit of {turns} turns at once in flight; "
+                    f"retry after {self.retry_after} s",
+                    retry_after=self.retry_after,
+                )
             own.demand = max(own.demand, own.inflight + 1)
             if self._may_take(own) and self._before_waiters(own):
                 self._take(own)
                 metrics.ADMISSIONS.labels("admitted").inc()
                 return lambda: self._leave(own)
             # One turn of a key at a time waits long: a key cannot take every such wait.
-            patient = (self.fair_wait > self.wait and self.waiting_for_share < self.patient
-                       and not own.waiting and self._under_share(own, now))
+            patient = (
+                self.fair_wait > self.wait
+                and self.waiting_for_share < self.patient
+                and not own.waiting
+                and self._under_share(own, now)
+            )
             if self.waiting >= self.queue:
                 self._refuse("queue_full")
             self.waiting += 1
@@ -98,16 +119,16 @@ class Admission:
                 while not (self._may_take(own) and self._next_in_line() is own):
                     left = deadline - self.clock()
                     if left <= 0:
-                        own.seen = self.clock()   # its claim outlives the Retry-After
+                        own.seen = self.clock()  # its claim outlives the Retry-After
                         self._refuse("waited")
                     if patient and gone is not None and gone():
-                        self._refuse("client_gone")   # its place to the next in line
+                        self._refuse("client_gone")  # its place to the next in line
                     self._ready.wait(min(left, 1.0) if patient else left)
             finally:
                 self.waiting -= 1
                 own.waiting -= 1
                 self.waiting_for_share -= patient
-                self._ready.notify_all()      # the next in line may be another tenant
+                self._ready.notify_all()  # the next in line may be another tenant
             self._take(own)
             metrics.ADMISSIONS.labels("queued").inc()
             return lambda: self._leave(own)
@@ -119,12 +140,12 @@ class Admission:
     def _tenant(self, name: str, weight: float, now: float) -> _Tenant:
         own = self.tenants.get(name)
         if own is None:
-            if len(self.tenants) > 64:       # forget those gone quiet (bounded work, amortized)
+            if len(self.tenants) > 64:  # forget those gone quiet (bounded work, amortized)
                 for gone in [k for k, t in self.tenants.items() if not self._active(t, now)]:
                     del self.tenants[gone]
             own = self.tenants[name] = _Tenant(weight)
         elif not self._active(own, now):
-            own.demand = 0                   # back after a pause: its need starts again
+            own.demand = 0  # back after a pause: its need starts again
         own.weight, own.seen = weight, now
         return own
 
@@ -139,10 +160,14 @@ class Admission:
         now = self.clock()
         active = [t for t in self.tenants.values() if t is own or self._active(t, now)]
         total = sum(t.weight for t in active)
-        reserved = sum(max(0, min(self.limit * t.weight / total, t.demand) - t.inflight)
-                       for t in active if t is not own)
-        return (self.inflight + reserved < self.limit
-                or own.inflight < self.limit * own.weight / total)
+        reserved = sum(
+            max(0, min(self.limit * t.weight / total, t.demand) - t.inflight)
+            for t in active
+            if t is not own
+        )
+        return (
+            self.inflight + reserved < self.limit or own.inflight < self.limit * own.weight / total
+        )
 
     def _under_share(self, own: _Tenant, now: float) -> bool:
         """Has `own` fewer turns (in flight and waiting) than its share, beside other active
@@ -164,8 +189,11 @@ class Admission:
     def _next_in_line(self) -> _Tenant | None:
         """Of the waiting tenants that may take a place, the one with the fewest turns for its
         weight."""
-        return min((t for t in self.tenants.values() if t.waiting and self._may_take(t)),
-                   key=lambda t: t.inflight / t.weight, default=None)
+        return min(
+            (t for t in self.tenants.values() if t.waiting and self._may_take(t)),
+            key=lambda t: t.inflight / t.weight,
+            default=None,
+        )
 
     def _take(self, own: _Tenant) -> None:
         self.inflight += 1
@@ -180,12 +208,18 @@ class Admission:
 
     def _refuse(self, why: str) -> None:
         metrics.ADMISSIONS.labels(f"rejected_{why}").inc()
-        raise Overloaded(f"The gateway is at its limit of {self.limit} turns in flight; "
-                         f"retry after {self.retry_after} s", retry_after=self.retry_after)
+        raise Overloaded(
+            f"The gateway is at its limit of {self.limit} turns in flight; "
+            f"retry after {self.retry_after} s",
+            retry_after=self.retry_after,
+        )
 
     def report(self) -> dict:
-        return {"turns_in_flight": self.inflight, "turns_waiting": self.waiting,
-                "max_turns": self.limit}
+        return {
+            "turns_in_flight": self.inflight,
+            "turns_waiting": self.waiting,
+            "max_turns": self.limit,
+        }
 
 
 class BodyBudget:
@@ -221,9 +255,12 @@ class BodyHold:
         with budget._lock:
             if budget.held > self.size and budget.held + size > budget.limit:
                 metrics.ADMISSIONS.labels("rejected_bodies").inc()
-                raise Overloaded(f"The gateway holds {budget.held} bytes of request bodies, at "
-                                 f"its limit of {budget.limit}; retry after "
-                                 f"{budget.retry_after} s", retry_after=budget.retry_after)
+                raise Overloaded(
+                    f"The gateway holds {budget.held} bytes of request bodies, at "
+                    f"its limit of {budget.limit}; retry after "
+                    f"{budget.retry_after} s",
+                    retry_after=budget.retry_after,
+                )
             budget.held += size
             self.size += size
 

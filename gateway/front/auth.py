@@ -4,6 +4,7 @@ admin token, each compared in constant time and never logged.
 Keys are kept as SHA-256 digests and every one is compared (`hmac.compare_digest`, no early
 exit), so the time a check takes says nothing about how much of a key was right.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,18 +50,22 @@ def read_keys(path: str) -> list[tuple[str, list[str]]]:
 class ApiKeys:
     """The client keys this gateway accepts; off when there are none and no file."""
 
-    CHECK_SECONDS = 1.0   # how often the file's stat is looked at (on the request path)
+    CHECK_SECONDS = 1.0  # how often the file's stat is looked at (on the request path)
 
-    def __init__(self, keys: list[str], path: str = "",
-                 clock: Callable[[], float] = time.monotonic,
-                 defaults: KeyLimits = KeyLimits()) -> None:
+    def __init__(
+        self,
+        keys: list[str],
+        path: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        defaults: KeyLimits = KeyLimits(),
+    ) -> None:
         self._given = [_digest(k) for k in keys]
         self.path = path
         self._clock = clock
         self.defaults = defaults
         self._lock = threading.Lock()
         self._from_file: list[bytes] = []
-        self._limits: dict[bytes, KeyLimits] = {}     # the file's keys with limits of their own
+        self._limits: dict[bytes, KeyLimits] = {}  # the file's keys with limits of their own
         self._stamp: tuple | None = None
         self._checked = float("-inf")
         if path:
@@ -96,7 +101,7 @@ class ApiKeys:
         deleted or unreadable file accepts none of its keys (the settings' own still work);
         write the file elsewhere and rename it in, so no reader sees it half written."""
         if not self._lock.acquire(blocking=False):
-            return                       # another request is looking already
+            return  # another request is looking already
         try:
             self._checked = self._clock()
             try:
@@ -105,18 +110,25 @@ class ApiKeys:
                 if stamp == self._stamp:
                     return
                 lines = read_keys(self.path)
-                limits = {_digest(key): KeyLimits.parse(options, self.defaults)
-                          for key, options in lines if options}
-            except (OSError, ValueError) as exc:     # ValueError: not UTF-8, a bad limit
+                limits = {
+                    _digest(key): KeyLimits.parse(options, self.defaults)
+                    for key, options in lines
+                    if options
+                }
+            except (OSError, ValueError) as exc:  # ValueError: not UTF-8, a bad limit
                 if self._stamp is not None or self._from_file:
-                    log.error("API keys file %s: %s; none of its keys is accepted until it can "
-                              "be read", self.path, getattr(exc, "strerror", None) or exc)
+                    log.error(
+                        "API keys file %s: %s; none of its keys is accepted until it can be read",
+                        self.path,
+                        getattr(exc, "strerror", None) or exc,
+                    )
                 self._from_file, self._limits, self._stamp = [], {}, None
                 return
             keys = [key for key, _ in lines]
             if not keys:
-                log.warning("API keys file %s holds no key: none of its keys is accepted",
-                            self.path)
+                log.warning(
+                    "API keys file %s holds no key: none of its keys is accepted", self.path
+                )
             self._from_file, self._limits, self._stamp = [_digest(k) for k in keys], limits, stamp
             log.info("API keys file %s: %d keys", self.path, len(keys))
         finally:

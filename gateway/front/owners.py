@@ -6,6 +6,7 @@ private loopback listener on `base + slot`; the owner of a conversation is the r
 hash of its root key over the slots, and a non-owner forwards the whole request to the owner
 once. A request that arrived on a private listener is always served where it landed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,11 +29,23 @@ from gateway.support.errors import BadGateway, GatewayError, ServiceUnavailable
 log = logging.getLogger(__name__)
 # Besides hop-by-hop headers (RFC 9110 7.6.1, werkzeug's list): those requests recomputes.
 _RECOMPUTED = frozenset({"host", "content-length"})
-_RELAYED_BACK = ("Content-Type", "X-Request-Id", "X-Gateway-Cache", "X-Gateway-KV",
-                 "X-Gateway-Path", "Cache-Control", "X-Accel-Buffering", "Retry-After", "WWW-Authenticate",
-                 "retry-after-ms", *(f"x-ratelimit-{what}-{kind}"
-                                     for what in ("limit", "remaining", "reset")
-                                     for kind in ("requests", "tokens")))
+_RELAYED_BACK = (
+    "Content-Type",
+    "X-Request-Id",
+    "X-Gateway-Cache",
+    "X-Gateway-KV",
+    "X-Gateway-Path",
+    "Cache-Control",
+    "X-Accel-Buffering",
+    "Retry-After",
+    "WWW-Authenticate",
+    "retry-after-ms",
+    *(
+        f"x-ratelimit-{what}-{kind}"
+        for what in ("limit", "remaining", "reset")
+        for kind in ("requests", "tokens")
+    ),
+)
 
 
 def owner(root: str, slots) -> int:
@@ -40,15 +53,18 @@ def owner(root: str, slots) -> int:
     keys when others come or go."""
     key = root.encode()
     candidates = range(slots) if isinstance(slots, int) else slots
-    return max(candidates, key=lambda s: hashlib.blake2b(key, digest_size=8,
-                                                         salt=s.to_bytes(16, "little")).digest())
+    return max(
+        candidates,
+        key=lambda s: hashlib.blake2b(key, digest_size=8, salt=s.to_bytes(16, "little")).digest(),
+    )
 
 
 class Owners:
     """This worker's slot and the way to every other worker's private listener."""
 
-    def __init__(self, settings: Settings, upstream: Upstream,
-                 environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(
+        self, settings: Settings, upstream: Upstream, environ: Mapping[str, str] = os.environ
+    ) -> None:
         self.slot = int(environ.get(SLOT_ENV, "-1"))
         # gunicorn_conf's post_fork says where the private listeners are when it opened them
         # (several workers, local stores, affinity on in the master's settings). Off without
@@ -86,12 +102,19 @@ class Owners:
         if slot == self.slot:
             return None
         if slot not in self.targets:
-            self.targets[slot] = Instance(f"http://{self.private_host}:{self.base + slot}",
-                                          "worker", slot)
+            self.targets[slot] = Instance(
+                f"http://{self.private_host}:{self.base + slot}", "worker", slot
+            )
         return self.targets[slot]
 
-    def forward(self, target: Instance, route: str, raw: bytes, headers: Mapping[str, str],
-                model: str = "unknown") -> Reply | None:
+    def forward(
+        self,
+        target: Instance,
+        route: str,
+        raw: bytes,
+        headers: Mapping[str, str],
+        model: str = "unknown",
+    ) -> Reply | None:
         """Relay the request through its owner, to `route`, the path it came on (an app may
         mount the routes under a prefix); None if the owner is away (serve it here). `model`
         labels a stream the owner could not finish.
@@ -100,8 +123,11 @@ class Owners:
         request's deadline, propagate (the view answers 499/504): re-running the whole turn
         here would compute it for nobody, with nobody watching.
         """
-        sent = {k: v for k, v in headers.items()
-                if not is_hop_by_hop_header(k) and k.lower() not in _RECOMPUTED}
+        sent = {
+            k: v
+            for k, v in headers.items()
+            if not is_hop_by_hop_header(k) and k.lower() not in _RECOMPUTED
+        }
         deadline = time.monotonic() + self.owner_wait
         while True:
             try:
@@ -118,13 +144,19 @@ class Owners:
                     return None
                 time.sleep(0.05)
             except GatewayError:
-                metrics.FORWARDED.labels("failed").inc()   # client gone, deadline
+                metrics.FORWARDED.labels("failed").inc()  # client gone, deadline
                 raise
         metrics.FORWARDED.labels("sent").inc()
         back = {h: response.headers[h] for h in _RELAYED_BACK if h in response.headers}
         sse = back.get("Content-Type", "").startswith("text/event-stream")
+
         # A stream cut here (its owner died mid-stream): the owner cannot count it; we do.
         def cut(exc: GatewayError) -> None:
             metrics.ERRORS.labels("stream", str(exc.status), model).inc()
-        return Reply(headers=back, stream=relayed(response, sse, cut), status=response.status,
-                     close=response.close)
+
+        return Reply(
+            headers=back,
+            stream=relayed(response, sse, cut),
+            status=response.status,
+            close=response.close,
+        )

@@ -15,13 +15,14 @@ Turns at once are counted by the worker's admission (gateway.front.admission), a
 
 A storage that fails (Redis down) admits: limits must not take the gateway down with them.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from limits import RateLimitItemPerMinute
 from limits.storage import storage_from_string
@@ -32,7 +33,7 @@ from gateway.support.errors import Overloaded
 
 log = logging.getLogger(__name__)
 
-BYTES_PER_TOKEN = 4     # a body's bytes per prompt token, for the estimate before the turn
+BYTES_PER_TOKEN = 4  # a body's bytes per prompt token, for the estimate before the turn
 _KEY_PREFIX = "pd-gateway-limits"
 
 
@@ -48,8 +49,12 @@ class KeyLimits:
     @classmethod
     def parse(cls, options: list[str], defaults: KeyLimits) -> KeyLimits:
         """`rpm=600 tpm=200000 turns=8 weight=2` over `defaults`; ValueError names a bad one."""
-        values = {"rpm": defaults.rpm, "tpm": defaults.tpm, "turns": defaults.turns,
-                  "weight": defaults.weight}
+        values = {
+            "rpm": defaults.rpm,
+            "tpm": defaults.tpm,
+            "turns": defaults.turns,
+            "weight": defaults.weight,
+        }
         for option in options:
             name, eq, raw = option.partition("=")
             if not eq or name not in values:
@@ -81,8 +86,11 @@ class RateLimited(Overloaded):
         self.limit_headers = headers
 
     def headers(self) -> dict[str, str]:
-        return {**self.limit_headers, "Retry-After": str(self.retry_after),
-                "retry-after-ms": str(self.wait_ms)}
+        return {
+            **self.limit_headers,
+            "Retry-After": str(self.retry_after),
+            "retry-after-ms": str(self.wait_ms),
+        }
 
 
 @dataclass
@@ -95,7 +103,7 @@ class Ticket:
     headers: dict[str, str]
     charge: Callable[[int], None] = lambda tokens: None
     refund: Callable[[], None] = lambda: None
-    estimate: int = 1           # the prompt's tokens as counted before the turn
+    estimate: int = 1  # the prompt's tokens as counted before the turn
 
 
 NO_TICKET = Ticket({})
@@ -111,7 +119,7 @@ def storage_url(store: str) -> tuple[str, dict]:
     url = redis_url.parse(store)
     if url.scheme == "unix":
         return "redis+unix://" + url.rest, options
-    if url.tls and url.kind != "primary":   # limits names TLS by the option, not the scheme
+    if url.tls and url.kind != "primary":  # limits names TLS by the option, not the scheme
         return f"redis+{url.kind}://{url.rest}", {**options, "ssl": True}
     return store, options
 
@@ -119,8 +127,7 @@ def storage_url(store: str) -> tuple[str, dict]:
 class Tenants:
     """Checks and counts each key's requests and tokens per minute."""
 
-    def __init__(self, store: str, timeout: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: str, timeout: float, clock: Callable[[], float] = time.time) -> None:
         self.url, self.options = storage_url(store)
         if self.options:
             self.options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
@@ -128,8 +135,9 @@ class Tenants:
         # Made on first use (a cluster's client asks its seeds at once); requests are admitted
         # uncounted while it cannot be made or a second after a call failed.
         self._storage = redis_url.Lazy(
-            lambda: storage_from_string(self.url, **self.options), timeout)
-        self._ends: dict[str, float] = {}      # each counter's window end, as last asked
+            lambda: storage_from_string(self.url, **self.options), timeout
+        )
+        self._ends: dict[str, float] = {}  # each counter's window end, as last asked
         # Keys whose requests of this window are spent, as this worker counted them: until the
         # window ends, their next request is refused before its body is read.
         self._spent: dict[str, tuple[float, dict[str, str]]] = {}
@@ -147,18 +155,20 @@ class Tenants:
         now = self.clock()
         try:
             item = self._item(limits.rpm)
-            count = (self._storage.get().get(item.key_for(tenant, "requests"))
-                     if now < until else 0)
-        except Exception:           # the storage failing: the turn's own count decides
+            count = self._storage.get().get(item.key_for(tenant, "requests")) if now < until else 0
+        except Exception:  # the storage failing: the turn's own count decides
             return
         if count < limits.rpm:
             self._spent.pop(tenant, None)
             return
         metrics.RATE_LIMITED.labels("requests").inc()
         reset = max(0.001, until - now)
-        raise RateLimited(f"Rate limit reached for requests per minute: limit {limits.rpm}. "
-                          f"Please try again in {duration(reset)}.", reset,
-                          {**headers, "x-ratelimit-reset-requests": duration(reset)})
+        raise RateLimited(
+            f"Rate limit reached for requests per minute: limit {limits.rpm}. "
+            f"Please try again in {duration(reset)}.",
+            reset,
+            {**headers, "x-ratelimit-reset-requests": duration(reset)},
+        )
 
     def _window_end(self, storage, key: str, now: float) -> float:
         """When `key`'s window ends: asked once a window (a Redis round trip), then known."""
@@ -193,27 +203,35 @@ class Tenants:
                 count = storage.incr(key, item.get_expiry(), amount=cost)
                 counted.append((key, item, cost))
                 reset = max(0.001, self._window_end(storage, key, now) - now)
-                headers.update({f"x-ratelimit-limit-{kind}": str(item.amount),
-                                f"x-ratelimit-remaining-{kind}": str(max(0, item.amount - count)),
-                                f"x-ratelimit-reset-{kind}": duration(reset)})
+                headers.update(
+                    {
+                        f"x-ratelimit-limit-{kind}": str(item.amount),
+                        f"x-ratelimit-remaining-{kind}": str(max(0, item.amount - count)),
+                        f"x-ratelimit-reset-{kind}": duration(reset),
+                    }
+                )
                 if count > item.amount:
                     for given_key, given_item, given in counted:
                         storage.incr(given_key, given_item.get_expiry(), amount=-given)
                     headers[f"x-ratelimit-remaining-{kind}"] = str(
-                        max(0, item.amount - count + cost))
-                    if kind == "requests":        # its next: refused before its body
+                        max(0, item.amount - count + cost)
+                    )
+                    if kind == "requests":  # its next: refused before its body
                         self._spend(tenant, now + reset, headers)
                     metrics.RATE_LIMITED.labels(kind).inc()
                     raise RateLimited(
                         f"Rate limit reached for {kind} per minute: limit {item.amount}"
                         + (f", requested {cost}" if kind == "tokens" else "")
-                        + f". Please try again in {duration(reset)}.", reset, headers)
+                        + f". Please try again in {duration(reset)}.",
+                        reset,
+                        headers,
+                    )
         except RateLimited:
             raise
-        except Exception as exc:       # the storage failed: admit, uncounted, for a second
+        except Exception as exc:  # the storage failed: admit, uncounted, for a second
             self._failed(exc)
             return NO_TICKET
-        settled = []
+        settled: list[bool] = []
         window_end = self._ends.get(counted[-1][0], 0.0)
 
         def charge(tokens: int) -> None:
@@ -223,8 +241,11 @@ class Tenants:
             if settled:
                 return
             settled.append(True)
-            if not limits.tpm or tokens == estimate or (
-                    tokens < estimate and self.clock() >= window_end):
+            if (
+                not limits.tpm
+                or tokens == estimate
+                or (tokens < estimate and self.clock() >= window_end)
+            ):
                 return
             key, item, _ = counted[-1]
             self._incr(storage, key, item, tokens - estimate)
@@ -236,10 +257,11 @@ class Tenants:
             if self.clock() < window_end:
                 for key, item, cost in counted:
                     self._incr(storage, key, item, -cost)
+
         return Ticket(headers, charge, refund, estimate)
 
     def _spend(self, tenant: str, until: float, headers: dict[str, str]) -> None:
-        if len(self._spent) > 100_000:           # keys come and go: forget the lot
+        if len(self._spent) > 100_000:  # keys come and go: forget the lot
             self._spent.clear()
         self._spent[tenant] = (until, {**headers, "x-ratelimit-remaining-requests": "0"})
 
@@ -250,7 +272,6 @@ class Tenants:
             self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:
-        log.warning("rate limit storage failed: %r; requests admitted uncounted for a second",
-                    exc)
+        log.warning("rate limit storage failed: %r; requests admitted uncounted for a second", exc)
         metrics.STORE_ERRORS.labels("limits").inc()
         self._storage.failed()

@@ -6,13 +6,14 @@ store's backend (each worker's memory, or Redis), under a key of the tenant and 
 vLLM keeps them in one engine's memory, never removed (serving.py L182-191): behind a P/D
 gateway no engine saw the whole turn, so the gateway keeps the chain itself.
 """
+
 from __future__ import annotations
 
 import hashlib
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from cachetools import TTLCache
 
@@ -40,8 +41,7 @@ def _fits(packed: bytes, largest: int, response_id: str) -> bool:
     previous_response_id then costs a turn no more than a body sent whole would."""
     if len(packed) <= largest:
         return True
-    log.warning("response %s not stored: %d bytes, over --max-body-bytes", response_id,
-                len(packed))
+    log.warning("response %s not stored: %d bytes, over --max-body-bytes", response_id, len(packed))
     return False
 
 
@@ -49,10 +49,15 @@ class LocalChain:
     """Stored responses in this worker's memory, packed: least recently used out first beyond
     `maxsize` bytes, each gone `ttl` seconds after it was stored, none over `largest`."""
 
-    def __init__(self, maxsize: int, ttl: float, largest: int = 1 << 62,
-                 timer: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        maxsize: int,
+        ttl: float,
+        largest: int = 1 << 62,
+        timer: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._cache: TTLCache = TTLCache(maxsize=maxsize, ttl=ttl, timer=timer, getsizeof=len)
-        self._lock = threading.Lock()      # the cache reorders itself on reads
+        self._lock = threading.Lock()  # the cache reorders itself on reads
         self.largest = largest
 
     def get(self, tenant: bytes, response_id: str) -> dict | None:
@@ -67,7 +72,7 @@ class LocalChain:
         with self._lock:
             try:
                 self._cache[_key(tenant, response_id)] = packed
-            except ValueError:        # larger than the whole budget: not kept
+            except ValueError:  # larger than the whole budget: not kept
                 log.warning("response %s not stored: %d bytes", response_id, len(packed))
 
     def delete(self, tenant: bytes, response_id: str) -> bool:
@@ -82,14 +87,13 @@ class RedisChain:
 
     PREFIX = b"pd-gateway:response:"
 
-    def __init__(self, client, ttl: float,  # type: ignore[no-untyped-def]
-                 largest: int = 1 << 62) -> None:
+    def __init__(self, client, ttl: float, largest: int = 1 << 62) -> None:
         self.largest = largest
         self._errors = redis_url.failures()
         self._redis = client
         self._ttl_ms = int(ttl * 1000)
 
-    def _call(self, operation: str, call):  # type: ignore[no-untyped-def]
+    def _call(self, operation: str, call):
         try:
             return call()
         except self._errors as exc:
@@ -98,29 +102,37 @@ class RedisChain:
             raise GatewayError("The response store is unavailable", status=503) from exc
 
     def get(self, tenant: bytes, response_id: str) -> dict | None:
-        packed = self._call("get", lambda: self._redis.get(self.PREFIX + _key(tenant,
-                                                                               response_id)))
+        packed = self._call("get", lambda: self._redis.get(self.PREFIX + _key(tenant, response_id)))
         return None if packed is None else jsonio.loads_engine(packed)
 
     def put(self, tenant: bytes, response_id: str, record: dict) -> None:
         packed = jsonio.dumps(record)
         if not _fits(packed, self.largest, response_id):
             return
-        self._call("put", lambda: self._redis.set(self.PREFIX + _key(tenant, response_id),
-                                                  packed, px=self._ttl_ms))
+        self._call(
+            "put",
+            lambda: self._redis.set(
+                self.PREFIX + _key(tenant, response_id), packed, px=self._ttl_ms
+            ),
+        )
 
     def delete(self, tenant: bytes, response_id: str) -> bool:
-        return bool(self._call("delete", lambda: self._redis.delete(
-            self.PREFIX + _key(tenant, response_id))))
+        return bool(
+            self._call(
+                "delete", lambda: self._redis.delete(self.PREFIX + _key(tenant, response_id))
+            )
+        )
 
 
 Chain = LocalChain | RedisChain
 
 
-def create_chain(settings) -> Chain:  # type: ignore[no-untyped-def]
+def create_chain(settings) -> Chain:
     """In the settings' store (`--store`), for `--responses-ttl`."""
     if settings.store == "local":
-        return LocalChain(settings.responses_bytes, settings.responses_ttl,
-                          settings.max_body_bytes)
-    return RedisChain(redis_url.redis_client(settings.store, settings.store_timeout)[0],
-                      settings.responses_ttl, settings.max_body_bytes)
+        return LocalChain(settings.responses_bytes, settings.responses_ttl, settings.max_body_bytes)
+    return RedisChain(
+        redis_url.redis_client(settings.store, settings.store_timeout)[0],
+        settings.responses_ttl,
+        settings.max_body_bytes,
+    )

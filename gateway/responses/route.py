@@ -1,6 +1,7 @@
 """OpenAI's Responses API on the P/D flow: `POST /v1/responses` runs as a chat completion
 (the previous response's history expanded, the chat path's identity, reuse and relay), its reply
 converted at the edge and kept (`store`); `GET`, `DELETE` and `cancel` of a kept response."""
+
 from __future__ import annotations
 
 import re
@@ -47,8 +48,14 @@ class Responses:
     def __init__(self, gateway: Gateway, chain: Chain) -> None:
         self.gateway, self.chain = gateway, chain
 
-    def create(self, raw: bytes, headers: Mapping[str, str], arrival: Arrival,
-               request_id: str, body_held: Callable[[], None] | None = None) -> Reply:
+    def create(
+        self,
+        raw: bytes,
+        headers: Mapping[str, str],
+        arrival: Arrival,
+        request_id: str,
+        body_held: Callable[[], None] | None = None,
+    ) -> Reply:
         """One request: the chat request made of it, run by `Gateway.complete` (which owns
         `body_held` from its call on), its reply converted."""
         try:
@@ -66,10 +73,11 @@ class Responses:
                     raise not_found(request.previous_response_id)
             messages = input_messages(request, previous)
             chat = chat_body(request, messages)
-            if home is None:          # a chain's first response: its conversation's root
+            if home is None:  # a chain's first response: its conversation's root
                 cid = chat.get("conversation_id")
-                home = Conversation({k: v for k, v in chat.items() if k != "conversation_id"},
-                                    headers, cid).root()
+                home = Conversation(
+                    {k: v for k, v in chat.items() if k != "conversation_id"}, headers, cid
+                ).root()
                 reply = self._at_home(home, raw, headers, arrival, body_held)
                 if reply is not None:
                     return reply
@@ -77,32 +85,36 @@ class Responses:
             if body_held:
                 body_held()
             raise
-        shape = Shape(request.body, f"resp_{home}{uuid.uuid4().hex[:16]}", chat.get("model"),
-                      tool_choice(request.body))
+        shape = Shape(
+            request.body,
+            f"resp_{home}{uuid.uuid4().hex[:16]}",
+            chat.get("model"),
+            tool_choice(request.body),
+        )
 
         def keep(response: dict) -> None:
             if request.store:
                 try:
-                    self.chain.put(tenant, shape.id, {"messages": messages,
-                                                      "response": response})
+                    self.chain.put(tenant, shape.id, {"messages": messages, "response": response})
                 except GatewayError:
-                    pass       # counted and logged: the reply goes out, the response unkept
+                    pass  # counted and logged: the reply goes out, the response unkept
 
         # Forwarded to the conversation's owner worker, it goes there as the chat request it
         # now is (the owner answers chat; it is converted here).
-        arrival.route = arrival.route[:len(arrival.route) - len(RESPONSES)] + CHAT
-        reply = self.gateway.complete(CHAT, jsonio.dumps(chat), headers, arrival, request_id,
-                                      body_held, endpoint=RESPONSES)
+        arrival.route = arrival.route[: len(arrival.route) - len(RESPONSES)] + CHAT
+        reply = self.gateway.complete(
+            CHAT, jsonio.dumps(chat), headers, arrival, request_id, body_held, endpoint=RESPONSES
+        )
         content_type = reply.headers.get("Content-Type") or reply.content_type
         if reply.status != 200:
-            return reply           # an engine's or an owner's error, in OpenAI's envelope
+            return reply  # an engine's or an owner's error, in OpenAI's envelope
         if reply.stream is not None and content_type.startswith("text/event-stream"):
             reply.headers.pop("Content-Type", None)
             reply.stream = EventStream(shape, keep).convert(reply.stream)
             reply.content_type = "text/event-stream"
             return reply
         body = reply.body
-        if reply.stream is not None:       # an owner worker's JSON, relayed as bytes
+        if reply.stream is not None:  # an owner worker's JSON, relayed as bytes
             try:
                 body = b"".join(reply.stream)
             finally:
@@ -119,8 +131,14 @@ class Responses:
         reply.body, reply.content_type = response, "application/json"
         return reply
 
-    def _at_home(self, home: str | None, raw: bytes, headers: Mapping[str, str],
-                 arrival: Arrival, body_held: Callable[[], None] | None) -> Reply | None:
+    def _at_home(
+        self,
+        home: str | None,
+        raw: bytes,
+        headers: Mapping[str, str],
+        arrival: Arrival,
+        body_held: Callable[[], None] | None,
+    ) -> Reply | None:
         """The reply of the worker that keeps the chain, relayed (several workers, a local
         store); None when it is this one (or away: then this one answers)."""
         owners = self.gateway.owners
@@ -131,25 +149,29 @@ class Responses:
             return None
         reply = self.gateway.relay(target, arrival.route, raw, headers, arrival)
         if reply is not None and body_held:
-            body_held()     # relayed: the owner holds the body now, this worker only bytes
+            body_held()  # relayed: the owner holds the body now, this worker only bytes
         return reply
 
-    def at_home(self, response_id: str, method: str, route: str, port: str,
-                authorization: str | None) -> tuple[int, bytes] | None:
+    def at_home(
+        self, response_id: str, method: str, route: str, port: str, authorization: str | None
+    ) -> tuple[int, bytes] | None:
         """GET, DELETE or cancel of a response another worker keeps (several workers, a local
         store): that worker's status and JSON body; None when this worker keeps it (or that
         one is away: then this one answers)."""
         home, owners = root_of(response_id), self.gateway.owners
-        target = (owners.forward_to(home) if home is not None and owners.may_forward(port)
-                  else None)
+        target = owners.forward_to(home) if home is not None and owners.may_forward(port) else None
         if target is None:
             return None
         timeout = (self.gateway.settings.connect_timeout, self.gateway.settings.read_timeout)
         try:
             with requests.Session() as session:
-                session.trust_env = False      # loopback: never through $HTTP_PROXY
-                answer = session.request(method, target.url + route, timeout=timeout,
-                                         headers={"Authorization": authorization or ""})
+                session.trust_env = False  # loopback: never through $HTTP_PROXY
+                answer = session.request(
+                    method,
+                    target.url + route,
+                    timeout=timeout,
+                    headers={"Authorization": authorization or ""},
+                )
         except requests.RequestException:
             return None
         return answer.status_code, answer.content

@@ -1,9 +1,10 @@
 """Conversation identity: explicit ids, chained history digests, tenant scope, prefix checks.
 
 A digest match proves the client sent back the history an entry's KV was computed for; whether
-the new prompt's *tokens* extend D's tokens is the template's business (see `gateway.reuse.exactness`
-and docs/exactness.md).
+the new prompt's *tokens* extend D's tokens is the template's business (see
+`gateway.reuse.exactness` and docs/exactness.md).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,6 +22,8 @@ from gateway.parse import is_plain
 # (vLLM's ChatCompletionRequest and CompletionRequest). Every other field is part of the digest
 # scope, so two requests differing in it never share KV blocks: a field vLLM adds tomorrow
 # (like cache_salt, reasoning_effort or mm_processor_kwargs before it) is safe by default.
+# (Kept as a paragraph: formatted one name a line, it would be ~60 lines.)
+# fmt: off
 PROMPT_NEUTRAL = frozenset((
     "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
     "min_completion_tokens", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -35,6 +38,7 @@ PROMPT_NEUTRAL = frozenset((
     "return_token_offsets", "return_prompt_text", "return_mm_kwargs", "repetition_detection",
     "stream_interval", "watermarking", "metadata", "store", "service_tier", "prediction",
     "kv_transfer_params"))
+# fmt: on
 # The prompt itself, digested message by message (chat) or as text (completions).
 _PROMPT = ("messages", "prompt")
 # Left truncation (vLLM's default truncation side) drops the prompt's start: no prefix at all.
@@ -61,9 +65,8 @@ def canonical_json(value: Any) -> bytes:
     """JSON bytes independent of key order and layout: what digests are taken over."""
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except TypeError:     # an integer beyond 64 bits (gateway.support.jsonio)
-        return json.dumps(value, sort_keys=True, separators=(",", ":"),
-                          ensure_ascii=False).encode()
+    except TypeError:  # an integer beyond 64 bits (gateway.support.jsonio)
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def canonical_content(content: Any) -> Any:
@@ -82,13 +85,28 @@ def canonical_message(message: Mapping[str, Any]) -> bytes:
     if is_plain(message):
         # Most of every history, digested on every turn: the general form below, built direct.
         return orjson.dumps([message["role"], message["content"], None, [], None, None])
-    tool_calls = [{"id": c.get("id"), "type": c.get("type", "function"),
-                   "function": {"name": (c.get("function") or {}).get("name"),
-                                "arguments": (c.get("function") or {}).get("arguments")}}
-                  for c in message.get("tool_calls") or () if isinstance(c, Mapping)]
-    return canonical_json([message.get("role"), canonical_content(message.get("content")),
-                  message.get("name"), tool_calls, message.get("tool_call_id"),
-                  message.get("reasoning_content") or message.get("reasoning") or None])
+    tool_calls = [
+        {
+            "id": c.get("id"),
+            "type": c.get("type", "function"),
+            "function": {
+                "name": (c.get("function") or {}).get("name"),
+                "arguments": (c.get("function") or {}).get("arguments"),
+            },
+        }
+        for c in message.get("tool_calls") or ()
+        if isinstance(c, Mapping)
+    ]
+    return canonical_json(
+        [
+            message.get("role"),
+            canonical_content(message.get("content")),
+            message.get("name"),
+            tool_calls,
+            message.get("tool_call_id"),
+            message.get("reasoning_content") or message.get("reasoning") or None,
+        ]
+    )
 
 
 def tenant_of(authorization: str | None) -> bytes:
@@ -115,9 +133,9 @@ class Identity:
     root: str
     explicit: bool
     scope: bytes
-    messages: tuple[bytes, ...] | None   # chained digests of each message prefix (chat)
-    prompt: str | None                   # the prompt (completions)
-    reusable: bool = True                # False: the request's prompt is not what it says
+    messages: tuple[bytes, ...] | None  # chained digests of each message prefix (chat)
+    prompt: str | None  # the prompt (completions)
+    reusable: bool = True  # False: the request's prompt is not what it says
     # For each assistant message that carries reasoning: the digest of the prefix ending with it,
     # its reasoning left out. An entry whose reply reasoned is stored under that digest, so a
     # client that does not echo reasoning finds it as well as one that does. The digest then
@@ -125,7 +143,7 @@ class Identity:
     # found only through this digest (reasoning the reply did not have) is treated as not plain
     # either (`reasoning_added`): its reuse is always token-verified (gateway.reuse.exactness).
     unreasoned: Mapping[int, bytes] = field(default_factory=dict)
-    tenant: bytes = b""                  # a hash of the credential (tenant_of)
+    tenant: bytes = b""  # a hash of the credential (tenant_of)
     # The client key the turn runs for (gateway.front.auth.ApiKeys.tenant; "" without client
     # keys): keys share each D's pinned budget and the store's size (gateway.reuse.store).
     key: str = ""
@@ -155,16 +173,23 @@ class Identity:
             if not 0 < history_len < len(self.messages):
                 return False
             unreasoned = self.unreasoned.get(history_len - 1)
-            return (self.messages[history_len - 1].hex() == history_digest
-                    or (unreasoned is not None and unreasoned.hex() == history_digest))
-        return (self.prompt is not None and 0 < history_len < len(self.prompt)
-                and _h(self.scope, self.prompt[:history_len].encode()).hex() == history_digest)
+            return self.messages[history_len - 1].hex() == history_digest or (
+                unreasoned is not None and unreasoned.hex() == history_digest
+            )
+        return (
+            self.prompt is not None
+            and 0 < history_len < len(self.prompt)
+            and _h(self.scope, self.prompt[:history_len].encode()).hex() == history_digest
+        )
 
     def reasoning_added(self, history_digest: str, history_len: int) -> bool:
         """Did this request's history reach the entry only with a reply's reasoning left out?
         Then the digest cannot vouch for the tokens of what the client sent."""
-        return (self.messages is not None and 0 < history_len <= len(self.messages)
-                and self.messages[history_len - 1].hex() != history_digest)
+        return (
+            self.messages is not None
+            and 0 < history_len <= len(self.messages)
+            and self.messages[history_len - 1].hex() != history_digest
+        )
 
     def at_boundary(self, history_len: int) -> bool:
         """Completions: does the prompt continue the entry's text at a token boundary?
@@ -202,13 +227,14 @@ def _unreasoned(message: Mapping[str, Any]) -> Mapping[str, Any]:
     return {k: v for k, v in message.items() if k not in REASONING_FIELDS}
 
 
-def _unreasoned_chain(messages: Sequence[Mapping[str, Any]],
-                      chain: Sequence[bytes], scope: bytes) -> dict[int, bytes]:
+def _unreasoned_chain(
+    messages: Sequence[Mapping[str, Any]], chain: Sequence[bytes], scope: bytes
+) -> dict[int, bytes]:
     """Identity.unreasoned: only assistant messages with reasoning cost a digest."""
     out = {}
     for i, message in enumerate(messages):
         if len(message) == 2 and "content" in message:
-            continue                    # most messages: role and content, nothing to leave out
+            continue  # most messages: role and content, nothing to leave out
         if message.get("role") == "assistant" and any(message.get(n) for n in REASONING_FIELDS):
             previous = chain[i - 1] if i else scope
             out[i] = next(_chain(previous, [_unreasoned(message)]))
@@ -226,15 +252,26 @@ class Conversation:
     worker that serves it (every message). A worker that owns the conversation asks both, and
     the scope is digested once."""
 
-    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str],
-                 conversation_id: str | None, key: str = "") -> None:
+    def __init__(
+        self,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        conversation_id: str | None,
+        key: str = "",
+    ) -> None:
         self.body = body
         self.key = key
         self.tenant = tenant_of(headers.get("Authorization"))
-        self.scope = _h(b"scope", self.tenant, canonical_json(
-            {k: v for k, v in body.items() if k not in PROMPT_NEUTRAL and k not in _PROMPT}))
+        self.scope = _h(
+            b"scope",
+            self.tenant,
+            canonical_json(
+                {k: v for k, v in body.items() if k not in PROMPT_NEUTRAL and k not in _PROMPT}
+            ),
+        )
         self.explicit_id = conversation_id or next(
-            (headers[h] for h in ID_HEADERS if headers.get(h)), None)
+            (headers[h] for h in ID_HEADERS if headers.get(h)), None
+        )
         self._root: str | None = None
 
     def root(self) -> str:
@@ -249,25 +286,35 @@ class Conversation:
         """The identity of the request (chat if it has `messages`, else completions)."""
         body, scope = self.body, self.scope
         messages = tuple(_chain(scope, body["messages"])) if "messages" in body else None
-        prompt = (body.get("prompt") if messages is None and isinstance(body.get("prompt"), str)
-                  else None)
+        prompt = (
+            body.get("prompt") if messages is None and isinstance(body.get("prompt"), str) else None
+        )
         unreasoned = _unreasoned_chain(body["messages"], messages, scope) if messages else {}
         if self._root is None:
             self._root = _root(body, self.tenant, scope, self.explicit_id, messages)
-        return Identity(root=self._root, explicit=bool(self.explicit_id), scope=scope,
-                        messages=messages, prompt=prompt,
-                        reusable=all(body.get(name) is None for name in NO_REUSE),
-                        unreasoned=unreasoned, tenant=self.tenant, key=self.key)
+        return Identity(
+            root=self._root,
+            explicit=bool(self.explicit_id),
+            scope=scope,
+            messages=messages,
+            prompt=prompt,
+            reusable=all(body.get(name) is None for name in NO_REUSE),
+            unreasoned=unreasoned,
+            tenant=self.tenant,
+            key=self.key,
+        )
 
 
-def identify(body: Mapping[str, Any], headers: Mapping[str, str],
-             conversation_id: str | None) -> Identity:
+def identify(
+    body: Mapping[str, Any], headers: Mapping[str, str], conversation_id: str | None
+) -> Identity:
     """Build the identity of a validated request (chat if it has `messages`, else completions)."""
     return Conversation(body, headers, conversation_id).identity()
 
 
-def root_key(body: Mapping[str, Any], headers: Mapping[str, str],
-             conversation_id: str | None) -> str:
+def root_key(
+    body: Mapping[str, Any], headers: Mapping[str, str], conversation_id: str | None
+) -> str:
     """Just `identify(...).root`: all a worker needs to know when it forwards the request to
     the conversation's owner."""
     return Conversation(body, headers, conversation_id).root()
@@ -281,14 +328,20 @@ def _chain(scope: bytes, messages: Iterable[Mapping[str, Any]]) -> Iterator[byte
         yield chain
 
 
-def _root(body: Mapping[str, Any], tenant: bytes, scope: bytes, explicit_id: str | None,
-          chain: Iterable[bytes] | None) -> str:
+def _root(
+    body: Mapping[str, Any],
+    tenant: bytes,
+    scope: bytes,
+    explicit_id: str | None,
+    chain: Iterable[bytes] | None,
+) -> str:
     if explicit_id:
         return _h(b"id", tenant, explicit_id.encode()).hex()
     if chain is not None:
         # Up to the first user message: every turn of the conversation shares it.
         messages = body["messages"]
-        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"),
-                          len(messages) - 1)
+        first_user = next(
+            (i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1
+        )
         return next(islice(chain, first_user, None)).hex()
     return _h(scope, str(body.get("prompt", ""))[:256].encode()).hex()

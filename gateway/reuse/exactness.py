@@ -12,13 +12,14 @@ that the tokens follow depends on the chat template. Three proofs, cheapest firs
   (`/tokenize`, the same fields the engine renders) and compared. Reasoning and tool-call turns
   need it: templates drop or re-render them.
 - **Partial reuse**: where the tokens differ, the largest block-aligned prefix the new prompt
-  still shares with D's tokens (`gateway.reuse.partial`), if it is at least `partial_tokens`: P reads
-  only those (D's params cut to them).
+  still shares with D's tokens (`gateway.reuse.partial`), if it is at least `partial_tokens`: P
+  reads only those (D's params cut to them).
 - Otherwise: no reuse (a miss, never a wrong read).
 
 `verify_reuse`: `auto` (verify only what the digest cannot prove), `always` (verify every reuse),
 `off` (no /tokenize, no token ids: plain turns on the digest alone, the rest miss).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,18 +42,37 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "always", "off")
 # The chat fields vLLM's /tokenize renders like a chat request does (TokenizeChatRequest).
-TOKENIZE_CHAT_FIELDS = ("model", "messages", "tools", "chat_template", "chat_template_kwargs",
-                        "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                        "mm_processor_kwargs", "media_io_kwargs")
+TOKENIZE_CHAT_FIELDS = (
+    "model",
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+)
 TOKENIZE_COMPLETION_FIELDS = ("model", "prompt", "add_special_tokens")
 # Fields that change a chat prompt but that /tokenize does not take: a request carrying one
 # cannot be reproduced, so its reuse cannot be verified (vLLM passes them to the template).
 NOT_TOKENIZABLE = ("documents", "reasoning_effort")
 # The fields that select a template's behaviour: one probe per distinct combination.
-TEMPLATE_FIELDS = ("model", "tools", "tool_choice", "chat_template", "chat_template_kwargs",
-                   "mm_processor_kwargs", "add_special_tokens", *NOT_TOKENIZABLE)
-PROBE_HISTORY = [{"role": "system", "content": "You answer briefly."},
-                 {"role": "user", "content": "What is a prefix?"}]
+TEMPLATE_FIELDS = (
+    "model",
+    "tools",
+    "tool_choice",
+    "chat_template",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+    "add_special_tokens",
+    *NOT_TOKENIZABLE,
+)
+PROBE_HISTORY = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is a prefix?"},
+]
 PROBE_REPLY = {"role": "assistant", "content": "The start of a sequence."}
 PROBE_NEXT = {"role": "user", "content": "And a suffix?"}
 
@@ -79,8 +99,11 @@ def plain_reply(identity: Identity, decoded, body: dict) -> bool:
         return False
     text = decoded.reply_text()
     if identity.messages is not None:
-        return (text == text.strip() and not body.get("continue_final_message")
-                and body.get("add_generation_prompt") is not False)
+        return (
+            text == text.strip()
+            and not body.get("continue_final_message")
+            and body.get("add_generation_prompt") is not False
+        )
     prompt = identity.prompt or ""
     return word_boundary(prompt + text, len(prompt))
 
@@ -105,7 +128,7 @@ class TemplateProbe:
         self._known: TTLCache = TTLCache(maxsize, ttl)
         self._failed: TTLCache = TTLCache(maxsize, retry)
         self._lock = threading.Lock()
-        self._probing: dict[str, threading.Lock] = {}   # one probe per template at a time
+        self._probing: dict[str, threading.Lock] = {}  # one probe per template at a time
 
     @staticmethod
     def key(body: dict, tenant: bytes = b"") -> str:
@@ -126,7 +149,7 @@ class TemplateProbe:
         key = self.key(body, tenant)
         with self._lock:
             probing = self._probing.setdefault(key, threading.Lock())
-        with probing:       # the first request of a new template probes; the others wait for it
+        with probing:  # the first request of a new template probes; the others wait for it
             cached = self.known(body, tenant)
             if cached is not None:
                 return cached
@@ -144,24 +167,38 @@ class TemplateProbe:
         fields.pop("continue_final_message", None)
         try:
             generation = tokenize({**fields, "messages": PROBE_HISTORY})
-            reply = tokenize({**fields, "messages": PROBE_HISTORY + [PROBE_REPLY],
-                              "add_generation_prompt": False, "continue_final_message": True})
+            reply = tokenize(
+                {
+                    **fields,
+                    "messages": PROBE_HISTORY + [PROBE_REPLY],
+                    "add_generation_prompt": False,
+                    "continue_final_message": True,
+                }
+            )
             following = tokenize({**fields, "messages": PROBE_HISTORY + [PROBE_REPLY, PROBE_NEXT]})
         except GatewayError as exc:
             if _propagate(exc):
                 raise
-            log.warning("template probe failed (%s); reuse needs token verification for %ss",
-                        exc.message, int(self._failed.ttl))
+            log.warning(
+                "template probe failed (%s); reuse needs token verification for %ss",
+                exc.message,
+                int(self._failed.ttl),
+            )
             metrics.TEMPLATE_PROBES.labels("error").inc()
             with self._lock:
                 self._failed[key] = True
             return False
-        keeps = (len(reply) > len(generation) and reply[:len(generation)] == generation
-                 and following[:len(reply)] == reply)
+        keeps = (
+            len(reply) > len(generation)
+            and reply[: len(generation)] == generation
+            and following[: len(reply)] == reply
+        )
         if not keeps:
-            log.warning("the chat template of model %s does not keep the prefix property "
-                        "(earlier text re-rendered): every reuse is token-verified",
-                        clip(repr(body.get("model"))))
+            log.warning(
+                "the chat template of model %s does not keep the prefix property "
+                "(earlier text re-rendered): every reuse is token-verified",
+                clip(repr(body.get("model"))),
+            )
         return self._remember(key, keeps, "safe" if keeps else "unsafe")
 
     def _remember(self, key: str, safe: bool, result: str) -> bool:
@@ -174,8 +211,9 @@ class TemplateProbe:
 class Exactness:
     """Decides, per turn, whether an entry's blocks may be read and what D must report."""
 
-    def __init__(self, mode: str, partial_tokens: int = 0,
-                 block_size: int | Callable[[], int | None] = 16) -> None:
+    def __init__(
+        self, mode: str, partial_tokens: int = 0, block_size: int | Callable[[], int | None] = 16
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"verify_reuse must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -207,22 +245,30 @@ class Exactness:
         if not request.is_chat:
             return False
         body = request.body
-        return (bool(body.get("tools")) or body.get("model") in self._reasoning_models
-                or self.templates.known(body, tenant) is not True)
+        return (
+            bool(body.get("tools"))
+            or body.get("model") in self._reasoning_models
+            or self.templates.known(body, tenant) is not True
+        )
 
-    def held(self, prompt_ids: list | None, output_ids: list | None,
-             held: Any, single_group: bool) -> tuple[str | None, bytes | None]:
+    def held(
+        self, prompt_ids: list | None, output_ids: list | None, held: Any, single_group: bool
+    ) -> tuple[str | None, bytes | None]:
         """The token digest of what D holds after a turn, and its partial-reuse checkpoints
         (only for one KV group, the only kind partial reuse may cut)."""
         size = (self._block_size() or 0) if self.partial_tokens and single_group else 0
         return partial.held_digests(prompt_ids, output_ids, held, size)
 
-    def admit(self, entry: Entry, request: ClientRequest, identity: Identity,
-              tokenize: Tokenize) -> Reuse:
+    def admit(
+        self, entry: Entry, request: ClientRequest, identity: Identity, tokenize: Tokenize
+    ) -> Reuse:
         """What P may read of `entry`'s blocks for this request. Counts why not."""
         proven = entry.plain and identity.at_boundary(entry.history_len)
-        if self.mode == "off" or (self.mode == "auto" and proven and (
-                not request.is_chat or self.templates.known(request.body, identity.tenant))):
+        if self.mode == "off" or (
+            self.mode == "auto"
+            and proven
+            and (not request.is_chat or self.templates.known(request.body, identity.tenant))
+        ):
             if proven:
                 metrics.REUSE_CHECKS.labels("digest").inc()
                 return Reuse(entry, None, "digest")
@@ -244,8 +290,11 @@ class Exactness:
             return self._refuse("mismatch")
         data = partial.ids_bytes(tokens)
         # P reads min(held, prompt - 1) tokens: the prompt must be longer than what D holds.
-        if (data is not None and len(tokens) > held
-                and hashlib.blake2b(data[:held * 8], digest_size=16).hexdigest() == entry.token_digest):
+        if (
+            data is not None
+            and len(tokens) > held
+            and hashlib.blake2b(data[: held * 8], digest_size=16).hexdigest() == entry.token_digest
+        ):
             metrics.REUSE_CHECKS.labels("verified").inc()
             return Reuse(entry, len(tokens), "verified")
         cut = self._partial(entry, held, data)
@@ -272,25 +321,37 @@ class Exactness:
     def _warn_block_size(self, entry: Entry, size: int) -> None:
         groups = entry.params.get("remote_block_ids") or [[]]
         held = entry.params.get("remote_num_tokens")
-        if (not self._size_warned and len(groups) == 1 and isinstance(held, int)
-                and len(groups[0]) != -(-held // size)):
+        if (
+            not self._size_warned
+            and len(groups) == 1
+            and isinstance(held, int)
+            and len(groups[0]) != -(-held // size)
+        ):
             self._size_warned = True
-            log.warning("D's block list (%d ids for %d tokens) does not match a block size of "
-                        "%d (--kv-block-size): no partial reuse", len(groups[0]), held, size)
+            log.warning(
+                "D's block list (%d ids for %d tokens) does not match a block size of "
+                "%d (--kv-block-size): no partial reuse",
+                len(groups[0]),
+                held,
+                size,
+            )
 
     @staticmethod
     def tokenize_body(request: ClientRequest) -> dict | None:
         """The /tokenize body that renders exactly this request's prompt, or None."""
         body = request.body
         if not request.is_chat:
-            return {k: body[k] for k in TOKENIZE_COMPLETION_FIELDS if k in body} \
-                if isinstance(body.get("prompt"), str) else None
+            return (
+                {k: body[k] for k in TOKENIZE_COMPLETION_FIELDS if k in body}
+                if isinstance(body.get("prompt"), str)
+                else None
+            )
         if any(body.get(name) is not None for name in NOT_TOKENIZABLE):
             return None
-        wire = request.wire     # the history as already written for P and D
+        wire = request.wire  # the history as already written for P and D
         out = {k: wire[k] for k in TOKENIZE_CHAT_FIELDS if k in wire}
         if out.get("continue_final_message"):
-            out["add_generation_prompt"] = False   # vLLM rejects both set
+            out["add_generation_prompt"] = False  # vLLM rejects both set
         return out
 
     @staticmethod

@@ -1,6 +1,7 @@
 """D's kv_transfer_params as the gateway speaks them: the stub P gets on a miss, the allowlist
 kept for the next turn, and the P and D bodies that carry them.
 (The contract, field by field with its vLLM sources: docs/pd-protocol.md.)"""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,29 +10,43 @@ from typing import Any
 from gateway.engines.instances import Instance
 
 # What P gets on a miss: compute everything and keep the blocks for D to pull (vLLM's stub).
-MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+MISS_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 # A D that must compute the prompt itself (a decode-only turn, or P's blocks perhaps read by a
 # D that failed) gets no kv_transfer_params at all. Params with neither flag set would make
 # vLLM 0.33 keep the request's blocks and never free them: its connector never tracked the
 # request, so no TTL reaps it and no reader's notification is accepted
 # (nixl/pull_scheduler.py ~L119-125, nixl/pull_worker.py ~L97-121, ~L670-681).
 # Fields P must not see: it generates exactly one token, never streams.
-PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens",
-                   "stream_options")
+PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
 
 
 def _int(low: int, high: int | None = None) -> Callable[[Any], bool]:
-    return lambda v: (isinstance(v, int) and not isinstance(v, bool) and v >= low
-                      and (high is None or v <= high))
+    return lambda v: (
+        isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
+    )
 
 
 def _block_ids(value: Any) -> bool:
     # Every turn checks D's whole list (a 10k-token history holds 600+ ids): in C, not per id.
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(group, list) and (not group or (set(map(type, group)) == {int}
-                                                   and min(group) >= 0 and max(group) < 2 ** 63))
-        for group in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(group, list)
+            and (
+                not group
+                or (set(map(type, group)) == {int} and min(group) >= 0 and max(group) < 2**63)
+            )
+            for group in value
+        )
+    )
 
 
 def _text(value: Any) -> bool:
@@ -40,18 +55,29 @@ def _text(value: Any) -> bool:
 
 # D's kv_transfer_params as the gateway keeps them: known fields only, each checked, because
 # they go back to P verbatim next turn (llm-d's required-field list plus vLLM's extras).
-REQUIRED_PARAMS = {"remote_block_ids": _block_ids, "remote_engine_id": _text,
-                   "remote_request_id": _text, "remote_port": _int(1, 65535)}
-OPTIONAL_PARAMS = {"remote_host": _text, "tp_size": _int(1), "dcp_size": _int(1),
-                   "pp_size": _int(1), "remote_num_tokens": _int(0),
-                   "remote_blocks_expiry_time": lambda v: v is None or (
-                       isinstance(v, (int, float)) and not isinstance(v, bool)),
-                   "transfer_mode": _text, "remote_control_host": _text,
-                   "remote_control_port": _int(1, 65535),
-                   # P re-handshakes with a D that registered its KV cache again (after a
-                   # sleep) only when it sees a newer generation (nixl/pull_worker.py
-                   # ~L145-151, vLLM 0.33): dropped, P would read the old registration.
-                   "remote_registration_generation": _int(0)}
+REQUIRED_PARAMS = {
+    "remote_block_ids": _block_ids,
+    "remote_engine_id": _text,
+    "remote_request_id": _text,
+    "remote_port": _int(1, 65535),
+}
+OPTIONAL_PARAMS = {
+    "remote_host": _text,
+    "tp_size": _int(1),
+    "dcp_size": _int(1),
+    "pp_size": _int(1),
+    "remote_num_tokens": _int(0),
+    "remote_blocks_expiry_time": lambda v: (
+        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    ),
+    "transfer_mode": _text,
+    "remote_control_host": _text,
+    "remote_control_port": _int(1, 65535),
+    # P re-handshakes with a D that registered its KV cache again (after a
+    # sleep) only when it sees a newer generation (nixl/pull_worker.py
+    # ~L145-151, vLLM 0.33): dropped, P would read the old registration.
+    "remote_registration_generation": _int(0),
+}
 
 
 def clean_params(params: Any) -> dict | None:
@@ -76,8 +102,7 @@ def prefill_body(body: dict, params: dict | None) -> dict:
     if params is None:
         out["kv_transfer_params"] = dict(MISS_PARAMS)
     else:
-        out["kv_transfer_params"] = {**params, "do_remote_decode": True,
-                                     "do_remote_prefill": False}
+        out["kv_transfer_params"] = {**params, "do_remote_decode": True, "do_remote_prefill": False}
     return out
 
 

@@ -26,6 +26,7 @@ after it. Each digest is of the whole prefix up to its boundary, so the shared c
 the leading ones and the largest one the new prompt's ids also give is K. A checkpoint set costs
 8 bytes a digest, ~45 digests for a 10,000-token history (docs/exactness.md, "Partial reuse").
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,9 +37,9 @@ from collections.abc import Sequence
 # Blocks before the end of turn N's prompt that each get a checkpoint: the divergence of every
 # template behaviour above lies there, or at the start of the last user message before it.
 DENSE = 16
-DIGEST = 8                                  # bytes kept per checkpoint
-_HEAD = struct.Struct("<IH")                # turn N's prompt length, the block size
-NULL_BLOCK = 0                              # vLLM's null block (v1/core/block_pool.py)
+DIGEST = 8  # bytes kept per checkpoint
+_HEAD = struct.Struct("<IH")  # turn N's prompt length, the block size
+NULL_BLOCK = 0  # vLLM's null block (v1/core/block_pool.py)
 
 
 def checkpoints(prompt_len: int, held: int, block_size: int) -> list[int]:
@@ -66,8 +67,9 @@ def ids_bytes(ids: Sequence[int]) -> bytes | None:
         return None
 
 
-def held_digests(prompt_ids: list | None, output_ids: list | None, held: object,
-                 block_size: int) -> tuple[str | None, bytes | None]:
+def held_digests(
+    prompt_ids: list | None, output_ids: list | None, held: object, block_size: int
+) -> tuple[str | None, bytes | None]:
     """The digest of the tokens D holds (prompt + output - 1, `remote_num_tokens`) and the
     checkpoint digests for partial reuse, in one pass; (None, None) unless D's ids are complete.
 

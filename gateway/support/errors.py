@@ -1,6 +1,7 @@
 """The `GatewayError` hierarchy, and the one place an error becomes the OpenAI error envelope:
 a response (as Werkzeug's `HTTPException.get_response`) or, mid-stream, a final SSE event.
 Every JSON body the gateway answers with is serialized here too (`json_response`)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,8 +27,14 @@ class GatewayError(Exception):
     # own mistakes, its disconnect, or the request's deadline.
     instance_fault = False
 
-    def __init__(self, message: str, *, param: str | None = None,
-                 status: int | None = None, instance_fault: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int | None = None,
+        instance_fault: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -44,18 +51,26 @@ class GatewayError(Exception):
         return kind(exc.description or exc.name, status=status)
 
     def envelope(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
     def headers(self) -> dict[str, str]:
         """Response headers this error adds (Retry-After, WWW-Authenticate)."""
         return {}
 
-    def response(self, request_id: str | None = None,
-                 envelope: Callable[[GatewayError], dict] | None = None) -> Response:
+    def response(
+        self, request_id: str | None = None, envelope: Callable[[GatewayError], dict] | None = None
+    ) -> Response:
         """This error as the client's HTTP response (in `envelope`'s shape: another API's)."""
-        response = json_response(self.envelope() if envelope is None else envelope(self),
-                                 self.status)
+        response = json_response(
+            self.envelope() if envelope is None else envelope(self), self.status
+        )
         response.headers.update(self.headers())
         if request_id:
             response.headers["X-Request-Id"] = request_id

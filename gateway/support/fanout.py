@@ -1,6 +1,7 @@
 """Running one call per item, a few at once, on threads kept between rounds: the background
 loops' way to ask every engine (the prober, the reader of the engines' /metrics), so one engine
 that answers slowly costs its own call, not the others' turn."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -34,7 +35,7 @@ class Fanout:
         try:
             for _ in self._pool.map(call, items):
                 pass
-        except RuntimeError:     # "cannot schedule new futures after (interpreter) shutdown"
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
             self._closed = True
 
     def close(self) -> None:

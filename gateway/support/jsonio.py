@@ -10,6 +10,7 @@ refuses all of these by itself. `loads_engine` reads what an engine sends as Pyt
 does (NaN and Infinity kept as written, lone surrogates, integers beyond 64 bits), and `dumps`
 writes all of it back.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from typing import Any
 
 import orjson
 
-_HUGE = 2.0 ** 63     # orjson reads integer literals it cannot hold as floats at least this big
+_HUGE = 2.0**63  # orjson reads integer literals it cannot hold as floats at least this big
 # 2**63 has 19 digits: a run of 19 digits is a number orjson may not hold. Found by mapping every
 # digit to "0" and looking for 19 of them (bytes.translate and a substring search, both in C),
 # not with the regex \d{19}, which tries a match at every digit of every event.
@@ -33,7 +34,7 @@ class TooDeep(ValueError):
 def loads(raw: bytes, max_depth: int = 64) -> Any:
     """The JSON value of `raw`; ValueError (or RecursionError) if it is not strict JSON,
     TooDeep if it nests more than `max_depth` containers."""
-    value = orjson.loads(raw)        # strict in every way above by itself
+    value = orjson.loads(raw)  # strict in every way above by itself
     if isinstance(value, (dict, list)) and _walk(value, max_depth):
         # A float that may have been an integer beyond 64 bits: `json` keeps it exact.
         value = json.loads(raw)
@@ -85,7 +86,7 @@ def _walk(value: dict | list, max_depth: int) -> bool:
             if float in kinds and not huge:
                 huge = any(type(c) is float and not -_HUGE < c < _HUGE for c in children)
             if kinds <= _CONTAINERS:
-                nested.extend(children)          # a history: a list of messages
+                nested.extend(children)  # a history: a list of messages
             elif dict in kinds or list in kinds:
                 nested.extend(c for c in children if type(c) is dict or type(c) is list)
         level = nested
@@ -105,11 +106,11 @@ def dumps(value: Any) -> bytes:
     """Compact UTF-8 JSON of `value` (which may hold `Written` parts)."""
     try:
         return orjson.dumps(value, default=_as_fragment)
-    except TypeError:                # an integer beyond 64 bits, a lone surrogate (json read them)
+    except TypeError:  # an integer beyond 64 bits, a lone surrogate (json read them)
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_as_value)
         try:
             return text.encode()
-        except UnicodeEncodeError:   # a lone surrogate: escaped, as json writes it by default
+        except UnicodeEncodeError:  # a lone surrogate: escaped, as json writes it by default
             return json.dumps(value, separators=(",", ":"), default=_as_value).encode()
 
 

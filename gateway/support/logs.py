@@ -4,6 +4,7 @@ filter), text or JSON lines, and the W3C `traceparent` sent to P and D.
 The JSON formatter is a few lines over `json.dumps`; a library (python-json-logger) would add a
 dependency for what one `format` method does.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -12,8 +13,9 @@ import logging
 import re
 import secrets
 
-REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("pd_gateway_request_id",
-                                                                default="-")
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "pd_gateway_request_id", default="-"
+)
 TEXT_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 # W3C Trace Context: version 00, a 32-hex trace id and a 16-hex parent id, neither all zeros.
 _TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
@@ -66,9 +68,14 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = {"time": self.formatTime(record), "level": record.levelname,
-                "logger": record.name, "pid": record.process,
-                "request_id": getattr(record, "request_id", "-"), "message": record.getMessage()}
+        line = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "request_id": getattr(record, "request_id", "-"),
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         text = json.dumps(line, ensure_ascii=False)
@@ -82,8 +89,7 @@ def configure(level: str, fmt: str = "text") -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RequestIdFilter) for f in handler.filters):
             handler.addFilter(RequestIdFilter())
-            handler.setFormatter(JsonFormatter() if fmt == "json"
-                                 else TextFormatter(TEXT_FORMAT))
+            handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
 
 
 def traceparent(given: str | None) -> str:

@@ -9,10 +9,10 @@ from gateway.gunicorn_conf import install
 # refuses it). gevent: the gateway's variant, which lets idle keep-alive connections go 2 s
 # into a graceful stop instead of waiting out `keepalive`.
 worker_class = os.environ.get("LEGACY_WORKER_CLASS", "gateway.workers.GeventWorker")
-threads = 64                  # gthread: the concurrent streams one worker serves
-worker_connections = 1000     # gevent
-preload_app = True            # the service loads its app once, in the master, then forks
-timeout = 60                  # the worker heartbeat, not a request limit
+threads = 64  # gthread: the concurrent streams one worker serves
+worker_connections = 1000  # gevent
+preload_app = True  # the service loads its app once, in the master, then forks
+timeout = 60  # the worker heartbeat, not a request limit
 graceful_timeout = 30
 keepalive = 75
 accesslog = None

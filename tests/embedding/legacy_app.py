@@ -5,6 +5,7 @@ and JSON style stay its own; the gateway's routes answer in the OpenAI way. Its 
 config is gunicorn.conf.py beside it. Settings come from a config object, then from LEGACY_*
 variables (`app.config.from_prefixed_env`), as many Flask services take theirs.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,9 @@ def create_app() -> Flask:
 
     @app.get("/health")
     def health():
-        return jsonify(status="legacy-ok", pid=os.getpid(),
-                       post_fork=os.environ.get("LEGACY_POST_FORK", ""))
+        return jsonify(
+            status="legacy-ok", pid=os.getpid(), post_fork=os.environ.get("LEGACY_POST_FORK", "")
+        )
 
     @app.get("/api/items/<int:item_id>")
     def item(item_id: int):

@@ -52,8 +52,12 @@ def make_api():
         clock = TickingClock()
         settings = {"role": "decode", "port": 18200, "itl_ms": 2.0, "output_tokens": 4, **overrides}
         # Background work (a read notification) runs at once: no hub runs in these tests.
-        engine = Engine(EngineConfig(**settings), clock=clock, sleep=clock.sleep,
-                        background=lambda fn, *args: fn(*args))
+        engine = Engine(
+            EngineConfig(**settings),
+            clock=clock,
+            sleep=clock.sleep,
+            background=lambda fn, *args: fn(*args),
+        )
         return Api(engine, clock, create_app(engine).test_client())
 
     return make
@@ -69,10 +73,24 @@ def sse():
 def pd_processes():
     # Distinct loopback addresses: remote_host "localhost" (127.0.0.1) reaches neither engine.
     # Not vLLM's default: bidirectional transfer on, as a P/D gateway's engines run.
-    with EmulatorProcess("prefill", host="127.0.0.2", prefill_ms_per_token=0.01, itl_ms=1,
-                         output_tokens=6, bidirectional_kv_xfer=True) as p, \
-            EmulatorProcess("decode", host="127.0.0.3", prefill_ms_per_token=0.01, itl_ms=1,
-                            output_tokens=6, bidirectional_kv_xfer=True) as d:
+    with (
+        EmulatorProcess(
+            "prefill",
+            host="127.0.0.2",
+            prefill_ms_per_token=0.01,
+            itl_ms=1,
+            output_tokens=6,
+            bidirectional_kv_xfer=True,
+        ) as p,
+        EmulatorProcess(
+            "decode",
+            host="127.0.0.3",
+            prefill_ms_per_token=0.01,
+            itl_ms=1,
+            output_tokens=6,
+            bidirectional_kv_xfer=True,
+        ) as d,
+    ):
         yield p, d
 
 

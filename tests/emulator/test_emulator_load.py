@@ -11,15 +11,18 @@ import pytest
 
 from emulator.process import EmulatorProcess
 
-pytestmark = pytest.mark.processes     # an engine process
+pytestmark = pytest.mark.processes  # an engine process
 
 STREAMS = 500
 
 
 def run_streams(host: str, port: int, body: bytes, count: int, timeout: float) -> list[bytes]:
-    """Open `count` raw HTTP/1.1 connections at once and read each response to EOF, in one thread."""
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    """Open `count` raw HTTP/1.1 connections at once and read each response to EOF, in one
+    thread."""
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
     selector = selectors.DefaultSelector()
     received: dict[int, bytearray] = {}
     for i in range(count):
@@ -48,10 +51,16 @@ def test_500_concurrent_streams_complete():
     # Streams last ~5 s (21 steps of 250 ms) so all of them are open at the same time: opening
     # 500 connections can take seconds on a loaded machine, and a stream keeps to its engine's
     # steps however late its greenlet runs, so it is not stretched by the load.
-    with EmulatorProcess("decode", itl_ms=250, prefill_ms_per_token=0.01,
-                         output_tokens=20) as engine:
-        body = json.dumps({"model": "emulated-model", "stream": True,
-                           "messages": [{"role": "user", "content": "hello load test"}]}).encode()
+    with EmulatorProcess(
+        "decode", itl_ms=250, prefill_ms_per_token=0.01, output_tokens=20
+    ) as engine:
+        body = json.dumps(
+            {
+                "model": "emulated-model",
+                "stream": True,
+                "messages": [{"role": "user", "content": "hello load test"}],
+            }
+        ).encode()
         responses = run_streams(engine.host, engine.port, body, STREAMS, timeout=60)
         for response in responses:
             head, _, payload = response.partition(b"\r\n\r\n")

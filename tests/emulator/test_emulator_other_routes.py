@@ -1,5 +1,6 @@
 """vLLM's other routes on the emulator, in vLLM 0.33.0's shapes (emulator/other_routes.py cites
 each): deterministic values, the model checked, faults suffered as a completion suffers them."""
+
 from __future__ import annotations
 
 import base64
@@ -20,10 +21,15 @@ def test_embeddings_are_deterministic_unit_vectors_in_floats_or_base64(make_api)
     first = floats["data"][0]["embedding"]
     assert len(first) == EMBEDDING_SIZE and abs(sum(x * x for x in first) - 1) < 1e-4
     assert first == vector("alpha bravo")
-    assert floats["usage"] == {"prompt_tokens": 3, "total_tokens": 3, "completion_tokens": 0,
-                               "prompt_tokens_details": None}
-    packed = api.post("/v1/embeddings", {"input": "alpha bravo", "encoding_format": "base64",
-                                         "dimensions": 4}).json["data"][0]["embedding"]
+    assert floats["usage"] == {
+        "prompt_tokens": 3,
+        "total_tokens": 3,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
+    packed = api.post(
+        "/v1/embeddings", {"input": "alpha bravo", "encoding_format": "base64", "dimensions": 4}
+    ).json["data"][0]["embedding"]
     assert list(struct.unpack("=4f", base64.b64decode(packed))) == pytest.approx(first[:4])
     assert api.engine.stats.other_requests == 2
 
@@ -34,13 +40,15 @@ def test_pooling_score_and_rerank(make_api):
     assert pooled["data"] == [{"index": 0, "object": "pooling", "data": vector("alpha")}]
     scores = api.post("/score", {"queries": "alpha", "documents": ["alpha", "zulu"]}).json
     assert [d["object"] for d in scores["data"]] == ["score", "score"]
-    assert scores["data"][0]["score"] == 1.0      # an input against itself
+    assert scores["data"][0]["score"] == 1.0  # an input against itself
     again = api.post("/v1/score", {"text_1": "alpha", "text_2": ["alpha", "zulu"]}).json
     assert [d["score"] for d in again["data"]] == [d["score"] for d in scores["data"]]
-    ranked = api.post("/v2/rerank", {"query": "alpha", "documents": ["zulu", "alpha"],
-                                     "top_n": 1}).json
-    assert ranked["results"] == [{"index": 1, "document": {"text": "alpha", "multi_modal": None},
-                                  "relevance_score": 1.0}]
+    ranked = api.post(
+        "/v2/rerank", {"query": "alpha", "documents": ["zulu", "alpha"], "top_n": 1}
+    ).json
+    assert ranked["results"] == [
+        {"index": 1, "document": {"text": "alpha", "multi_modal": None}, "relevance_score": 1.0}
+    ]
     assert ranked["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
 
 
@@ -69,8 +77,9 @@ def test_transcription_as_json_and_as_a_stream(make_api, sse):
     assert events[-1] == "[DONE]" and {e["object"] for e in events[:-1]} == {"translation.chunk"}
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == reply.json["text"]
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
-    wrong = api.client.post("/v1/audio/transcriptions",
-                            data={"model": "x", "file": (io.BytesIO(b"1"), "a.wav")})
+    wrong = api.client.post(
+        "/v1/audio/transcriptions", data={"model": "x", "file": (io.BytesIO(b"1"), "a.wav")}
+    )
     assert wrong.status_code == 404
 
 

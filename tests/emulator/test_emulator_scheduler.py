@@ -13,7 +13,7 @@ from emulator.engine import Engine
 from emulator.process import EmulatorProcess, wait_until
 from emulator.scheduler import Scheduler, Seq
 
-ITL_MS, PREFILL_MS = 10.0, 0.1    # the emulator's defaults
+ITL_MS, PREFILL_MS = 10.0, 0.1  # the emulator's defaults
 
 
 def step_s(prefill: int, decode: int) -> float:
@@ -21,8 +21,9 @@ def step_s(prefill: int, decode: int) -> float:
 
 
 def make(**limits: object) -> Scheduler:
-    return Scheduler(**{"max_num_batched_tokens": 8192, "max_num_seqs": 1024, "step_s": step_s,
-                        **limits})
+    return Scheduler(
+        **{"max_num_batched_tokens": 8192, "max_num_seqs": 1024, "step_s": step_s, **limits}
+    )
 
 
 def run(sched: Scheduler, *seqs: Seq, now: float = 0.0) -> list[list[int]]:
@@ -43,8 +44,12 @@ def first_token_step(history: list[list[int]], which: int) -> int:
 def test_defaults_are_vllms_for_an_80_gb_gpu_serving_openai():
     """engine/arg_utils.py ~L2983-2997, ~L3040-3048, ~L3190-3199; config/scheduler.py ~L79."""
     cfg = EngineConfig(role="decode", port=18200)
-    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.enable_chunked_prefill,
-            cfg.long_prefill_token_threshold) == (8192, 1024, True, 0)
+    assert (
+        cfg.max_num_batched_tokens,
+        cfg.max_num_seqs,
+        cfg.enable_chunked_prefill,
+        cfg.long_prefill_token_threshold,
+    ) == (8192, 1024, True, 0)
     whole = EngineConfig(role="decode", port=18200, enable_chunked_prefill=False)
     assert whole.max_num_batched_tokens == whole.max_model_len == 32768
 
@@ -52,7 +57,7 @@ def test_defaults_are_vllms_for_an_80_gb_gpu_serving_openai():
 def test_one_request_alone_prefills_in_chunks_at_the_per_token_cost():
     sched, seq = make(), Seq(20_000, 1)
     history = run(sched, seq)
-    assert len(history) == 3    # 8192 + 8192 + 3616 tokens: three chunks
+    assert len(history) == 3  # 8192 + 8192 + 3616 tokens: three chunks
     assert seq.generated == 1 and sched.running == []
 
 
@@ -73,7 +78,7 @@ def test_a_long_prefill_delays_a_short_ones_first_token_until_its_last_chunk():
     long, short = Seq(20_000, 4), Seq(100, 4)
     history = run(make(), long, short)
     assert first_token_step(history, 1) == first_token_step(history, 0) == 3
-    assert first_token_step(run(make(), Seq(100, 4)), 0) == 1   # alone: the first step
+    assert first_token_step(run(make(), Seq(100, 4)), 0) == 1  # alone: the first step
 
 
 def test_a_long_prefill_cap_lets_a_short_one_in_at_once():
@@ -99,13 +104,13 @@ def test_a_request_beyond_max_num_seqs_waits_until_one_finishes():
     sched = make(max_num_seqs=2)
     a, b, c = Seq(10, 3), Seq(10, 5), Seq(10, 1)
     for seq in (a, b, c):
-        sched.add(seq, 0.0)     # a's step starts at once; b and c join the next one
+        sched.add(seq, 0.0)  # a's step starts at once; b and c join the next one
     sched.advance(sched.step_end)
     assert (sched.running, list(sched.waiting)) == ([a, b], [c])
     while not a.finished:
         sched.advance(sched.step_end)
         assert c.computed == 0
-    sched.advance(sched.step_end)     # the next step admits c
+    sched.advance(sched.step_end)  # the next step admits c
     assert c.generated == 1 and sched.running == [b]
 
 
@@ -114,14 +119,14 @@ def test_decode_streams_slow_while_the_engine_prefills():
     step now carries a prompt chunk: its tokens come at the chunk's pace, then at itl again."""
     sched, stream = make(), Seq(1, 100)
     sched.add(stream, 0.0)
-    sched.advance(sched.step_end)             # its prompt: now it decodes
+    sched.advance(sched.step_end)  # its prompt: now it decodes
     times, now = [], sched.step_end
-    sched.add(Seq(20_000, 1), sched.step_end - 0.001)   # arrives during a decode step
+    sched.add(Seq(20_000, 1), sched.step_end - 0.001)  # arrives during a decode step
     while stream.generated < 8:
         now = sched.step_end
         sched.advance(now)
         times.append(now)
-    gaps = [round((b - a) * 1000, 3) for a, b in zip(times, times[1:])]
+    gaps = [round((b - a) * 1000, 3) for a, b in zip(times, times[1:], strict=False)]
     # A step of 8192 tokens (its decode and 8191 of the prompt), again, the prompt's last 3618
     # and the decode, then decode-only steps.
     assert gaps == [819.2, 819.2, 361.9, 10.0, 10.0, 10.0]
@@ -133,7 +138,7 @@ def test_an_aborted_request_leaves_the_queue_and_the_batch():
     sched.add(a, 0.0)
     sched.add(b, 0.0)
     sched.remove(a, 0.0)
-    sched.advance(sched.step_end)       # a's step ends; its tokens go nowhere
+    sched.advance(sched.step_end)  # a's step ends; its tokens go nowhere
     assert a.generated == 0 and sched.running == [b]
 
 
@@ -141,20 +146,31 @@ def test_the_engine_reports_the_schedulers_running_and_capacity_waiting():
     """vllm:num_requests_running is the running batch; a request the scheduler has not admitted
     waits for capacity (scheduler.py ~L2920-2922, ~L3288-3292; loggers.py ~L1146-1160)."""
     now = [100.0]
-    engine = Engine(EngineConfig(role="decode", port=18200, max_num_seqs=1,
-                                 max_num_batched_tokens=1024), clock=lambda: now[0],
-                    sleep=lambda s: None, background=lambda fn, *args: fn(*args))
+    engine = Engine(
+        EngineConfig(role="decode", port=18200, max_num_seqs=1, max_num_batched_tokens=1024),
+        clock=lambda: now[0],
+        sleep=lambda s: None,
+        background=lambda fn, *args: fn(*args),
+    )
     engine.scheduler.add(Seq(10, 100), now[0])
     engine.scheduler.add(Seq(10, 100), now[0])
     snap = engine.snapshot()
-    assert (snap["requests_running"], snap["requests_waiting"],
-            snap["requests_waiting_capacity"], snap["requests_waiting_deferred"]) == (1, 1, 1, 0)
+    assert (
+        snap["requests_running"],
+        snap["requests_waiting"],
+        snap["requests_waiting_capacity"],
+        snap["requests_waiting_deferred"],
+    ) == (1, 1, 1, 0)
 
 
 def test_a_decode_engine_counts_what_its_prefills_cost_its_streams():
     now = [100.0]
-    engine = Engine(EngineConfig(role="decode", port=18200), clock=lambda: now[0],
-                    sleep=lambda s: None, background=lambda fn, *args: fn(*args))
+    engine = Engine(
+        EngineConfig(role="decode", port=18200),
+        clock=lambda: now[0],
+        sleep=lambda s: None,
+        background=lambda fn, *args: fn(*args),
+    )
     sched = engine.scheduler
     sched.add(Seq(1, 100), now[0])
     sched.advance(sched.step_end)
@@ -170,24 +186,35 @@ def test_a_request_beyond_max_num_seqs_waits_for_capacity_on_a_real_engine():
     """With max_num_seqs running, the next request waits unscheduled, counted as waiting for
     capacity (loggers.py ~L1146-1160); it runs once a running one leaves."""
     with EmulatorProcess("decode", host="127.0.0.4", max_num_seqs=1, itl_ms=20) as d:
+
         def complete(max_tokens: int, **kwargs: object) -> requests.Response:
             body = {"model": "emulated-model", "prompt": "a b c", "max_tokens": max_tokens}
-            return requests.post(d.url + "/v1/completions", json={**body, **kwargs}, timeout=30,
-                                 stream=kwargs.get("stream", False))
+            return requests.post(
+                d.url + "/v1/completions",
+                json={**body, **kwargs},
+                timeout=30,
+                stream=kwargs.get("stream", False),
+            )
 
-        first = complete(25_000, stream=True)   # runs until its client leaves
+        first = complete(25_000, stream=True)  # runs until its client leaves
         first.raw.read(1)
         with ThreadPoolExecutor(1) as pool:
             second = pool.submit(complete, 3)
-            stats = wait_until(lambda: (s := d.stats())["requests_waiting"] == 1 and s, 10,
-                               "the second request to wait")
-            assert (stats["requests_running"], stats["requests_waiting_capacity"],
-                    stats["requests_waiting_deferred"]) == (1, 1, 0)
+            stats = wait_until(
+                lambda: (s := d.stats())["requests_waiting"] == 1 and s,
+                10,
+                "the second request to wait",
+            )
+            assert (
+                stats["requests_running"],
+                stats["requests_waiting_capacity"],
+                stats["requests_waiting_deferred"],
+            ) == (1, 1, 0)
             page = requests.get(d.url + "/metrics", timeout=5).text.splitlines()
             labels = 'engine="0",model_name="emulated-model"'
-            assert f'vllm:num_requests_running{{{labels}}} 1.0' in page
+            assert f"vllm:num_requests_running{{{labels}}} 1.0" in page
             assert f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} 1.0' in page
             assert not second.done()
-            first.close()       # the client leaves: its request is aborted and frees its slot
+            first.close()  # the client leaves: its request is aborted and frees its slot
             assert second.result(timeout=30).json()["usage"]["completion_tokens"] == 3
         assert [r["outcome"] for r in d.recent_requests()] == ["aborted", "completed"]

@@ -1,4 +1,5 @@
-"""Emulator units: chat template and tokens, leases and prefix cache, the KV port, settings, faults."""
+"""Emulator units: chat template and tokens, leases and prefix cache, the KV port, settings,
+faults."""
 
 from __future__ import annotations
 
@@ -28,9 +29,15 @@ class FakeClock:
 # --- chat template and tokens -------------------------------------------------------------------
 
 words = st.lists(st.sampled_from(["hi", "there", "kv", "cache", "a", "b"]), max_size=12)
-messages = st.lists(st.builds(lambda role, ws: {"role": role, "content": " ".join(ws)},
-                              st.sampled_from(["system", "user", "assistant", "tool"]), words),
-                    min_size=1, max_size=5)
+messages = st.lists(
+    st.builds(
+        lambda role, ws: {"role": role, "content": " ".join(ws)},
+        st.sampled_from(["system", "user", "assistant", "tool"]),
+        words,
+    ),
+    min_size=1,
+    max_size=5,
+)
 
 
 @given(messages, messages, st.integers(min_value=1, max_value=20))
@@ -39,8 +46,10 @@ def test_echoed_reply_makes_the_next_prompt_extend_the_decoded_sequence(history,
     reply = generate(prompt, count)
     # What D holds after a stop (prompt + words; EOS has no KV yet) or after length (one word less).
     held_after_stop = prompt + reply
-    next_prompt = render_chat(history + [{"role": "assistant", "content": reply_text("chat", reply)}] + more)
-    assert next_prompt[:len(held_after_stop)] == held_after_stop
+    next_prompt = render_chat(
+        history + [{"role": "assistant", "content": reply_text("chat", reply)}] + more
+    )
+    assert next_prompt[: len(held_after_stop)] == held_after_stop
     assert next_prompt[len(held_after_stop)] == EOS
 
 
@@ -49,20 +58,29 @@ def test_completion_continuation_extends_the_prompt(prompt, count, more):
     tokens = render_completion(prompt)
     reply = generate(tokens, count)
     follow_up = prompt + reply_text("completion", reply) + " " + " ".join(more)
-    assert render_completion(follow_up)[:len(tokens) + count] == tokens + reply
+    assert render_completion(follow_up)[: len(tokens) + count] == tokens + reply
 
 
 def test_content_parts_render_like_a_string():
-    as_parts = [{"role": "user", "content": [{"type": "text", "text": "hello  big"},
-                                             {"type": "text", "text": "world"}]}]
+    as_parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello  big"}, {"type": "text", "text": "world"}],
+        }
+    ]
     as_string = [{"role": "user", "content": "hello big world"}]
-    assert render_chat(as_parts) == render_chat(as_string) == [
-        "<|user|>", "hello", "big", "world", EOS, "<|assistant|>"]
+    assert (
+        render_chat(as_parts)
+        == render_chat(as_string)
+        == ["<|user|>", "hello", "big", "world", EOS, "<|assistant|>"]
+    )
 
 
 def test_names_tools_and_tool_calls_are_extra_words():
     plain = render_chat([{"role": "user", "content": "x"}])
-    rich = render_chat([{"role": "user", "content": "x", "name": "bob"}], tools=[{"type": "function"}])
+    rich = render_chat(
+        [{"role": "user", "content": "x", "name": "bob"}], tools=[{"type": "function"}]
+    )
     assert len(rich) > len(plain) and "name=bob" in rich and rich[0] == "<|tools|>"
 
 
@@ -75,25 +93,26 @@ def test_generation_is_deterministic_and_depends_on_the_prompt():
 
 # --- KV memory: the block pool, leases, the prefix cache ---------------------------------------
 
+
 def test_prefix_cache_matches_whole_blocks_up_to_the_limit():
     pool = BlockPool(block_size=4, capacity=100)
-    hashes = pool.hashes(list("abcdefghij"))     # two full blocks; "ij" is never cached
+    hashes = pool.hashes(list("abcdefghij"))  # two full blocks; "ij" is never cached
     pool.free(blocks := pool.allocate([], 3))
     pool.commit(blocks := pool.allocate([], 3), hashes)
     assert pool.match(pool.hashes(list("abcdefghijkl")), 3) == 2
-    assert pool.match(pool.hashes(list("abcdefgh")), (8 - 1) // 4) == 1   # last token: computed
-    assert pool.match(pool.hashes(list("abcXefgh")), 2) == 0     # hashes chain: one change breaks it
+    assert pool.match(pool.hashes(list("abcdefgh")), (8 - 1) // 4) == 1  # last token: computed
+    assert pool.match(pool.hashes(list("abcXefgh")), 2) == 0  # hashes chain: one change breaks it
     assert pool.match(pool.hashes(list("abcdefgh"), salt="tenant-b"), 2) == 0
     assert BlockPool(4, 100, caching=False).match(hashes, 2) == 0
     pool.free(blocks)
-    assert pool.match(hashes, 2) == 2 and pool.used == 0      # freed blocks stay findable
+    assert pool.match(hashes, 2) == 2 and pool.used == 0  # freed blocks stay findable
 
 
 def test_blocks_in_use_are_never_evicted_and_a_full_pool_refuses():
     pool = BlockPool(block_size=2, capacity=4)
     held = pool.allocate([], 2)
     pool.commit(held, pool.hashes(list("aabb")))
-    assert pool.allocate([], 3) is None and pool.used == 2       # nothing changed
+    assert pool.allocate([], 3) is None and pool.used == 2  # nothing changed
     assert pool.allocate([], 2) is not None and pool.usage() == 1.0
     assert pool.match(pool.hashes(list("aabb")), 2) == 2
 
@@ -106,9 +125,9 @@ def test_free_cached_blocks_are_evicted_least_recently_freed_first_tail_first():
         pool.commit(blocks, hashes)
         pool.free(blocks)
     assert pool.cached == 4 and pool.used == 0
-    pool.free(pool.allocate([], 1))       # one fresh block evicts the oldest sequence's tail
+    pool.free(pool.allocate([], 1))  # one fresh block evicts the oldest sequence's tail
     assert pool.match(old, 2) == 1 and pool.match(new, 2) == 2
-    reused = pool.allocate(new, 2)        # a hit references the cached blocks, evicting others
+    reused = pool.allocate(new, 2)  # a hit references the cached blocks, evicting others
     assert reused is not None and pool.match(old, 2) == 0 and pool.used == 4
 
 
@@ -126,8 +145,14 @@ def test_a_tracked_lease_is_freed_by_its_notification_or_its_ttl():
     clock.now += 479.999
     assert store.held()["kv_leases"] == 1
     clock.now += 0.001
-    assert store.held() == {"kv_leases": 0, "kv_lease_blocks": 0, "kv_lease_blocks_peak": 4,
-                            "leaked_leases": 0, "leaked_blocks": 0, "leases_expired_unread": 1}
+    assert store.held() == {
+        "kv_leases": 0,
+        "kv_lease_blocks": 0,
+        "kv_lease_blocks_peak": 4,
+        "leaked_leases": 0,
+        "leaked_blocks": 0,
+        "leases_expired_unread": 1,
+    }
     assert pool.used == 0 and late.expires_at == 100.0 + 480
     store.reset_peak()
     assert store.held()["kv_lease_blocks_peak"] == 0
@@ -140,7 +165,7 @@ def test_an_untracked_lease_is_never_freed():
     store = LeaseStore(block_size=4, clock=clock, on_free=lambda lease: pool.free(lease.blocks))
     lease = store.put("leak", tuple("abcdefgh"), None, blocks=pool.allocate([], 2))
     assert store.notify("leak") is None
-    clock.now += 10 ** 6
+    clock.now += 10**6
     assert store.get("leak").read(list(lease.block_ids), 4) == list("abcdefgh")
     assert store.held()["leaked_blocks"] == 2 and pool.used == 2
 
@@ -154,6 +179,7 @@ def test_a_lease_read_names_only_its_own_blocks():
 
 
 # --- KV port ------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def kv():
@@ -169,23 +195,41 @@ def _pull(client, **body):
 def test_kv_port_reads_the_named_blocks_then_frees_the_lease(kv):
     store, client = kv
     lease = store.put("r1", tuple("abcdefghij"), 30)
-    status, body = _pull(client, remote_engine_id="engine-A", remote_request_id="r1",
-                         block_ids=list(lease.block_ids[1:]))
+    status, body = _pull(
+        client,
+        remote_engine_id="engine-A",
+        remote_request_id="r1",
+        block_ids=list(lease.block_ids[1:]),
+    )
     assert status == 200
     assert body["tokens"] == list("efghij") and body["num_blocks"] == 2
-    status, body = _pull(client, remote_engine_id="engine-A", remote_request_id="r1",
-                         block_ids=[lease.block_ids[0]])
+    status, body = _pull(
+        client, remote_engine_id="engine-A", remote_request_id="r1", block_ids=[lease.block_ids[0]]
+    )
     assert status == 404 and "already read" in body["error"]
 
 
 def test_kv_port_refuses_the_wrong_engine_or_blocks_without_freeing(kv):
     store, client = kv
     lease = store.put("r1", ("a",), 30)
-    assert _pull(client, remote_engine_id="engine-B", remote_request_id="r1", block_ids=[])[0] == 409
-    assert _pull(client, remote_engine_id="engine-A", remote_request_id="r1",
-                 block_ids=[lease.block_ids[0] + 1])[0] == 409
-    assert client.post("/kv/release", json={"remote_engine_id": "engine-A",
-                                            "remote_request_id": "r1"}).status_code == 200
+    assert (
+        _pull(client, remote_engine_id="engine-B", remote_request_id="r1", block_ids=[])[0] == 409
+    )
+    assert (
+        _pull(
+            client,
+            remote_engine_id="engine-A",
+            remote_request_id="r1",
+            block_ids=[lease.block_ids[0] + 1],
+        )[0]
+        == 409
+    )
+    assert (
+        client.post(
+            "/kv/release", json={"remote_engine_id": "engine-A", "remote_request_id": "r1"}
+        ).status_code
+        == 200
+    )
     assert len(store) == 0
 
 
@@ -194,12 +238,16 @@ def test_kv_port_rejects_malformed_requests_without_freeing(kv):
     store.put("r1", ("a",), 30)
     assert client.post("/kv/pull", data=b"{nope").status_code == 400
     assert client.post("/kv/pull", json={"remote_engine_id": "engine-A"}).status_code == 400
-    assert _pull(client, remote_engine_id="engine-A", remote_request_id="r1", block_ids="all")[0] == 400
+    assert (
+        _pull(client, remote_engine_id="engine-A", remote_request_id="r1", block_ids="all")[0]
+        == 400
+    )
     assert client.get("/kv/pull").status_code == 404
     assert len(store) == 1
 
 
 # --- settings and faults ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("role", ROLES)
 def test_defaults_are_vllms_whatever_the_role(role):
@@ -216,35 +264,69 @@ def test_every_config_field_is_a_flag():
     assert flags == {f.name for f in fields(EngineConfig)}
 
 
-@pytest.mark.parametrize("overrides, flag", [
-    ({"block_size": 0}, "--block-size"), ({"stream_params": "both"}, "--stream-params"),
-    ({"kv_port": 9000}, "--kv-port"), ({"itl_ms": -1}, "--itl-ms"), ({"role": "router"}, "--role"),
-    ({"port": 65000}, "--kv-port"), ({"template_quirks": "nope"}, "--template-quirks"),
-    ({"reasoning_share": 1.5}, "--reasoning-share"), ({"log_level": "loud"}, "--log-level"),
-    ({"kv_capacity_blocks": 100}, "--kv-capacity-blocks"),
-    ({"max_num_seqs": 9000}, "--max-num-seqs"),
-    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 100},
-     "--max-num-batched-tokens")])
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"block_size": 0}, "--block-size"),
+        ({"stream_params": "both"}, "--stream-params"),
+        ({"kv_port": 9000}, "--kv-port"),
+        ({"itl_ms": -1}, "--itl-ms"),
+        ({"role": "router"}, "--role"),
+        ({"port": 65000}, "--kv-port"),
+        ({"template_quirks": "nope"}, "--template-quirks"),
+        ({"reasoning_share": 1.5}, "--reasoning-share"),
+        ({"log_level": "loud"}, "--log-level"),
+        ({"kv_capacity_blocks": 100}, "--kv-capacity-blocks"),
+        ({"max_num_seqs": 9000}, "--max-num-seqs"),
+        (
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": 100},
+            "--max-num-batched-tokens",
+        ),
+    ],
+)
 def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         EngineConfig(**{"role": "decode", "port": 9000, **overrides})
 
 
 def test_cli_parses_flags_and_fault_spec(capsys):
-    config = config_from_args(["--role", "prefill", "--port", "9100", "--itl-ms", "3",
-                               "--fault", "die_after,tokens=3", "--stream-params", "separate"])
+    config = config_from_args(
+        [
+            "--role",
+            "prefill",
+            "--port",
+            "9100",
+            "--itl-ms",
+            "3",
+            "--fault",
+            "die_after,tokens=3",
+            "--stream-params",
+            "separate",
+        ]
+    )
     assert (config.role, config.kv_port, config.itl_ms) == ("prefill", 10100, 3.0)
     assert config.fault == Fault(mode="die_after", tokens=3)
     with pytest.raises(SystemExit):
         config_from_args(["--role", "decode", "--port", "9100", "--fault", "explode"])
     assert "fault mode must be one of" in capsys.readouterr().err
-    config = config_from_args(["--role", "decode", "--port", "9100", "--access-log",
-                               "--template-quirks", "drop_reasoning,tool_json"])
+    config = config_from_args(
+        [
+            "--role",
+            "decode",
+            "--port",
+            "9100",
+            "--access-log",
+            "--template-quirks",
+            "drop_reasoning,tool_json",
+        ]
+    )
     assert config.access_log is True and config.template_quirks == ("drop_reasoning", "tool_json")
     assert config_from_args(["--role", "decode", "--port", "9100"]).access_log is False
-    for argv, flag in ((["--role", "decode", "--port", "x"], "--port"),
-                       (["--role", "router", "--port", "9100"], "--role"),
-                       (["--port", "9100"], "--role")):
+    for argv, flag in (
+        (["--role", "decode", "--port", "x"], "--port"),
+        (["--role", "router", "--port", "9100"], "--role"),
+        (["--port", "9100"], "--role"),
+    ):
         with pytest.raises(SystemExit):
             config_from_args(argv)
         assert flag in capsys.readouterr().err
@@ -252,8 +334,13 @@ def test_cli_parses_flags_and_fault_spec(capsys):
 
 def test_fault_validation_and_count():
     assert parse_fault_spec("slow,delay_s=2.5") == Fault(mode="slow", delay_s=2.5)
-    for bad in ({"mode": "boom"}, {"mode": "slow", "delay": 1}, {"mode": "slow", "delay_s": -1},
-                {"mode": "slow", "delay_s": "x"}, ["down"]):
+    for bad in (
+        {"mode": "boom"},
+        {"mode": "slow", "delay": 1},
+        {"mode": "slow", "delay_s": -1},
+        {"mode": "slow", "delay_s": "x"},
+        ["down"],
+    ):
         with pytest.raises(ValueError):
             Fault.from_dict(bad)
     state = FaultState(Fault(mode="error500", count=2))

@@ -1,5 +1,6 @@
 """For the emulator's own tests (tests/emulator/): what a gateway sends P on turn 1, D's events
 parsed, and a prefill and a decode process driven by hand as a gateway drives them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,15 +11,21 @@ from devtools import sse as sse_client
 from emulator.process import EmulatorProcess
 
 # What a gateway sends P on turn 1 (vLLM's disagg_proxy_multiturn.py).
-STUB = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+STUB = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def parse_sse(raw: bytes) -> list:
     """SSE body -> list of decoded JSON events, with "[DONE]" kept as the string."""
     assert raw.endswith(b"\n\n"), raw[-200:]
     events = sse_client.events(raw)
-    assert len(events) == raw.count(b"\n\n"), raw    # every block is one data event
+    assert len(events) == raw.count(b"\n\n"), raw  # every block is one data event
     return events
 
 
@@ -32,7 +39,8 @@ def stream_params(events: list) -> dict | None:
 
 @dataclass
 class PD:
-    """A prefill and a decode process on different loopback addresses, driven by hand like a gateway."""
+    """A prefill and a decode process on different loopback addresses, driven by hand like a
+    gateway."""
 
     p: EmulatorProcess
     d: EmulatorProcess
@@ -58,7 +66,8 @@ class PD:
             "kv_transfer_params": p_params,
             **extra,
         }
-        # stream=True on the client side too, so a test can read (or abandon) the body incrementally.
+        # stream=True on the client side too, so a test can read (or abandon) the body
+        # incrementally.
         return requests.post(
             self.d.url + "/v1/chat/completions", json=body, timeout=10, stream=True
         )

@@ -1,5 +1,6 @@
 """Real processes for the end-to-end tests: emulated engines, gateways under gunicorn, and what
 the tests ask of them (a metric, a worker's children, a raw request abandoned, five chat turns)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +26,7 @@ def starts_processes(fixture_function):
 def two_of_each(first_host: int):
     """Two P and two D engines on 127.0.0.N..N+3, so each pull names its engine's host."""
     from emulator.process import EmulatorProcess
+
     with contextlib.ExitStack() as stack:
         engines = [
             stack.enter_context(

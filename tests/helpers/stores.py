@@ -1,4 +1,5 @@
 """What the store tests share: one key's entry taken, as the gateway takes a conversation's."""
+
 from __future__ import annotations
 
 from gateway.reuse.store import ConversationStore, Entry

@@ -1,4 +1,5 @@
 """One scenario for every store: tenants share each D's pinned budget (issue 41, item 4)."""
+
 from __future__ import annotations
 
 import uuid
@@ -8,9 +9,16 @@ from tests.helpers.stores import take
 
 
 def on(d: str, n: int, blocks: int) -> Entry:
-    return Entry(params={"remote_request_id": f"r{n}", "remote_block_ids": [list(range(blocks))],
-                         "remote_num_tokens": blocks * 16},
-                 decode_url=d, history_digest=f"h{n}", history_len=2)
+    return Entry(
+        params={
+            "remote_request_id": f"r{n}",
+            "remote_block_ids": [list(range(blocks))],
+            "remote_num_tokens": blocks * 16,
+        },
+        decode_url=d,
+        history_digest=f"h{n}",
+        history_len=2,
+    )
 
 
 def one_tenants_long_turn_releases_nothing_of_anothers(store) -> None:
@@ -27,7 +35,7 @@ def one_tenants_long_turn_releases_nothing_of_anothers(store) -> None:
         store.put(roots[n], on(d, n, 1), roots[n], "victim")
     store.put(roots[30], on(d, 100, 207), roots[30], "noisy")
     assert dropped == [("r100", "budget")]
-    for n in range(101, 106):                   # 100 blocks of 20: within 100 until the 4th
+    for n in range(101, 106):  # 100 blocks of 20: within 100 until the 4th
         store.put(roots[n - 70], on(d, n, 20), roots[n - 70], "noisy")
     assert dropped[1:] == [("r101", "budget"), ("r102", "budget")]
     kept = [n for n in range(30) if take(store, roots[n], roots[n]) is not None]

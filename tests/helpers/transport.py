@@ -4,6 +4,7 @@ as httpx's `MockTransport` replaces its transport): each call the gateway makes 
 its error naming every mock when none matches), and the mock's reply comes back as an engine's
 bytes, read by the gateway's own response class (gateway.engines.transport). Everything above
 `Transport.send` is the production path."""
+
 from __future__ import annotations
 
 import io
@@ -31,7 +32,7 @@ class Replay:
 
 def reply_from_bytes(raw: bytes, method: str = "POST") -> EngineResponse:
     """An engine's response read from `raw` (a whole HTTP/1.1 reply) as the transport reads one."""
-    response = EngineHTTPResponse(Replay(raw), method=method)   # type: ignore[arg-type]
+    response = EngineHTTPResponse(Replay(raw), method=method)  # type: ignore[arg-type]
     response.begin()
     return EngineResponse(None, None, response)
 
@@ -57,11 +58,14 @@ class ResponsesTransport:
             raise ConnectTimedOut(str(exc)) from exc
         except requests.Timeout as exc:
             raise TimeoutError(str(exc)) from exc
-        except requests.RequestException as exc:   # a refusal's OS error stays its cause
+        except requests.RequestException as exc:  # a refusal's OS error stays its cause
             raise ConnectionResetError(str(exc)) from exc
         head = [f"HTTP/1.1 {reply.status_code} {reply.reason or ''}"]
-        head += [f"{name}: {value}" for name, value in reply.raw.headers.items()
-                 if name.lower() not in _FRAMING]
+        head += [
+            f"{name}: {value}"
+            for name, value in reply.raw.headers.items()
+            if name.lower() not in _FRAMING
+        ]
         head.append(f"Content-Length: {len(content)}")
         raw = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + content
         return reply_from_bytes(raw, method)

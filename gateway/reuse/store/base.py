@@ -1,9 +1,11 @@
 """What every conversation store shares: `Entry` (what one turn leaves for the next), the
 `ConversationStore` interface, an entry packed in bytes, and each D's pinned budget."""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from gateway.engines.d_budget import Limit
 from gateway.reuse.packing import pack, unpack
@@ -14,12 +16,12 @@ class Entry:
     """What one finished turn leaves for the next: D's params and where they live."""
 
     params: dict
-    decode_url: str          # the D instance holding the blocks (and its local prefix cache)
-    history_digest: str      # digest of the history the blocks hold (conversation.Identity)
-    history_len: int         # its length: messages for chat, characters for a prompt
+    decode_url: str  # the D instance holding the blocks (and its local prefix cache)
+    history_digest: str  # digest of the history the blocks hold (conversation.Identity)
+    history_len: int  # its length: messages for chat, characters for a prompt
     # A reply the digest can vouch for (gateway.reuse.exactness.plain_reply).
     plain: bool = False
-    token_digest: str | None = None   # digest of the tokens D holds, if D reported its ids
+    token_digest: str | None = None  # digest of the tokens D holds, if D reported its ids
     # When D's blocks are gone, on the store's clock; set by the first put. D frees them at its
     # TTL whatever the gateway does, so an entry put back keeps it.
     expires_at: float | None = None
@@ -28,7 +30,7 @@ class Entry:
     prefixes: bytes | None = None
 
 
-Budget = Callable[[str], Limit]     # D's URL -> its pinned budget now (gateway.engines.d_budget)
+Budget = Callable[[str], Limit]  # D's URL -> its pinned budget now (gateway.engines.d_budget)
 
 
 def fixed(budget: int) -> Budget:
@@ -68,8 +70,16 @@ class ConversationStore(Protocol):
 def encode(entry: Entry) -> bytes:
     """The entry in a few hundred bytes (gateway.reuse.packing): Python objects would take
     kilobytes."""
-    return pack(entry.params, entry.decode_url, entry.history_digest, entry.history_len,
-                entry.plain, entry.token_digest, entry.expires_at, entry.prefixes)
+    return pack(
+        entry.params,
+        entry.decode_url,
+        entry.history_digest,
+        entry.history_len,
+        entry.plain,
+        entry.token_digest,
+        entry.expires_at,
+        entry.prefixes,
+    )
 
 
 def decode(packed: bytes) -> Entry:

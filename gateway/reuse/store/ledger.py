@@ -1,5 +1,6 @@
 """The Lua ledger of the blocks each D keeps for a Redis store's entries: the functions both
 Redis stores' scripts are built on (one primary's, a Cluster's)."""
+
 from __future__ import annotations
 
 # The blocks each D keeps for a Redis store's entries, shared by every gateway host: per D (an

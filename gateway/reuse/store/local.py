@@ -1,19 +1,28 @@
 """`LocalStore`: each worker's own conversation store, in its memory, within a size and each D's
 pinned budget, shared fairly by tenants."""
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from cachetools import TLRUCache
 
 from gateway.engines.instances import public_url
 from gateway.reuse.packing import digest_bytes, expiry
-from gateway.reuse.store.base import (Budget, Entry, decode, encode, fixed, ignore,
-                                      pinned_blocks, stamped)
+from gateway.reuse.store.base import (
+    Budget,
+    Entry,
+    decode,
+    encode,
+    fixed,
+    ignore,
+    pinned_blocks,
+    stamped,
+)
 from gateway.support import metrics
 
 log = logging.getLogger(__name__)
@@ -31,15 +40,20 @@ class _LeavingCache(TLRUCache):
     first; `on_leave(key, value, why)` hears what leaves unasked: evicted for room, or expired
     (the cache also expires on every write, where expired items would leave unseen)."""
 
-    def __init__(self, maxsize: int, timer: Callable[[], float],
-                 on_leave: Callable[[bytes, bytes, str], None],
-                 evictee: Callable[[], bytes | None] = lambda: None) -> None:
-        super().__init__(maxsize=maxsize, ttu=lambda _key, packed, _now: expiry(packed),
-                         timer=timer)
+    def __init__(
+        self,
+        maxsize: int,
+        timer: Callable[[], float],
+        on_leave: Callable[[bytes, bytes, str], None],
+        evictee: Callable[[], bytes | None] = lambda: None,
+    ) -> None:
+        super().__init__(
+            maxsize=maxsize, ttu=lambda _key, packed, _now: expiry(packed), timer=timer
+        )
         self._on_leave = on_leave
         self._evictee = evictee
 
-    def popitem(self):  # type: ignore[no-untyped-def]
+    def popitem(self):
         """Room for a new entry: `evictee()`'s (the tenant holding the most entries gives way,
         its oldest first), else the least recently used."""
         key = self._evictee()
@@ -50,7 +64,7 @@ class _LeavingCache(TLRUCache):
         self._on_leave(key, value, "evicted")
         return key, value
 
-    def expire(self, time=None):  # type: ignore[no-untyped-def]
+    def expire(self, time=None):
         gone = super().expire(time)
         for key, value in gone:
             self._on_leave(key, value, "expired")
@@ -160,9 +174,13 @@ class LocalStore:
     (the store holds up to `store_size` of them in every worker), and the blocks each D keeps
     for them, within `pinned_budget` blocks per D when one is set."""
 
-    def __init__(self, maxsize: int, ttl: float,
-                 timer: Callable[[], float] = time.monotonic,
-                 pinned_budget: int | Budget = 0) -> None:
+    def __init__(
+        self,
+        maxsize: int,
+        ttl: float,
+        timer: Callable[[], float] = time.monotonic,
+        pinned_budget: int | Budget = 0,
+    ) -> None:
         # The cache is not thread-safe (even a read reorders its LRU links), so every
         # operation holds the lock; none does I/O while holding it.
         self._pinned = Pinned(pinned_budget)
@@ -170,13 +188,13 @@ class LocalStore:
         self._lock = threading.Lock()
         self._timer = timer
         self._ttl = ttl
-        self._dropped: list[tuple[Entry, str]] = []   # under the lock; handed out after it
+        self._dropped: list[tuple[Entry, str]] = []  # under the lock; handed out after it
         self.on_drop: Callable[[Entry, str], None] = ignore
 
     def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
         for key in keys:
             k = _key(key)
-            with self._lock:       # one section: the ledger never counts an entry already gone
+            with self._lock:  # one section: the ledger never counts an entry already gone
                 packed = self._cache.pop(k, None)
                 entry = None if packed is None else decode(packed)
                 if entry is not None:
@@ -193,7 +211,7 @@ class LocalStore:
             return
         try:
             packed = encode(entry)
-        except (ValueError, TypeError) as exc:   # params clean_params would not have let by
+        except (ValueError, TypeError) as exc:  # params clean_params would not have let by
             log.warning("entry not stored: %s", exc)
             return
         k = _key(key)

@@ -1,9 +1,10 @@
 """`RedisClusterStore`: conversation entries in a Redis or Valkey Cluster, a conversation's keys
 in one hash slot, each D's ledger of pinned blocks in its own."""
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.engines.d_budget import Limit
 from gateway.reuse.store.base import Budget, Entry, decode, encode, pinned_blocks
@@ -39,7 +40,9 @@ return {old or false, owner or false}
 # budget's cap, 1 if the member was on this D already, budget's cut, tenant. Returns the
 # members over budget (never this one while its tenant is alone on D; the caller takes their
 # entries) and D's total after.
-_C_PUTLEDGER = LEDGER + """
+_C_PUTLEDGER = (
+    LEDGER
+    + """
 local member, expiry, now, tenant = ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[8]
 if ARGV[6] == '1' then unpin(KEYS, member) end
 expired(KEYS, now)
@@ -50,14 +53,18 @@ over, total = trim(KEYS, member, budget_at(tonumber(ARGV[5]), tonumber(ARGV[7]),
 keep_ledger(KEYS, tenant, now, expiry)
 return {over, total}
 """
+)
 # KEYS: D's ledger; ARGV: its budget's cap and cut. Returns the members over it (the caller
 # takes their entries) and D's total after.
-_C_TRIM = LEDGER + """
+_C_TRIM = (
+    LEDGER
+    + """
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local over
 over, total = trim(KEYS, false, budget_at(tonumber(ARGV[1]), tonumber(ARGV[2]), total), total, 0)
 return {over, total}
 """
+)
 # KEYS: an entry over its D's budget, its owner key; ARGV: the D id.
 _C_DROP = """
 local value = redis.call('GETDEL', KEYS[1])
@@ -76,8 +83,15 @@ class RedisClusterStore(RedisStore):
     D's ledger of pinned blocks in its own. A take is one script (two on a hit: its D's ledger),
     a put two (more only to drop entries over a D's budget)."""
 
-    def __init__(self, url: str, ttl: float, timeout: float, client=None,
-                 pinned_budget: int | Budget = 0, timer: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        url: str,
+        ttl: float,
+        timeout: float,
+        client=None,
+        pinned_budget: int | Budget = 0,
+        timer: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__(url, ttl, timeout, client, pinned_budget, timer)
         from redis.commands.core import Script
 
@@ -94,21 +108,27 @@ class RedisClusterStore(RedisStore):
     @staticmethod
     def member(key: str, tag: str) -> str:
         """The key's name in Redis (after the prefix), hash-tagged by its conversation."""
-        return "{%s}:%s" % (tag or key, key)
+        return f"{{{tag or key}}}:{key}"
 
     def _ledger(self, decode_id: str) -> list[str]:
-        base = "%s{d:%s}:" % (self.PREFIX, decode_id)
-        return [base + "pinned", base + "pinned-blocks", base + "pinned-total",
-                base + "pinned-held", base + "pinned-tenant"]
+        base = f"{self.PREFIX}{{d:{decode_id}}}:"
+        return [
+            base + "pinned",
+            base + "pinned-blocks",
+            base + "pinned-total",
+            base + "pinned-held",
+            base + "pinned-tenant",
+        ]
 
     def take_first(self, keys: Sequence[str], tag: str = "") -> tuple[str, Entry] | None:
-        if not tag and len(keys) > 1:       # untagged keys live in slots of their own
+        if not tag and len(keys) > 1:  # untagged keys live in slots of their own
             return next(filter(None, (self.take_first([key]) for key in keys)), None)
         if not keys:
             return None
         try:
-            found = self._take_first(keys=[self.PREFIX + self.member(k, tag) for k in keys],
-                                     args=[self.PREFIX])
+            found = self._take_first(
+                keys=[self.PREFIX + self.member(k, tag) for k in keys], args=[self.PREFIX]
+            )
             if not found:
                 return None
             index, packed, decode_id = found
@@ -136,14 +156,15 @@ class RedisClusterStore(RedisStore):
         member = self.member(key, tag)
         packed = encode(entry)
         try:
-            old, owner = self._put_entry(keys=[self.PREFIX + member,
-                                               self.PREFIX + "pinned-of:" + member],
-                                         args=[packed, expires_ms, decode_id])
+            old, owner = self._put_entry(
+                keys=[self.PREFIX + member, self.PREFIX + "pinned-of:" + member],
+                args=[packed, expires_ms, decode_id],
+            )
         except self._errors as exc:
             self._failed("put", exc)
             return
         owner = _text(owner) if owner else None
-        if owner and owner != decode_id:          # the entry it replaced was on another D
+        if owner and owner != decode_id:  # the entry it replaced was on another D
             self._unpin_on(owner, member)
         # Its own entry back is not a replaced one (a script run twice): never released.
         self._dropped([old] if old and old != packed else [], "replaced")
@@ -153,8 +174,17 @@ class RedisClusterStore(RedisStore):
         try:
             over, total = self._put_ledger(
                 keys=self._ledger(decode_id),
-                args=[member, pinned_blocks(entry), expires_ms, int(now * 1000), limit.cap,
-                      1 if owner == decode_id else 0, limit.cut, tenant])
+                args=[
+                    member,
+                    pinned_blocks(entry),
+                    expires_ms,
+                    int(now * 1000),
+                    limit.cap,
+                    1 if owner == decode_id else 0,
+                    limit.cut,
+                    tenant,
+                ],
+            )
         except self._errors as exc:
             self._failed("ledger", exc)
             return
@@ -176,8 +206,9 @@ class RedisClusterStore(RedisStore):
         values = []
         for gone in map(_text, members):
             try:
-                value = self._drop(keys=[self.PREFIX + gone, self.PREFIX + "pinned-of:" + gone],
-                                   args=[decode_id])
+                value = self._drop(
+                    keys=[self.PREFIX + gone, self.PREFIX + "pinned-of:" + gone], args=[decode_id]
+                )
             except self._errors as exc:
                 self._failed("ledger", exc)
                 continue
@@ -187,8 +218,11 @@ class RedisClusterStore(RedisStore):
 
     def report(self) -> dict:
         from redis.cluster import RedisCluster
-        try:   # the primaries (a failed replica is not the store failing)
-            return {"store": "redis-cluster",
-                    "reachable": bool(self._redis.ping(target_nodes=RedisCluster.PRIMARIES))}
+
+        try:  # the primaries (a failed replica is not the store failing)
+            return {
+                "store": "redis-cluster",
+                "reachable": bool(self._redis.ping(target_nodes=RedisCluster.PRIMARIES)),
+            }
         except self._errors:
             return {"store": "redis-cluster", "reachable": False}

@@ -1,24 +1,35 @@
 """`RedisStore`: conversation entries in one Redis primary (or the one a Sentinel set names),
 shared by every worker and gateway host; each D's pinned blocks counted in Redis on the way."""
+
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from gateway import redis_url
 from gateway.engines.d_budget import Limit
 from gateway.engines.instances import public_url
-from gateway.reuse.store.base import (Budget, Entry, decode, encode, fixed, ignore,
-                                      pinned_blocks, stamped)
+from gateway.reuse.store.base import (
+    Budget,
+    Entry,
+    decode,
+    encode,
+    fixed,
+    ignore,
+    pinned_blocks,
+    stamped,
+)
 from gateway.reuse.store.ledger import LEDGER
 from gateway.support import metrics
 
 log = logging.getLogger(__name__)
 
 # One primary: the scripts name the ledger's keys themselves, and take the entries over budget.
-_UNPIN = LEDGER + """
+_UNPIN = (
+    LEDGER
+    + """
 local function ledger(prefix, d)
     local base = prefix .. 'pinned'
     return {base .. ':' .. d, base .. '-blocks:' .. d, base .. '-total:' .. d,
@@ -50,8 +61,11 @@ local function trim_entries(prefix, d, keep, budget, total, alone)
     return values, total
 end
 """
+)
 
-_TAKE_FIRST = _UNPIN + """
+_TAKE_FIRST = (
+    _UNPIN
+    + """
 local prefix = ARGV[1]
 for i, key in ipairs(KEYS) do
     local value = redis.call('GETDEL', key)
@@ -62,11 +76,14 @@ for i, key in ipairs(KEYS) do
 end
 return false
 """
+)
 
 # KEYS[1] the entry; ARGV: packed entry, expiry (ms), now (ms), member, blocks, budget's cap, D
 # id, prefix, budget's cut, tenant. Returns the entry it replaced (or false), the entries
 # dropped over D's budget (never this one while its tenant is alone on D), and D's total after.
-_PUT = _UNPIN + """
+_PUT = (
+    _UNPIN
+    + """
 local prefix, member, d, expiry = ARGV[8], ARGV[4], ARGV[7], tonumber(ARGV[2])
 local now, tenant = tonumber(ARGV[3]), ARGV[10]
 local keys = ledger(prefix, d)
@@ -82,10 +99,13 @@ over, total = trim_entries(prefix, d, member,
 keep_ledger(keys, tenant, now, expiry)
 return {old or false, over, total}
 """
+)
 
 # ARGV: prefix, D id, budget's cap and cut. A D's budget that shrank: its entries beyond it
 # taken out. Returns their values and D's total after.
-_TRIM = _UNPIN + """
+_TRIM = (
+    _UNPIN
+    + """
 local prefix, d = ARGV[1], ARGV[2]
 local total = tonumber(redis.call('GET', prefix .. 'pinned-total:' .. d) or '0')
 local over
@@ -93,6 +113,7 @@ over, total = trim_entries(prefix, d, false,
                            budget_at(tonumber(ARGV[3]), tonumber(ARGV[4]), total), total, 0)
 return {over, total}
 """
+)
 
 
 def id_in_redis(decode_url: str) -> str:
@@ -111,18 +132,25 @@ class RedisStore:
 
     PREFIX = "pd-gateway:"
 
-    def __init__(self, url: str, ttl: float, timeout: float, client=None,
-                 pinned_budget: int | Budget = 0, timer: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        url: str,
+        ttl: float,
+        timeout: float,
+        client=None,
+        pinned_budget: int | Budget = 0,
+        timer: Callable[[], float] = time.time,
+    ) -> None:
         from redis.commands.core import Script  # only a Redis-backed gateway needs the client
 
         # ValueError and TypeError: a foreign value under our key.
-        self._errors = (*redis_url.failures(), ValueError, TypeError)
+        self._errors: tuple[type[Exception], ...] = (*redis_url.failures(), ValueError, TypeError)
         self._redis = client if client is not None else redis_url.redis_client(url, timeout)[0]
         self._ttl_ms = int(ttl * 1000)
         # Each D's budget, across every host sharing the store (gateway.engines.d_budget).
         self.budget: Budget = pinned_budget if callable(pinned_budget) else fixed(pinned_budget)
-        self._totals: dict[str, int] = {}   # each D's pinned blocks, as the last call counted
-        self._timer = timer              # wall-clock seconds: every host reads the same expiry
+        self._totals: dict[str, int] = {}  # each D's pinned blocks, as the last call counted
+        self._timer = timer  # wall-clock seconds: every host reads the same expiry
         # One round trip however many history prefixes a request tries (a long conversation
         # whose entry expired tries them all), and one a put, the blocks each D keeps counted
         # on the way. Their keys must live on one node: no Cluster.
@@ -135,8 +163,7 @@ class RedisStore:
         if not keys:
             return None
         try:
-            found = self._take_first(keys=[self.PREFIX + key for key in keys],
-                                     args=[self.PREFIX])
+            found = self._take_first(keys=[self.PREFIX + key for key in keys], args=[self.PREFIX])
             # `not found`: Lua's false is None over RESP2, False over RESP3.
             return None if not found else (keys[found[0] - 1], decode(found[1]))
         except self._errors as exc:
@@ -148,11 +175,11 @@ class RedisStore:
         now, that expiry in ms, and its D's id; None if it is already due."""
         now = self._timer()
         entry = stamped(entry, now, self._ttl_ms / 1000)
+        assert entry.expires_at is not None  # stamped sets it
         expires_ms = int(entry.expires_at * 1000)
         if expires_ms <= now * 1000:
             return None
         return entry, now, expires_ms, id_in_redis(entry.decode_url)
-
 
     def _counted(self, decode_url: str, total: int) -> None:
         self._totals[decode_url] = total
@@ -163,7 +190,7 @@ class RedisStore:
         for packed in values:
             try:
                 dropped = decode(packed)
-            except ValueError:          # a foreign value under our key: nothing to release
+            except ValueError:  # a foreign value under our key: nothing to release
                 continue
             self.on_drop(dropped, why)
 
@@ -177,8 +204,19 @@ class RedisStore:
         try:
             old, over, total = self._put(
                 keys=[self.PREFIX + key],
-                args=[packed_entry, expires_ms, int(now * 1000), key, pinned_blocks(entry),
-                      limit.cap, decode_id, self.PREFIX, limit.cut, tenant])
+                args=[
+                    packed_entry,
+                    expires_ms,
+                    int(now * 1000),
+                    key,
+                    pinned_blocks(entry),
+                    limit.cap,
+                    decode_id,
+                    self.PREFIX,
+                    limit.cut,
+                    tenant,
+                ],
+            )
         except self._errors as exc:
             self._failed("put", exc)
             return
