@@ -239,10 +239,14 @@ def client(argv: list[str] | None = None) -> None:
                 errors,
                 scenario.think,
             )
-            for i, ((kind, conv), done) in enumerate(zip(convs, results))
+            for i, ((kind, conv), done) in enumerate(zip(convs, results, strict=True))
         ]
     )
-    turns = [{**turn, "kind": kind} for (kind, _), done in zip(convs, results) for turn in done]
+    turns = [
+        {**turn, "kind": kind}
+        for (kind, _), done in zip(convs, results, strict=True)
+        for turn in done
+    ]
     clients.write_results(spec["out"], started, turns, errors)
 
 
@@ -262,7 +266,7 @@ def cluster(system: System, scenario: Scenario, reply: int):
                     else D_CAPACITY,
                 )
             )
-            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS)
+            for role, host in zip(("prefill", "prefill", "decode", "decode"), HOSTS, strict=True)
         ]
         yield engines[:2], engines[2:]
 
