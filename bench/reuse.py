@@ -88,6 +88,11 @@ SYSTEMS = {
     "gateway-static": System(
         "pd-gateway (--pinned-blocks 8192)", "gateway", True, settings=(("pinned_blocks", 8192),)
     ),
+    # Affinity alone, near enough: a pull priced so high that a conversation leaves its own P only
+    # for a queue longer than its whole history (docs/routing.md), as before costs.
+    "gateway-affinity": System(
+        "pd-gateway (affinity only)", "gateway", True, settings=(("route_pull_cost", 1000.0),)
+    ),
     "vllm-router": System("vllm-router (cache_aware)", "router", False),
     "vllm-router-rr": System(
         "vllm-router (round_robin)", "router", False, argv=("--policy", "round_robin")
