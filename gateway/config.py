@@ -748,10 +748,10 @@ class Settings:
             )
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Defaults, then GATEWAY_* variables, then explicit overrides."""
-        environ = os.environ if environ is None else environ
-        return cls(**{**read_env(cls, environ), **overrides})
+        env = os.environ if environ is None else environ
+        return cls(**{**read_env(cls, env), **overrides})
 
     @classmethod
     def from_args(
@@ -835,8 +835,9 @@ class Settings:
 
     def to_env(self) -> dict[str, str]:
         """The GATEWAY_* variables that reproduce these settings in another process."""
-        out = {}
+        out: dict[str, str] = {}
         for s in SETTINGS:
+            assert s.env is not None  # every setting has its variable (env_prefix)
             value = getattr(self, s.name)
             out[s.env] = (
                 " ".join(value)
