@@ -46,6 +46,8 @@ class Turn:
     params_in: dict | None
     fault: Fault
     arrival: float
+    # why the ignore: Engine sets it right after making the turn (before its prefill); no
+    # turn is read without one.
     gen: Generation = None  # type: ignore[assignment]
     salt: str | None = None  # cache_salt: KV computed under another salt is never this request's
     local: int = 0  # prompt tokens found in the local prefix cache

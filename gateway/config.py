@@ -776,6 +776,8 @@ class Settings:
     def model_specs(self) -> list[ModelSpec]:
         """The models and their engines: --models-file's, then --models', or the one pool of
         --prefill and --decode (named "": any model); as read when the settings were made."""
+        # why the ignore: `_specs` is set by __post_init__ (object.__setattr__ on a frozen
+        # dataclass), not declared as a field: mypy does not see it.
         return list(self._specs)  # type: ignore[attr-defined]
 
     def _read_specs(self) -> list[ModelSpec]:
