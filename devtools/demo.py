@@ -11,6 +11,7 @@ import time
 
 import requests
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 # A development entry point, run from a checkout (`make run`), like the tooling it uses:
 # nothing in the gateway package imports devtools or the emulator.
@@ -33,7 +34,9 @@ def chat(gateway: GatewayProcess, model: str) -> None:
     read D's blocks (vLLM reads them only when D holds 64 tokens or more beyond P's own cache:
     the replies here are 80 tokens long)."""
     client = OpenAI(base_url=gateway.url + "/v1", api_key="demo-key")
-    messages = [{"role": "system", "content": "You are a terse assistant."}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You are a terse assistant."}
+    ]
 
     def counters() -> dict:
         return {

@@ -10,9 +10,11 @@ import contextlib
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import requests
-from openai import OpenAI
+from openai import OpenAI, Stream
+from openai.types.chat import ChatCompletion
 
 from devtools.workload import MODEL
 
@@ -124,7 +126,12 @@ def assistant_message(delta_parts: dict, echo_reasoning: bool) -> dict:
 
 
 def _collect_stream(stream) -> dict:
-    parts = {"content": "", "reasoning": "", "reasoning_key": "reasoning", "tool_calls": []}
+    parts: dict[str, Any] = {
+        "content": "",
+        "reasoning": "",
+        "reasoning_key": "reasoning",
+        "tool_calls": [],
+    }
     for chunk in stream:
         if not chunk.choices:
             continue
@@ -162,7 +169,7 @@ def chat_conversation(url: str, mode: Mode, client: Client, turns: int, seed: in
         base_url=url + "/v1", api_key=f"tenant-{seed % TENANTS}", max_retries=0, timeout=60
     )
     outcome = Outcome()
-    messages = [
+    messages: list[Any] = [
         {"role": "system", "content": "answer briefly"},
         # Which replies reason or call a tool follows from the prompt (the emulator's
         # shares hash it): the same prompts each run give the same turns, so what a run
@@ -186,7 +193,9 @@ def chat_conversation(url: str, mode: Mode, client: Client, turns: int, seed: in
             if client.stream:
                 parts = _collect_stream(raw.parse())
             else:
-                dumped = raw.parse().choices[0].message.model_dump(exclude_none=True)
+                completion = raw.parse()
+                assert isinstance(completion, ChatCompletion)  # not a stream
+                dumped = completion.choices[0].message.model_dump(exclude_none=True)
                 key = "reasoning" if "reasoning" in dumped else "reasoning_content"
                 parts = {
                     "content": dumped.get("content") or "",
@@ -228,7 +237,7 @@ def completions_conversation(url: str, client: Client, turns: int, seed: int) ->
             parsed = raw.parse()
             text = (
                 "".join(c.choices[0].text for c in parsed if c.choices)
-                if client.stream
+                if isinstance(parsed, Stream)  # as client.stream asked
                 else parsed.choices[0].text
             )
             prompt += text + (" more" if turn % 2 == 0 else "ly and so on")

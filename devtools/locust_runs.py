@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def run_locust(
     spawn_rate: float,
     duration: str,
     csv_prefix: Path,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
     timeout: float = 600,
     locustfile: Path = LOCUSTFILE,
 ) -> LoadResult:

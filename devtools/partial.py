@@ -9,6 +9,7 @@ import contextlib
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import requests
 from openai import OpenAI
@@ -67,7 +68,7 @@ def conversation(url: str, p_url: str, case: Case, turns: int, seed: int) -> dic
     """One conversation; per later turn, the tokens it could read from D (block-aligned)."""
     sdk = OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=60)
     system = "you answer briefly and plainly, citing the notes you were given " * 3
-    messages = [
+    messages: list[Any] = [
         {"role": "system", "content": system},
         {
             "role": "user",
@@ -75,7 +76,7 @@ def conversation(url: str, p_url: str, case: Case, turns: int, seed: int) -> dic
             + "tell me about the weather in the mountains " * 4,
         },
     ]
-    out = {"shareable": 0, "caches": [], "errors": []}
+    out: dict[str, Any] = {"shareable": 0, "caches": [], "errors": []}
     held: list | None = None
     try:
         for turn in range(turns):
@@ -107,7 +108,12 @@ def conversation(url: str, p_url: str, case: Case, turns: int, seed: int) -> dic
                 **({"tools": case.request["tools"]} if "tools" in case.request else {}),
             )
             out["caches"].append(raw.headers.get("X-Gateway-Cache"))
-            parts = {"content": "", "reasoning": "", "reasoning_key": "reasoning", "tool_calls": []}
+            parts: dict[str, Any] = {
+                "content": "",
+                "reasoning": "",
+                "reasoning_key": "reasoning",
+                "tool_calls": [],
+            }
             prompt_ids: list = []
             output_ids: list = []
             for chunk in raw.parse():

@@ -49,7 +49,7 @@ def cpu_seconds(pids: list[int]) -> float:
 
 def cpu_split(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds of one process."""
-    fields = _stat(pid) or [0] * 13
+    fields = _stat(pid) or ["0"] * 13
     return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 

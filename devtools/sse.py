@@ -33,7 +33,7 @@ class Parser:
             return []
         self._buffer = (self._buffer + data).replace(b"\r\n", b"\n")
         *blocks, self._buffer = self._buffer.split(b"\n\n")
-        events = []
+        events: list[Event] = []
         for block in blocks:
             fields = [line[5:] for line in block.split(b"\n") if line.startswith(b"data:")]
             if not fields:

@@ -147,6 +147,7 @@ def _post(url: str, body: dict, headers: dict, stream: bool, retries: int) -> re
         except requests.ConnectionError:
             if attempt == retries:
                 raise
+    raise AssertionError("unreachable: the last attempt returned or raised")
 
 
 def benchmark_conversation(

@@ -46,6 +46,8 @@ class Turn:
     params_in: dict | None
     fault: Fault
     arrival: float
+    # why the ignore: Engine sets it right after making the turn (before its prefill); no
+    # turn is read without one.
     gen: Generation = None  # type: ignore[assignment]
     salt: str | None = None  # cache_salt: KV computed under another salt is never this request's
     local: int = 0  # prompt tokens found in the local prefix cache
@@ -138,6 +140,7 @@ class Engine:
         self.session = session or make_session()
         # Prompts and decodes share the engine's steps, as on vLLM: a prefill on D slows its
         # streams, and a request beyond the token budget or max_num_seqs waits its turn.
+        assert config.max_num_batched_tokens is not None  # EngineConfig.__post_init__ set it
         self.scheduler = Scheduler(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -284,6 +287,7 @@ class Engine:
     def until_token(self, turn: Turn, index: int) -> float:
         """Seconds until the step that may bring the turn's token `index` ends (0: it is out)."""
         seq = turn.seq
+        assert seq is not None  # asked once the turn is scheduled
         return self.scheduler.until(lambda: seq.generated > index, self.clock())
 
     # --- prefill -----------------------------------------------------------------------------
@@ -329,6 +333,7 @@ class Engine:
             # While it loads remote KV a request waits in WAITING_FOR_REMOTE_KVS: vLLM counts it
             # as a deferred waiting request, not a running one (v1/core/sched/scheduler.py
             # ~L2705-2712 and ~L3288-3292; v1/metrics/loggers.py ~L1150-1160).
+            assert groups is not None  # count > 0: the params named blocks (the first `if`)
             self.deferred += 1
             try:
                 read_blocks, ok = self._read(turn, params, groups, local, count)
@@ -348,6 +353,7 @@ class Engine:
         self.scheduler.add(turn.seq, self.clock())
         self.wait_token(turn, 0)
         self._count_path(params, p_node)
+        assert turn.blocks is not None  # held since admission
         self.pool.commit(turn.blocks, hashes)
         turn.prefill_s = self.clock() - started
         self.stats.local_prefix_tokens += local
@@ -456,6 +462,7 @@ class Engine:
         kv_tokens = turn.sequence[
             :-1
         ]  # the last sampled token has no KV yet: prompt + generated - 1
+        assert turn.blocks is not None  # held since admission, until here
         self.pool.commit(turn.blocks, self.pool.hashes(kv_tokens, turn.salt))
         self.stats.generated_tokens += turn.completion_tokens
         params = turn.params_in

@@ -7,6 +7,7 @@ import json
 import sys
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from gateway.config import ModelSpec, Settings
 from gateway.engines.discovery import Discovery, Resolver
@@ -189,12 +190,12 @@ class Checker:
                     "its models (an engine started with --api-key needs "
                     "--upstream-api-key)",
                 )
-        wrong = [e for e in listed if model not in e.models]
+        wrong = [e for e in listed if e.models is not None and model not in e.models]
         for engine in wrong:
             self.report.add(
                 "fail",
                 engine.instance.name,
-                f"serves {', '.join(engine.models)}, not {model}",
+                f"serves {', '.join(engine.models or ())}, not {model}",
                 f"start it with --served-model-name {model}"
                 + ("" if spec.name else " (every P and D of one pool serves one model)"),
             )
@@ -299,7 +300,8 @@ class Checker:
                 "transfer (bidirectional_kv_xfer, off by default)",
                 f"start D with {KV_TRANSFER_CONFIG}",
             )
-        prompt_ids, output_ids = d_reply.get("prompt_token_ids"), choice.get("token_ids")
+        prompt_ids: Any = d_reply.get("prompt_token_ids")
+        output_ids: Any = choice.get("token_ids")
         has_ids = isinstance(prompt_ids, list) and isinstance(output_ids, list) and output_ids
         if has_ids:
             self.report.add("ok", subject, "D returns prompt_token_ids and token_ids")
@@ -392,7 +394,8 @@ class Checker:
     ) -> None:
         """/tokenize on P renders the next turn as the gateway asks it to, and whether its
         tokens extend what D holds (prompt + generated - 1: the last token was never fed)."""
-        body = Exactness.tokenize_body(ClientRequest(CHAT, second, False, None))
+        # why the cast: `second` is a plain chat (model, messages): tokenize_body renders it.
+        body = cast(dict, Exactness.tokenize_body(ClientRequest(CHAT, second, False, None)))
         try:
             tokens = self.upstream.tokenize(
                 p, body, self.upstream.headers(f"check-{nonce}-t", None)

@@ -748,10 +748,10 @@ class Settings:
             )
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Defaults, then GATEWAY_* variables, then explicit overrides."""
-        environ = os.environ if environ is None else environ
-        return cls(**{**read_env(cls, environ), **overrides})
+        env = os.environ if environ is None else environ
+        return cls(**{**read_env(cls, env), **overrides})
 
     @classmethod
     def from_args(
@@ -776,6 +776,8 @@ class Settings:
     def model_specs(self) -> list[ModelSpec]:
         """The models and their engines: --models-file's, then --models', or the one pool of
         --prefill and --decode (named "": any model); as read when the settings were made."""
+        # why the ignore: `_specs` is set by __post_init__ (object.__setattr__ on a frozen
+        # dataclass), not declared as a field: mypy does not see it.
         return list(self._specs)  # type: ignore[attr-defined]
 
     def _read_specs(self) -> list[ModelSpec]:
@@ -835,8 +837,9 @@ class Settings:
 
     def to_env(self) -> dict[str, str]:
         """The GATEWAY_* variables that reproduce these settings in another process."""
-        out = {}
+        out: dict[str, str] = {}
         for s in SETTINGS:
+            assert s.env is not None  # every setting has its variable (env_prefix)
             value = getattr(self, s.name)
             out[s.env] = (
                 " ".join(value)

@@ -180,7 +180,13 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
             if worker.pd_slot not in server.pd_holds:  # taken before the master got it
                 return
             try:
-                worker.pd_private_socket = _PrivateSocket(address, worker.cfg, worker.log)
+                # why the ignore: types-gunicorn types a socket's address as str; a TCP one
+                # takes (host, port), as gunicorn's own sock.create_sockets passes it.
+                worker.pd_private_socket = _PrivateSocket(
+                    address,  # type: ignore[arg-type]
+                    worker.cfg,
+                    worker.log,
+                )
             except OSError as exc:  # never a reason to halt the gateway
                 worker.log.error(
                     "pd-gateway: worker slot %d cannot listen on %s:%d (%s); it "
@@ -248,7 +254,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
 
             shutil.rmtree(_own_metrics_dir, ignore_errors=True)
 
-    hooks = dict(
+    hooks: dict[str, Callable[..., Any]] = dict(
         on_starting=on_starting,
         on_reload=on_reload,
         pre_fork=pre_fork,
@@ -347,7 +353,8 @@ def _metrics_listener(settings: Settings, server, old: TCPSocket | None) -> TCPS
     # stops, saying so, and the old master goes on serving.
     kind = TCP6Socket if ":" in address[0] else TCPSocket
     try:
-        listener = kind(address, server.cfg, server.log)
+        # why the ignore: types-gunicorn types the address as str; TCP takes (host, port).
+        listener = kind(address, server.cfg, server.log)  # type: ignore[arg-type]
     except OSError as exc:
         raise RuntimeError(
             f"pd-gateway: cannot listen for metrics on {address[0]}:{address[1]} "

@@ -105,7 +105,8 @@ def options(cls: type) -> tuple[Option, ...]:
 
 def check(settings: Any, names: tuple[str, ...] | None = None) -> None:
     """Convert every option of a settings instance in place (frozen or not), naming the flag."""
-    for opt in options(type(settings)):
+    cls: type = type(settings)
+    for opt in options(cls):
         value = getattr(settings, opt.name)
         if (names is None or opt.name in names) and not (value is None and opt.default is None):
             object.__setattr__(settings, opt.name, opt.apply(value, opt.flag))
@@ -194,7 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             default=None,
             nargs=o.nargs,
             metavar=metavar,
-            action="extend" if o.nargs == "+" else None,
+            # why the ignore: argparse takes None as its default action (store); typeshed not.
+            action="extend" if o.nargs == "+" else None,  # type: ignore[arg-type]
             required=o.required,
             help=help,
         )

@@ -58,7 +58,7 @@ def is_plain(message: Any) -> bool:
     )
 
 
-def _check(ok: bool, param: str, message: str) -> None:
+def _check(ok: object, param: str, message: str) -> None:
     if not ok:
         raise BadRequest(message, param=param)
 

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import unquote, urlsplit
 
 PRIMARY_SCHEMES = ("redis", "rediss", "unix")
@@ -84,12 +84,14 @@ def redis_client(url: str, timeout: float):
     from redis.retry import Retry
 
     retry = Retry(NoBackoff(), 0)
-    common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
+    common: dict[str, Any] = dict(
+        socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry
+    )
     parsed = parse(url)
     if parsed.kind == "primary":
         return redis.Redis.from_url(url, **common), False
     parts = urlsplit(url)
-    auth = dict(
+    auth: dict[str, Any] = dict(
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
     )

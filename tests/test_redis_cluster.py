@@ -221,7 +221,7 @@ def later(results: dict) -> list[str]:
     return [v for (c, turn), v in results.items() if turn > 0]
 
 
-def shared_store_run(store_url: str, first_host: int, kill) -> None:  # type: ignore[no-untyped-def]
+def shared_store_run(store_url: str, first_host: int, kill) -> None:
     flags = dict(bidirectional_kv_xfer=True, itl_ms=1)
     with (
         EmulatorProcess("prefill", host=f"127.0.0.{first_host}", **flags) as p,

@@ -626,7 +626,7 @@ def test_a_reply_head_is_read_as_http_client_reads_it(lines, version):
     ours.begin()
     theirs.begin()
 
-    def words(value):  # type: ignore[no-untyped-def]
+    def words(value):
         return None if value is None else value.split()
 
     for name in {line.partition(":")[0] for line in lines}:
@@ -744,7 +744,7 @@ def tls_engine(certificate=CERTIFICATE):
     accepted: list = []
 
     class Server(http.server.ThreadingHTTPServer):
-        def get_request(self):  # type: ignore[no-untyped-def]
+        def get_request(self):
             sock, address = super().get_request()
             accepted.append(sock)
             return context.wrap_socket(sock, server_side=True), address

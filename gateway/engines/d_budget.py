@@ -117,7 +117,7 @@ class DBudget:
                 decode_url, Limit(max(1, self.given // self.shares) if self.given else 0)
             )
         known = self._look(decode_url)
-        if not known.capacity:
+        if not known.capacity or known.instance is None:  # (a capacity came from an instance)
             return self._publish(decode_url, Limit(known.cap))
         report = self.load.reported(known.instance)
         if report is None or known.read_at == report.read_at:
@@ -144,7 +144,7 @@ class DBudget:
         instance = self.find(decode_url)
         facts = self.load.facts(instance) if instance is not None else None
         capacity = facts.capacity if facts is not None else 0
-        if capacity and capacity != known.capacity:
+        if capacity and capacity != known.capacity and instance is not None:
             log.info(
                 "%s reports %d blocks of KV cache: its pins are kept within %d of them, "
                 "and cut where its usage passes %d%%",

@@ -84,16 +84,18 @@ class Resolver:
             raise ResolveError(f"{host}: {exc}") from exc
         except OSError as exc:
             raise ResolveError(f"{host}: {exc}") from exc
-        return _preferred({info[4][0].split("%")[0] for info in infos})
+        return _preferred({str(info[4][0]).split("%")[0] for info in infos})
 
     def _ask_server(self, host: str) -> list[str]:
         import dns.exception
         import dns.resolver
 
+        resolver = self._dns
+        assert resolver is not None  # asked only with a server (`addresses`)
         found: set[str] = set()
         for rdtype in ("A", "AAAA"):
             try:
-                answer = self._dns.resolve(host, rdtype, search=False)
+                answer = resolver.resolve(host, rdtype, search=False)
             except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
                 continue
             except dns.exception.DNSException as exc:

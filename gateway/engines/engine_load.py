@@ -183,7 +183,7 @@ def parse(text: bytes) -> Page | None:
             capacity = (capacity or 0.0) + value
         elif index == _KV:
             found[index] = max(found[index], value)
-        else:
+        elif index is not None:  # always, past the `continue` above: mypy's narrowing
             found[index] += value
         seen.add(index)
     if len(seen - {None}) < len(found):
@@ -191,7 +191,7 @@ def parse(text: bytes) -> Page | None:
     # Without the reason label (vLLM before it) the total counts every remote-KV load a D
     # has in flight: no queue signal then, only the KV cache's (-1: unknown).
     found[_WAITING] = capacity if capacity is not None else -1.0
-    return Page(*found, max(block, 0.0), blocks, caching, float(ranks))
+    return Page(found[0], found[1], found[2], max(block, 0.0), blocks, caching, float(ranks))
 
 
 class LoadTable:

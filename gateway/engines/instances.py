@@ -98,7 +98,7 @@ class Instance:
         self.host = parts.hostname or ""
         self.base_path = parts.path.rstrip("/")
         self.credentials = (
-            (unquote(parts.username), unquote(parts.password or ""))
+            (unquote(parts.username or ""), unquote(parts.password or ""))
             if parts.username or parts.password
             else None
         )

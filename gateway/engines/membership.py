@@ -309,7 +309,7 @@ class Membership:
                 APPLIED[self.slot] = self.changes.offset
 
     def _apply(self, change: dict) -> None:
-        pool = self.models.get(change.get("model", ""), {}).get(change.get("role"))
+        pool = self.models.get(change.get("model", ""), {}).get(change.get("role", ""))
         if pool is None:
             return
         url = change.get("url", "")

@@ -81,9 +81,12 @@ def read_fields(fp) -> Fields:
     fields = Fields()
     name = ""  # the field a folded line continues ("": none, or one not kept)
     ended = False  # a line that is not a field was read: the rest is not read as any
-    for _ in range(http.client._MAXHEADERS):  # the blank line counts, as in http.client
-        line = fp.readline(http.client._MAXLINE + 1)
-        if len(line) > http.client._MAXLINE:
+    # why the ignore: http.client's own limits are private, and typeshed leaves them out.
+    max_headers = http.client._MAXHEADERS  # type: ignore[attr-defined]
+    max_line = http.client._MAXLINE  # type: ignore[attr-defined]
+    for _ in range(max_headers):  # the blank line counts, as in http.client
+        line = fp.readline(max_line + 1)
+        if len(line) > max_line:
             raise http.client.LineTooLong("header line")
         if line in (b"\r\n", b"\n", b""):
             return fields
@@ -108,7 +111,7 @@ def read_fields(fp) -> Fields:
         else:
             # What follows the colon but its leading blanks, as the email package keeps it
             dict.__setitem__(fields, name, value.lstrip(" \t").rstrip("\r\n"))
-    raise http.client.HTTPException(f"got more than {http.client._MAXHEADERS} headers")
+    raise http.client.HTTPException(f"got more than {max_headers} headers")
 
 
 class EngineHTTPResponse(http.client.HTTPResponse):

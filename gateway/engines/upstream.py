@@ -59,6 +59,7 @@ class Stream:
         timeout = sock.gettimeout() if sock is not None else None
         if (
             timeout
+            and sock is not None  # as `timeout` says: mypy's narrowing
             and self._watch is not None
             and self._watch.keep_quiet_limit(timeout, instance.name)
         ):
@@ -99,7 +100,7 @@ def _caused_by(exc: BaseException, *types: type) -> bool:
     """Is `exc`, or anything it wraps, one of `types`? A connection not made is raised from
     the OS's error (`__cause__`); a test's transport may wrap one the same way."""
     seen: set[int] = set()
-    todo = [exc]
+    todo: list[BaseException | None] = [exc]
     while todo:
         current = todo.pop()
         if current is None or id(current) in seen:
@@ -220,7 +221,7 @@ class Upstream:
         # One pool per engine, `pool_size` connections kept in each; a burst above it opens
         # extra connections instead of waiting.
         self.transport = transport if transport is not None else Transport(pool_size)
-        self.timeout: Timeouts = (connect_timeout, read_timeout)
+        self.timeout: tuple[float, float] = (connect_timeout, read_timeout)
         self.api_key = api_key
         # The GETs' bodies as the POSTs' are: not compressed (their size is read as it comes).
         self._get_headers = {"Accept-Encoding": "identity"}
@@ -343,6 +344,7 @@ class Upstream:
         of --read-timeout for a call that should never take long."""
         timeout = None if read_timeout is None else (self.timeout[0], read_timeout)
         response = self._post(instance, path, body, headers, stream=False, timeout=timeout)
+        assert response.content is not None  # not a stream: `_send` read it whole
         try:
             reply = jsonio.loads_engine(response.content)
         except ValueError as exc:

@@ -306,18 +306,21 @@ class Disagg:
                 raise ServiceUnavailable(pool.unservable(), instance_fault=False)
         plan = self.plan(turn)
         if plan.decode is not None:
+            # A decode-only plan is made only for a found entry (`plan`): its D holds it.
+            assert plan.entry is not None
+            entry = plan.entry
             try:
                 return self._decode_only(turn, plan)
             except GatewayError as exc:
                 if not exc.instance_fault:
-                    self.releaser.drop(plan.entry, "decode_only")
+                    self.releaser.drop(entry, "decode_only")
                     raise
                 # Its D failed before a byte: the two-stage path, as a miss (the blocks that D
                 # held are not to be trusted now).
                 log.info(
                     "decode-only turn failed on %s (%s); two-stage", plan.decode.name, exc.message
                 )
-                self.releaser.drop(plan.entry, "decode_failed")
+                self.releaser.drop(entry, "decode_failed")
                 plan = Plan("decode_failed")
         return self._two_stage(turn, plan)
 
@@ -352,6 +355,7 @@ class Disagg:
         and keeps nothing for later (next turn: a two-stage miss, both engines' own caches
         serving most of it). The entry's blocks, now unread, go once the turn is over."""
         entry = plan.entry
+        assert entry is not None  # `run` took it for this path
         d_body = self._body_for_d(turn)
         return self._decode(
             turn,
@@ -382,11 +386,14 @@ class Disagg:
         metrics.PREFILL_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
         reuse = prefilled.reuse
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
+        # `_prefill` keeps a reuse only with its entry.
+        entry = reuse.entry if reuse is not None else None
         prompt_tokens, kv = count_prefill(
-            prefilled.reply, reuse.entry.params if reuse else None, turn.model, cache == "partial"
+            prefilled.reply, entry.params if entry else None, turn.model, cache == "partial"
         )
         turn.work.done, turn.work.prompt_tokens = True, prompt_tokens  # P computed it
         d_body = self._body_for_d(turn)
+        assert turn.decoded is not None  # `_body_for_d` made it
         turn.decoded.prompt_tokens = prompt_tokens
         with_blocks = decode_body(d_body, prefilled.reply, prefill)
 
@@ -422,12 +429,14 @@ class Disagg:
                 if plan.admitted is not None
                 else self.exactness.admit(plan.entry, request, identity, tokenize)
             )
+        params = None
         if reuse is not None and reuse.entry is not None:
             sent.carried = True  # whole or cut, P's notification frees D's request
+            params = reuse.entry.params
         else:
             reuse = None
             sent.drop("unproven" if failure is None else "prefill_failed")
-        body = prefill_body(request.wire, reuse.entry.params if reuse else None)
+        body = prefill_body(request.wire, params)
         return Prefilled(reuse, self.upstream.post_json(instance, request.path, body, headers))
 
     def _body_for_d(self, turn: Turn) -> dict:
@@ -461,6 +470,7 @@ class Disagg:
             "X-Gateway-Path": f"{path.name}; reason={path.reason}",
         }
         request, decoded, headers = turn.request, turn.decoded, turn.headers
+        assert decoded is not None  # `_body_for_d` made it, before any D was called
         if not request.stream:
             decode, reply = self._attempt(
                 self.decode,
@@ -553,6 +563,7 @@ class Disagg:
     ) -> None:
         if self.access_log:
             decoded = turn.decoded
+            assert decoded is not None  # logged once D answered
             chunks = len(decoded.text) + len(decoded.reasoning)
             access.info(
                 "turn %s model=%s cache=%s kv=%s path=%s reason=%s prefill=%s decode=%s "
@@ -573,6 +584,7 @@ class Disagg:
 
     def _remember(self, turn: Turn, decode: Instance) -> None:
         request, identity, decoded = turn.request, turn.identity, turn.decoded
+        assert decoded is not None  # remembered once D answered
         if decoded.reasoning:
             self.exactness.saw_reasoning(request.body.get("model"))
         if not decoded.reusable:

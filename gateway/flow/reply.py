@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from gateway.engines.instances import Instance, Pool
@@ -81,7 +81,7 @@ class StreamRelay:
         self._gaps = metrics.bucket_counts(metrics.ITL_BUCKETS)
         self._gaps_total = 0.0
 
-    def chunks(self) -> Iterator[bytes]:
+    def chunks(self) -> Generator[bytes, None, None]:
         decoded, decode = self.decoded, self.decode
         relay = EventFilter(decoded)
         gaps, bounds = self._gaps, metrics.ITL_BUCKETS

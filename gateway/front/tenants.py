@@ -23,9 +23,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from limits import RateLimitItemPerMinute
-from limits.storage import storage_from_string
+from limits.storage import Storage, storage_from_string
 
 from gateway import redis_url
 from gateway.support import metrics
@@ -49,7 +50,7 @@ class KeyLimits:
     @classmethod
     def parse(cls, options: list[str], defaults: KeyLimits) -> KeyLimits:
         """`rpm=600 tpm=200000 turns=8 weight=2` over `defaults`; ValueError names a bad one."""
-        values = {
+        values: dict[str, float] = {
             "rpm": defaults.rpm,
             "tpm": defaults.tpm,
             "turns": defaults.turns,
@@ -63,7 +64,13 @@ class KeyLimits:
             if value < 0 or (name == "weight" and value == 0) or not math.isfinite(value):
                 raise ValueError(f"{option!r} must be positive")
             values[name] = value
-        return cls(**values)
+        # The counts were parsed by int() (the defaults are ints): int() only tells mypy.
+        return cls(
+            rpm=int(values["rpm"]),
+            tpm=int(values["tpm"]),
+            turns=int(values["turns"]),
+            weight=values["weight"],
+        )
 
 
 def duration(seconds: float) -> str:
@@ -134,8 +141,10 @@ class Tenants:
         self.clock = clock
         # Made on first use (a cluster's client asks its seeds at once); requests are admitted
         # uncounted while it cannot be made or a second after a call failed.
+        # why the cast: storage_from_string's type includes limits.aio's storages, and the
+        # URLs made here (memory://, redis*://) are all synchronous ones.
         self._storage = redis_url.Lazy(
-            lambda: storage_from_string(self.url, **self.options), timeout
+            lambda: cast(Storage, storage_from_string(self.url, **self.options)), timeout
         )
         self._ends: dict[str, float] = {}  # each counter's window end, as last asked
         # Keys whose requests of this window are spent, as this worker counted them: until the

@@ -77,7 +77,7 @@ class ResponsesRequest:
     previous_response_id: str | None
 
 
-def _check(ok: bool, param: str, message: str) -> None:
+def _check(ok: object, param: str, message: str) -> None:
     if not ok:
         raise BadRequest(message, param=param)
 
@@ -234,7 +234,7 @@ def _message(item: dict, prev: dict | None, where: str) -> dict | None:
     role = item.get("role")
     if kind not in (None, "message") or not isinstance(role, str):
         raise BadRequest(f"Unsupported input item type: {kind}", param=where)
-    content = item.get("content")
+    content: Any = item.get("content")  # a string or a list of parts, once checked
     _check(
         isinstance(content, str)
         or (isinstance(content, list) and all(isinstance(p, dict) for p in content)),

@@ -294,6 +294,7 @@ class EventStream:
         if reasoning:
             if self.open is None or self.open["type"] != "reasoning":
                 out += self._open(reasoning_item(new_id("rs"), ""))
+            assert self.open is not None  # open, or `_open` opened it
             self.open["content"][0]["text"] += reasoning
             out += self._event(
                 "response.reasoning_text.delta",
@@ -306,6 +307,7 @@ class EventStream:
             text = delta["content"]
             if self.open is None or self.open["type"] != "message":
                 out += self._open(message_item(new_id("msg"), "", "in_progress"))
+            assert self.open is not None  # open, or `_open` opened it
             self.open["content"][0]["text"] += text
             out += self._event(
                 "response.output_text.delta",
@@ -333,6 +335,7 @@ class EventStream:
                     )
                 )
                 self.call_index = index
+            assert self.open is not None  # open, or `_open` opened it
             arguments = function.get("arguments") or ""
             if arguments:
                 self.open["arguments"] += arguments

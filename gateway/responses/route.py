@@ -8,6 +8,7 @@ import re
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import requests
 
@@ -125,7 +126,8 @@ class Responses:
                 body = jsonio.loads_engine(body)
             except ValueError as exc:
                 raise BadGateway("the chat reply was not JSON") from exc
-        response = response_of(shape, body)
+        # why the cast: a 200 chat reply's body is a JSON object (D's, or an owner's parsed).
+        response = response_of(shape, cast(dict, body))
         keep(response)
         reply.headers.pop("Content-Type", None)
         reply.body, reply.content_type = response, "application/json"

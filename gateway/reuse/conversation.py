@@ -209,6 +209,7 @@ class Identity:
         if not self.reusable:
             return None, "", 0
         if self.messages is not None:
+            assert not isinstance(reply, str)  # a chat turn's reply is a message
             digest = _h(self.messages[-1], canonical_message(_unreasoned(reply))).hex()
             length = len(self.messages) + 1
             return (self.root if self.explicit else digest), digest, length

@@ -60,6 +60,7 @@ class _Constant(float):
     (orjson would write null)."""
 
     __slots__ = ("literal",)
+    literal: bytes
 
     @classmethod
     def of(cls, literal: str) -> _Constant:

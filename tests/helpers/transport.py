@@ -32,7 +32,7 @@ class Replay:
 
 def reply_from_bytes(raw: bytes, method: str = "POST") -> EngineResponse:
     """An engine's response read from `raw` (a whole HTTP/1.1 reply) as the transport reads one."""
-    response = EngineHTTPResponse(Replay(raw), method=method)  # type: ignore[arg-type]
+    response = EngineHTTPResponse(Replay(raw), method=method)
     response.begin()
     return EngineResponse(None, None, response)
 
@@ -45,7 +45,7 @@ class ResponsesTransport:
     def __init__(self) -> None:
         self._adapter = HTTPAdapter(max_retries=0)
 
-    def send(self, instance, method, path, body, headers, timeout):  # type: ignore[no-untyped-def]  # noqa: E501
+    def send(self, instance, method, path, body, headers, timeout):
         request = PreparedRequest()
         request.method = method
         request.url = instance.url + path

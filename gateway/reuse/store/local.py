@@ -135,13 +135,17 @@ class Pinned:
         else:
             self._totals.pop(decode, None)
         tenant = self._tenant.pop(key, None)
-        entries = self._entries.get(tenant)
-        if entries is not None:
+        entries = self._entries.get(tenant) if tenant is not None else None
+        if tenant is not None and entries is not None:
             entries.pop(key, None)
             if not entries:
                 del self._entries[tenant]
         orders = self._order.get(decode)
-        if tenant is None or orders is None or orders.get(tenant, {}).pop(key, None) is None:
+        if (
+            tenant is None
+            or orders is None
+            or orders.get(tenant, OrderedDict()).pop(key, None) is None
+        ):
             return
         held = self._held[decode]
         held[tenant] -= blocks
@@ -207,6 +211,7 @@ class LocalStore:
     def put(self, key: str, entry: Entry, tag: str = "", tenant: str = "") -> None:
         now = self._timer()
         entry = stamped(entry, now, self._ttl)
+        assert entry.expires_at is not None  # stamped set it
         if entry.expires_at <= now:
             return
         try:
@@ -261,8 +266,9 @@ class LocalStore:
         /metrics, outside the lock."""
         with self._lock:
             dropped, self._dropped = self._dropped, []
-            changed = {decode_url} | {entry.decode_url for entry, _ in dropped}
-            changed.discard(None)
+            changed = {entry.decode_url for entry, _ in dropped}
+            if decode_url is not None:
+                changed.add(decode_url)
             counts = {url: self._pinned.total(url) for url in changed}
         for entry, why in dropped:
             self.on_drop(entry, why)
