@@ -176,7 +176,8 @@ _FORWARDABLE = re.compile(r"\S[^\r\n]*|")
 # What an engine's replies may weigh: a page (/metrics, /v1/models: vLLM's are tens of KB) and
 # an answer to a POST (P's, /tokenize's, a whole reply of D's with its token ids: what a context
 # of a million tokens takes); beyond, the call fails. Read whole, an engine's reply of any size
-# was the gateway's memory (a 150 MB /metrics page took a worker to ~790 MB).
+# was the gateway's memory, several times over (docs/BENCHMARKS.md, "The figures behind
+# smaller choices").
 HEALTH_LIMIT = 64 * 1024
 ERROR_LIMIT = 1024 * 1024
 PAGE_LIMIT = 8 * 1024 * 1024

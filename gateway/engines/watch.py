@@ -33,8 +33,9 @@ class Watch:
     down; the blocked read fails at once and the caller sees `ClientGone` or a timeout.
     Under gevent the event loop watches them itself (a socket watcher and a timer whose
     callbacks run in the hub: no greenlet, no poll object, no wake-up of the request's own
-    greenlet; measured: 0.3-0.5 ms of CPU a turn less than a watching greenlet at 64 turns at
-    once); with threads, a background thread polls.
+    greenlet: less CPU a turn than a watching greenlet, most with many turns at once; the figure
+    is in docs/BENCHMARKS.md, "The figures behind smaller choices"); with threads, a background
+    thread polls.
     """
 
     POLL_SECONDS = 0.5  # how long a finished request's watcher may linger
