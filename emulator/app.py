@@ -176,6 +176,15 @@ def _stream(
                 stats.fault_responses += 1
                 cut()
                 return  # no finish chunk, no [DONE], no chunked terminator
+            if turn.fault.mode == "stall_after" and i == turn.fault.tokens:
+                # A D that goes silent mid-stream: nothing more until the client leaves (or
+                # max_s passes, then the stream goes on).
+                stats.fault_responses += 1
+                deadline = engine.clock() + turn.fault.max_s
+                while engine.clock() < deadline:
+                    if _client_gone(environ, engine, min(0.2, deadline - engine.clock())):
+                        stats.aborted_streams += 1
+                        return
             if turn.fault.mode == "error_after" and i >= turn.fault.tokens:
                 # vLLM's stream generator catches a failure during generation and sends it as
                 # an event of the same chunked stream, then [DONE] (serving_chat.py); each

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-MODES = ("none", "down", "error500", "slow", "hang", "die_after", "error_after", "no_params")
+MODES = (
+    "none",
+    "down",
+    "error500",
+    "slow",
+    "hang",
+    "die_after",
+    "error_after",
+    "stall_after",
+    "no_params",
+)
 
 
 @dataclass(frozen=True)
@@ -14,8 +24,8 @@ class Fault:
 
     mode: str = "none"
     delay_s: float = 0.0  # slow: extra wait before the first byte
-    tokens: int = 0  # die_after, error_after: content tokens sent before the failure
-    max_s: float = 3600.0  # hang: bound, so a forgotten fault cannot pin a greenlet forever
+    tokens: int = 0  # die_after, error_after, stall_after: content tokens sent before it
+    max_s: float = 3600.0  # hang, stall_after: bound, so a forgotten fault cannot pin a greenlet
     count: int | None = None  # apply to the next `count` completion requests, then revert to none
 
     @classmethod

@@ -89,9 +89,7 @@ def test_client_disconnect_during_prefill_closes_the_engine_call(worker_class):
 def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
     with (
         EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.15", itl_ms=1) as p,
-        EmulatorProcess(
-            "decode", bidirectional_kv_xfer=True, host="127.0.0.16", itl_ms=60_000
-        ) as d,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.16", itl_ms=1) as d,
         gateway_process([p.url], [d.url], worker_class=worker_class) as gateway,
     ):
         # Warm up, so gthread's pool has its request thread before we count.
@@ -115,6 +113,9 @@ def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
                 assert chunk, received
                 received += chunk
 
+        # D sends one token, then nothing until its client leaves: no later write of the
+        # gateway's can find the client gone, only the disconnect watcher can close D.
+        d.set_fault("stall_after", tokens=1)
         open_and_abandon(
             gateway,
             {
@@ -125,8 +126,8 @@ def test_client_disconnect_mid_stream_closes_the_decode_stream(worker_class):
             },
             first_event,
         )
-        # Tokens come every 60 s: only the disconnect watcher can close D within the wait.
         wait_until(lambda: d.stats()["aborted_streams"] == 1, 10, "D stream aborted")
+        d.set_fault("none")
         settle(gateway, before)
         assert health(gateway)["conversations"] == stored  # nothing stored for it
 

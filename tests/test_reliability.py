@@ -155,8 +155,9 @@ def test_hung_prefill_gives_504(fresh_engines, gateway_factory):
 def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
     with (
         EmulatorProcess("prefill", bidirectional_kv_xfer=True, host="127.0.0.17", itl_ms=1) as p,
-        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.18", itl_ms=5000) as d,
+        EmulatorProcess("decode", bidirectional_kv_xfer=True, host="127.0.0.18", itl_ms=1) as d,
     ):
+        d.set_fault("stall_after", tokens=2)  # silent after two tokens, until the gateway leaves
         for settings, code in (({"read_timeout": 1}, 504), ({"total_timeout": 1.5}, 504)):
             with gateway_process([p.url], [d.url], **settings) as gateway:
                 response = requests.post(
@@ -171,7 +172,7 @@ def test_hung_decode_mid_stream_and_total_deadline_give_error_events():
                     },
                 )
                 events, _ = sse_events(response)
-                # Tokens come every 5 s: a 504 event, not a token, is the timeout's doing.
+                # D says nothing after its second token: the 504 event is the timeout's.
                 assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == code, settings
 
 
