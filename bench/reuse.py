@@ -88,8 +88,9 @@ SYSTEMS = {
     "gateway-static": System(
         "pd-gateway (--pinned-blocks 8192)", "gateway", True, settings=(("pinned_blocks", 8192),)
     ),
-    # Affinity alone, near enough: a pull priced so high that a conversation leaves its own P only
-    # for a queue longer than its whole history (docs/routing.md), as before costs.
+    # A later turn kept on its own P: a pull priced so high that it leaves only for a queue 1,000
+    # times its history (docs/routing.md). First turns, turns without an entry and D still go by
+    # cost: not quite the gateway before costs.
     "gateway-affinity": System(
         "pd-gateway (affinity only)", "gateway", True, settings=(("route_pull_cost", 1000.0),)
     ),
