@@ -447,16 +447,17 @@ class Settings:
         "token's KV from another engine costs against computing "
         "it, in the cost P and D are chosen by (docs/routing.md): "
         "a P that does not hold a conversation's history is chosen "
-        "once the one that does has more queued than this times "
-        "what D holds of it.",
+        "once the one that does has more queued than another P by "
+        "this times what D holds of it.",
     )
     route_request_tokens: int = option(
         512,
         bounded(int, 0),
         "Affinity: the prefill tokens a "
         "request an engine reports waiting or running stands "
-        "for in P's queue (vllm:num_requests_waiting, "
-        "vllm:num_requests_running; docs/routing.md).",
+        "for in P's queue (vllm:num_requests_waiting_by_reason"
+        '{reason="capacity"}, or vllm:num_requests_waiting where an engine '
+        "has no reasons, and vllm:num_requests_running; docs/routing.md).",
     )
     route_move_streams: float = option(
         4.0,
