@@ -16,11 +16,20 @@ call (`trust_env = False`).
     FLASK_RELAY_UPSTREAM=http://127.0.0.3:8200 .venv/bin/python -m gunicorn \\
         --worker-class gevent --workers 1 --worker-connections 2000 bench.flask_relay:app
 
-bench.systems starts it so (kind "flask").
+With `FLASK_RELAY_PREFILL` set (an engine's URL), it is the barest P/D relay instead: the
+client's JSON parsed, sent to that P with `max_tokens` 1, not streamed and vLLM's first-turn
+`kv_transfer_params` stub (what the seed proxy sends every P; docs: ../shared/reference/
+vllm-pd-protocol.md), P's reply parsed, and the client's body with P's `kv_transfer_params` sent
+to D and relayed as above. One P call and one D stream a turn, nothing kept: what any P/D proxy
+on Flask + gunicorn + requests must do for a turn, a second floor for pd-gateway (which does the
+same calls, plus its conversation, its checks and its metrics).
+
+bench.systems starts it so (kind "flask"; option "prefill" for the P/D relay).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import requests
@@ -28,11 +37,21 @@ from flask import Flask, Response, request
 from requests.adapters import HTTPAdapter
 
 UPSTREAM_ENV = "FLASK_RELAY_UPSTREAM"
+PREFILL_ENV = "FLASK_RELAY_PREFILL"
 POOL_ENV = "FLASK_RELAY_POOL"  # connections kept per upstream; the worker's connections
 
 if not os.environ.get(UPSTREAM_ENV):
     raise SystemExit(f"bench.flask_relay: set {UPSTREAM_ENV} to the engine's URL")
 UPSTREAM = os.environ[UPSTREAM_ENV].rstrip("/")
+PREFILL = os.environ.get(PREFILL_ENV, "").rstrip("/")
+FIRST_TURN = {  # vLLM's P/D stub for a prefill (NixlConnector)
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 session = requests.Session()
 session.trust_env = False
 session.mount(
@@ -45,9 +64,19 @@ app = Flask(__name__)
 @app.post("/v1/chat/completions")
 @app.post("/v1/completions")
 def relay() -> Response:
+    data = request.get_data()
+    if PREFILL:
+        body = json.loads(data)
+        prefill = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": FIRST_TURN}
+        prefill.pop("stream_options", None)
+        answer = session.post(PREFILL + request.path, json=prefill, timeout=(5, 600))
+        if answer.status_code != 200:
+            return Response(answer.content, answer.status_code, content_type="application/json")
+        body["kv_transfer_params"] = answer.json().get("kv_transfer_params")
+        data = json.dumps(body).encode()
     upstream = session.post(
         UPSTREAM + request.path,
-        data=request.get_data(),
+        data=data,
         headers={"Content-Type": "application/json"},
         stream=True,
         timeout=(5, 600),

@@ -54,7 +54,7 @@ SPECIFIC: list[tuple[str, tuple[str, ...]]] = [
     ("identity", ("gateway/reuse/conversation.py",)),
     ("store", ("gateway/reuse/store/",)),
     ("exactness", ("gateway/reuse/exactness.py",)),
-    ("P call", ("prefill_call (gateway/flow/disagg.py",)),
+    ("P call", ("Disagg._prefill (gateway/flow/disagg.py",)),
     ("D call (open)", ("Upstream.open_stream (",)),
     ("relay", ("gateway/flow/reply.py", "gateway/flow/sse.py", "gateway/flow/decoded.py")),
     ("admission", ("gateway/front/admission.py",)),

@@ -98,7 +98,8 @@ class System:
     label: str
     kind: str  # gateway | seed | router | nginx | flask
     ids: bool = True
-    # gateway flags; vllm-router: extra "argv"; flask: "worker_connections"
+    # gateway flags; vllm-router: extra "argv"; flask: "worker_connections", and "prefill"
+    # (true: the P/D relay, P's call before D's)
     options: dict = field(default_factory=dict)
 
 
@@ -349,6 +350,8 @@ def _flask(system: System, engines: Engines, log_dir: str) -> Running:
         "FLASK_RELAY_UPSTREAM": engines.decode.url,
         "FLASK_RELAY_POOL": str(connections),
     }
+    if system.options.get("prefill"):
+        env["FLASK_RELAY_PREFILL"] = engines.prefill.url
     return Running(
         url,
         _spawn(

@@ -6,11 +6,13 @@
                                                 # the runs' figures in one set of tables
 
 Starts the benchmark's engines (bench.systems.Engines, bench.run's timing), then the bare Flask
-relay (bench.flask_relay: one Flask view, a pooled requests.Session, D alone) and one pd-gateway
-gevent worker beside it, and warms both up. At each concurrency it drives both with the same
-load at two reply lengths (`--short-words`, `--long-words`: D streams that many tokens, one SSE
-event each, plus its role chunk and [DONE]), `--repeats` times; the two systems take turns, run
-by run (one loaded at a time, the other idle), so both see the same machine. CPU per turn comes
+relay (bench.flask_relay: one Flask view, a pooled requests.Session, D alone), the same relay
+with a P call before D (the P/D floor: what any P/D proxy on this stack pays for a turn's two
+engine calls) and one pd-gateway gevent worker beside them, and warms them up. At each
+concurrency it drives them with the same load at two reply lengths (`--short-words`,
+`--long-words`: D streams that many tokens, one SSE event each, plus its role chunk and
+[DONE]), `--repeats` times; the systems take turns, run
+by run (one loaded at a time, the others idle), so all see the same machine. CPU per turn comes
 from /proc (user + system of the system's gunicorn master and worker, as bench.measure reads it).
 
 Each repeat's short and long runs fit CPU per turn = a + b * events, events being the SSE events
@@ -47,6 +49,9 @@ from bench.systems import ENGINE_TIMING, Engines, System, slug, start
 from devtools import ROOT, procstat
 
 FLOOR = System("bare Flask relay", "flask", True)
+# The same relay with a P call before D's stream (bench.flask_relay, FLASK_RELAY_PREFILL): what
+# any P/D proxy on this stack pays for a turn's two engine calls, the floor's own cost of P.
+PD_FLOOR = System("bare Flask P/D relay", "flask", True, options={"prefill": True})
 GATEWAY_LABEL = "pd-gateway"
 REPLY_ENV = "BENCH_REPLY_WORDS"  # the load generator's max_tokens (devtools.workload)
 
@@ -116,7 +121,7 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
     started = []
     reply_words = os.environ.get(REPLY_ENV)  # each run sets the load generator's reply length
     try:
-        for system in (FLOOR, gateway):
+        for system in (FLOOR, PD_FLOOR, gateway):
             running = start(system, engines, out_dir)
             started.append((system, running, profile.worker_pid(running.pid)))
         for concurrency in args.concurrency:
@@ -216,7 +221,7 @@ def fits(result: dict) -> list[dict]:
     short, long = result["args"]["short_words"], result["args"]["long_words"]
     rows = []
     for concurrency in result["args"]["concurrency"]:
-        for system in (FLOOR.label, GATEWAY_LABEL):
+        for system in (FLOOR.label, PD_FLOOR.label, GATEWAY_LABEL):
             pairs = list(_pairs(result["runs"], system, concurrency, short, long))
             if not pairs:
                 continue
@@ -256,30 +261,31 @@ def fit_table(results: list[dict]) -> str:
         )
     lines += [
         "",
-        "| pd-gateway / floor | C | CPU per turn, short replies | per turn a | per event b |",
+        "| ratio | C | CPU per turn, short replies | per turn a | per event b |",
         "|---|---|---|---|---|",
     ]
-    for r in rows:
-        if r["system"] != GATEWAY_LABEL:
-            continue
-        floor = next(
-            (
-                f
-                for f in rows
-                if f["system"] == FLOOR.label and f["concurrency"] == r["concurrency"]
-            ),
-            None,
-        )
-        if floor is None:
-            continue
-        ratio = [g / f for g, f in zip(r["cpu_short"], floor["cpu_short"], strict=False)]
-        ratio_a = [g / f for g, f in zip(r["a"], floor["a"], strict=False)]
-        ratio_b = [g / f for g, f in zip(r["b"], floor["b"], strict=False)]
-        lines.append(
-            f"| pd-gateway / floor | {r['concurrency']} | "
-            f"**{_spread(ratio, '{:.2f}')}** | {_spread(ratio_a, '{:.2f}')} | "
-            f"{_spread(ratio_b, '{:.2f}')} |"
-        )
+    for name, over, under in (
+        ("pd-gateway / floor", GATEWAY_LABEL, FLOOR.label),
+        ("pd-gateway / P/D floor", GATEWAY_LABEL, PD_FLOOR.label),
+        ("P/D floor / floor", PD_FLOOR.label, FLOOR.label),
+    ):
+        for r in rows:
+            if r["system"] != over:
+                continue
+            floor = next(
+                (f for f in rows if f["system"] == under and f["concurrency"] == r["concurrency"]),
+                None,
+            )
+            if floor is None:
+                continue
+            ratio = [g / f for g, f in zip(r["cpu_short"], floor["cpu_short"], strict=False)]
+            ratio_a = [g / f for g, f in zip(r["a"], floor["a"], strict=False)]
+            ratio_b = [g / f for g, f in zip(r["b"], floor["b"], strict=False)]
+            lines.append(
+                f"| {name} | {r['concurrency']} | "
+                f"**{_spread(ratio, '{:.2f}')}** | {_spread(ratio_a, '{:.2f}')} | "
+                f"{_spread(ratio_b, '{:.2f}')} |"
+            )
     return "\n".join(lines)
 
 
@@ -357,6 +363,7 @@ def budget_table(results: list[dict]) -> str:
     for system, label in (
         (GATEWAY_LABEL, "**pd-gateway, all** (sum of the rooms)"),
         (FLOOR.label, "**bare Flask relay, all** (the floor)"),
+        (PD_FLOOR.label, "**bare Flask P/D relay, all** (the P/D floor)"),
     ):
         cells = []
         for c, result in columns:

@@ -98,9 +98,30 @@ def test_summary_prints_the_goal_for_each_gateway_row():
         )
     ]
     goal_lines = [line for line in reuse.summary(rows).splitlines() if "goal" in line]
-    assert len(goal_lines) == 1
+    assert len(goal_lines) == 2  # every turn, and turns 2+
     assert "3.00x fewer tokens) PASS" in goal_lines[0]
     assert "round_robin's (40.0 ms) FAIL" in goal_lines[0]
+
+
+def test_goal_on_turns_2_and_later_reads_their_p99():
+    ours = {**row("pd-gateway", 1_000, 500.0), "later_ttft_p99_ms": 60.0}
+    cache_aware = {**row("ca", 3_000, 400.0), "later_ttft_p99_ms": 100.0}
+    assert "FAIL" in reuse.goal(ours, cache_aware, None)
+    assert "(70.0 ms; 3.00x fewer tokens) PASS" in reuse.goal(
+        ours, cache_aware, None, "later_ttft_p99_ms"
+    )
+
+
+def test_a_row_is_the_median_of_its_repeats():
+    runs = [
+        {**row("pd-gateway", computed, p99), "later_ttft_p99_ms": later, "first_error": None}
+        for computed, p99, later in ((1_000, 90.0, 30.0), (1_200, 50.0, None), (1_100, 70.0, 10.0))
+    ]
+    merged = reuse.median_row(runs)
+    assert (merged["computed"], merged["ttft_p99_ms"], merged["runs"]) == (1_100, 70.0, 3)
+    assert merged["later_ttft_p99_ms"] == 20.0  # of the runs that have one
+    assert merged["ttft_p99_ms_runs"] == [90.0, 50.0, 70.0]
+    assert merged["system"] == "pd-gateway"
 
 
 @pytest.mark.processes
@@ -121,7 +142,9 @@ def test_client_keeps_every_gap_and_tags_each_turn(fresh_engines, tmp_path):
     assert load["errors"] == []
     turns = load["turns"]
     assert sorted(t["kind"] for t in turns) == ["long"] * 6 + ["short"] * 12
+    assert sorted(t["turn"] for t in turns) == sorted(list(range(reuse.TURNS)) * 3)
     assert all(len(t["gaps"]) == t["content_events"] - 1 == 7 for t in turns)
     assert all(t["first"] + sum(t["gaps"]) == pytest.approx(t["last"], abs=1e-4) for t in turns)
     latencies = reuse.latencies(turns, scenario)
     assert latencies["itl_p99_ms"] is not None and latencies["short_ttft_p99_ms"] is not None
+    assert latencies["later_ttft_p99_ms"] is not None
