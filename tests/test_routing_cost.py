@@ -135,6 +135,18 @@ def test_ds_keep_the_holding_d_until_it_runs_move_streams_more():
     assert ds.choose("k") is rendezvous(ds, "k")[0]
 
 
+def test_a_ds_own_streams_are_not_counted_twice_with_its_report():
+    # Our 3 streams are among the 2 running and 1 waiting D reports: 3 streams, not 3 + 1.
+    ds = Pool("decode", URLS[:2], Policy(overload_factor=100, cost=CostModel(move_streams=3.5)))
+    holding, other = ds.instances
+    holding.inflight = 3
+    ds.load = lambda i: Reported(1, 2, 0.1, 0.0) if i is holding else None
+    assert ds.choose("k", prefer=holding.url) is holding  # 3 against 0 + 3.5
+    # What D reports beyond ours counts: 4 running and 1 waiting are 5 streams.
+    ds.load = lambda i: Reported(1, 4, 0.1, 0.0) if i is holding else None
+    assert ds.choose("k", prefer=holding.url) is other
+
+
 def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
     from gateway.flow.attempts import attempt
 

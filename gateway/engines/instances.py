@@ -298,8 +298,9 @@ class Pool:
 
     def _decode_cost(self, instance: Instance, holds: bool) -> float:
         report = self.load(instance) if self.load is not None else None
+        # This process's streams are among those D reports, running or waiting: the larger.
         streams = (
-            max(instance.inflight, report.running) + max(report.waiting, 0.0)
+            max(instance.inflight, report.running + max(report.waiting, 0.0))
             if report is not None
             else instance.inflight
         )
