@@ -147,6 +147,16 @@ def test_a_ds_own_streams_are_not_counted_twice_with_its_report():
     assert ds.choose("k", prefer=holding.url) is other
 
 
+def test_without_an_entry_no_d_but_the_rendezvous_first_is_home():
+    ds = Pool("decode", URLS, Policy(overload_factor=100, cost=CostModel(move_streams=4)))
+    home, second, third = rendezvous(ds, "k")
+    second.inflight = 1
+    # Its home excluded (a retry) or down: the others both pay the move, 1 + 4 against 0 + 4.
+    assert ds.choose("k", exclude=[home]) is third
+    home.down = True
+    assert ds.choose("k") is third
+
+
 def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
     from gateway.flow.attempts import attempt
 

@@ -9,7 +9,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -128,6 +128,17 @@ class Instance:
 
 def _weight(key: bytes, instance: Instance) -> bytes:
     return hashlib.blake2b(key, digest_size=8, key=instance.salt[-64:]).digest()
+
+
+def _first(
+    key: bytes, instances: Sequence[Instance], ranked: Sequence[Instance] = ()
+) -> Instance | None:
+    """The first of every instance in rendezvous order of `key`: `ranked[0]` where `ranked` (the
+    candidates, in that order) holds them all. Of every instance, not only the candidates: the
+    first excluded (a retry) or down, the next in order is no more at home than any other."""
+    if len(ranked) == len(instances):
+        return ranked[0] if ranked else None
+    return max(instances, key=lambda i: _weight(key, i), default=None)
 
 
 class Pool:
@@ -264,18 +275,13 @@ class Pool:
             if eligible:
                 preferred = self._by_url.get(prefer) if prefer else None
                 if need is not None:
-                    # The conversation's own P: first in rendezvous order of every instance
-                    # (a retry excludes it, and the next in order computed nothing for it).
-                    own = (
-                        ranked[0]
-                        if len(candidates) == len(instances)
-                        else max(instances, key=lambda i: _weight(raw, i))
-                    )
+                    # The conversation's own P: the first in rendezvous order.
+                    own = _first(raw, instances, ranked)
                     return cheapest(eligible, lambda i: self._prefill_cost(i, need, i is own))
                 if self.role == "decode":
                     # The D that holds the entry; without one, the first in rendezvous order,
                     # whose prefix cache served the conversation's turns before.
-                    home = preferred if preferred is not None else ranked[0]
+                    home = preferred if preferred is not None else _first(raw, instances, ranked)
                     return cheapest(eligible, lambda i: self._decode_cost(i, i is home))
                 return preferred if preferred in eligible else eligible[0]
             if busy is not None:
@@ -287,8 +293,7 @@ class Pool:
         """The prefill work `need` brings `instance` (its cost without the queue), in whole
         tokens (sums of floats added and taken away would leave residues that break ties):
         what `acquire` counts queued there while the turn's P call runs."""
-        raw = key.encode()
-        own = max(self.instances, key=lambda i: _weight(raw, i), default=None)
+        own = _first(key.encode(), self.instances)
         return round(self.policy.cost.work(need, instance is own))
 
     def _prefill_cost(self, instance: Instance, need: Need, own: bool) -> float:
