@@ -117,6 +117,8 @@ def test_round_robin_ignores_the_cost():
     pool = Pool("prefill", URLS, Policy(routing="round_robin"))
     chosen = [pool.choose("k", need=Need(1100, 1000, 1000)).url for _ in range(3)]
     assert chosen == URLS
+    # Nor counts P's queued work, which only a cost reads.
+    assert pool.work(pool.instances[0], "k", Need(1100, 1000, 1000)) == 0
 
 
 def test_ds_keep_the_holding_d_until_it_runs_move_streams_more():

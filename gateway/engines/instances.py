@@ -292,7 +292,10 @@ class Pool:
     def work(self, instance: Instance, key: str, need: Need) -> int:
         """The prefill work `need` brings `instance` (its cost without the queue), in whole
         tokens (sums of floats added and taken away would leave residues that break ties):
-        what `acquire` counts queued there while the turn's P call runs."""
+        what `acquire` counts queued there while the turn's P call runs. None under round
+        robin, which reads no cost."""
+        if self.policy.routing == "round_robin":
+            return 0
         own = _first(key.encode(), self.instances)
         return round(self.policy.cost.work(need, instance is own))
 
