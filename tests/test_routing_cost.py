@@ -13,10 +13,12 @@ from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.cost import CostModel, Need, cheapest
 from gateway.engines.engine_load import Reported
 from gateway.engines.instances import Instance, Policy, Pool, _weight
+from gateway.flow.attempts import attempt
 from gateway.flow.disagg import prefill_need
 from gateway.parse import ClientRequest
 from gateway.reuse.conversation import root_key
 from gateway.reuse.store import Entry
+from gateway.support.errors import ServiceUnavailable
 from tests.helpers.servers import gateway_process, open_and_abandon, starts_processes
 
 URLS = ["http://p0:8000", "http://p1:8000", "http://p2:8000"]
@@ -160,8 +162,6 @@ def test_without_an_entry_no_d_but_the_rendezvous_first_is_home():
 
 
 def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
-    from gateway.flow.attempts import attempt
-
     need = Need(tokens=1100, held=1000, cached=1000)
     seen = []
 
@@ -172,6 +172,25 @@ def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
     answered = attempt(ps, "conversation", call, 2, need=need)
     assert seen == [100]  # the own P: only the new tokens
     assert answered.instance.queued == 0 and answered.instance.inflight == 0
+
+
+def test_a_retried_p_is_costed_without_ds_blocks(ps):
+    key = "conversation"
+    own, second, _ = rendezvous(ps, key)
+    own.queued = 150  # the own P: 150 + 100; a stranger: 0 + 100 + 1000 x 0.1
+    tried = []
+
+    def call(instance, failure):
+        tried.append((instance, instance.queued))
+        if failure is None:
+            raise ServiceUnavailable("connection refused")
+        return "ok"
+
+    attempt(ps, key, call, 2, need=Need(tokens=1100, held=1000, cached=1000))
+    # A retry is never sent D's params: a stranger would recompute all 1100 tokens, the own P
+    # only the 100 its prefix cache lacks (and counts that much queued).
+    assert tried == [(second, 200), (own, 250)]
+    assert own.queued == 150 and second.queued == 0
 
 
 def test_the_need_is_estimated_from_characters():
