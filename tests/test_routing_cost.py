@@ -292,3 +292,18 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
     finally:
         busy.set_fault("none")
         gateway.stop()
+
+
+def test_a_held_count_that_is_not_a_count_is_not_held():
+    chat = ClientRequest(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a" * 400}, {"role": "user", "content": "c"}]},
+        False,
+        None,
+    )
+    without = prefill_need(chat, None)
+    # True is an int to isinstance: it must not read as 1 token held (nor -1, nor "205").
+    for held in (True, -1, "205", 1.5):
+        params = {"remote_num_tokens": held}
+        entry = Entry(params=params, decode_url="http://d", history_digest="", history_len=1)
+        assert prefill_need(chat, entry) == without

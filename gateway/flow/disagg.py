@@ -20,7 +20,7 @@ from gateway.flow.reply import Reply, StreamRelay
 from gateway.parse import ClientRequest
 from gateway.reuse.conversation import Identity
 from gateway.reuse.exactness import Exactness, Reuse, plain_reply
-from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
+from gateway.reuse.kv_params import clean_params, decode_body, is_count, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
 from gateway.support import metrics
 from gateway.support.errors import GatewayError, ServiceUnavailable
@@ -74,12 +74,12 @@ def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, s
     prompt = usage.get("prompt_tokens")
     params = reply.get("kv_transfer_params")
     cached = params.get("remote_prefill_cached_tokens") if isinstance(params, dict) else None
-    if not _count(cached):
+    if not is_count(cached):
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt = prompt if _count(prompt) else None
-    cached = cached if _count(cached) else None
-    if prompt is None or cached is None or not _count(held):
+    prompt = prompt if is_count(prompt) else None
+    cached = cached if is_count(cached) else None
+    if prompt is None or cached is None or not is_count(held):
         return prompt, cached, "unreported"
     reach = min(held, prompt)
     return (
@@ -89,16 +89,12 @@ def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, s
     )
 
 
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
     """What a turn asks of P, for its choice (gateway.engines.cost), estimated from characters
     (CHARS_PER_TOKEN): its prompt as the engines get it; what D holds of it (the entry's
     remote_num_tokens); and what the conversation's own P computed for earlier turns: with an
     entry, taken as all D holds; without one (its last turn went decode-only, or the entry is
-    gone), the chat history before the last message."""
+    gone, or holds no count), the chat history before the last message."""
     prompt = request.wire.get("messages" if request.is_chat else "prompt")
     if isinstance(prompt, Written):
         tokens = len(prompt.data) // CHARS_PER_TOKEN + 1
@@ -106,9 +102,8 @@ def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
         tokens = len(prompt) // CHARS_PER_TOKEN + 1
     else:  # token ids (or what orjson could not write): as many as it has items
         tokens = len(prompt) if isinstance(prompt, list) else 1
-    if entry is not None:
-        held = entry.params.get("remote_num_tokens")
-        held = held if isinstance(held, int) and held > 0 else 0
+    held = entry.params.get("remote_num_tokens") if entry is not None else None
+    if is_count(held) and held > 0:  # (a bool is no count: True would hold 1)
         return Need(tokens, held, held)
     messages = request.body.get("messages") if request.is_chat else None
     if isinstance(messages, list) and len(messages) > 1 and isinstance(messages[-1], dict):
