@@ -307,3 +307,25 @@ def test_a_held_count_that_is_not_a_count_is_not_held():
         params = {"remote_num_tokens": held}
         entry = Entry(params=params, decode_url="http://d", history_digest="", history_len=1)
         assert prefill_need(chat, entry) == without
+
+
+def test_token_id_prompts_count_their_ids():
+    def need(prompt) -> Need:
+        return prefill_need(ClientRequest("/v1/completions", {"prompt": prompt}, False, None), None)
+
+    assert need(list(range(10_000, 10_300))) == Need(300)  # not their JSON's digits / 4
+    # A list of prompts is as many requests on the one P it goes to: all of them count.
+    assert need([list(range(10_000, 10_100)), list(range(100))]) == Need(200)
+    assert need(["x" * 800, "y" * 400]) == Need(201 + 101)
+
+
+def test_the_history_and_its_last_message_are_counted_in_the_same_unit():
+    def need(text: str) -> Need:
+        messages = [{"role": "user", "content": text * 400}, {"role": "user", "content": text * 40}]
+        return prefill_need(
+            ClientRequest("/v1/chat/completions", {"messages": messages}, False, None), None
+        )
+
+    # UTF-8 bytes both: 2 per "é", so the history's estimate and its last message's agree.
+    ascii, accented = need("ab"), need("é")
+    assert accented == ascii and ascii.tokens - ascii.cached == 80 // 4 + 8
