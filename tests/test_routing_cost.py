@@ -104,6 +104,21 @@ def test_a_retry_never_counts_the_next_p_as_the_conversations_own(ps):
     assert ps.choose(key, exclude=[own], need=Need(1100, 1000, 1000)) is third
 
 
+def test_the_p_that_prefilled_the_last_turn_is_the_conversations_own(ps):
+    key = "conversation"
+    first, second, _ = rendezvous(ps, key)
+    need = Need(1100, 0, 1000)  # no entry: only the own P's prefix cache holds the history
+    ps.prefilled(key, second)  # the last turn went there (the first was busy, say)
+    assert ps.choose(key, need=need) is second
+    assert (ps.work(second, key, need), ps.work(first, key, need)) == (100, 1100)
+    ps.prefilled(key, first)
+    assert ps.choose(key, need=need) is first
+    # One gone from the pool is no one's own: the rendezvous first is again.
+    ps.prefilled(key, second)
+    ps.remove(second.url)
+    assert ps.work(first, key, need) == 100
+
+
 def test_overload_and_busy_still_rule_out_before_the_cost(ps):
     key = "conversation"
     own, second, third = rendezvous(ps, key)
@@ -269,6 +284,7 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
         assert turn1.status_code == 200 and turn1.headers["X-Gateway-KV"] == "none"
         assert (busy.stats()["requests"], other.stats()["requests"]) == (1, 0)
         reply = turn1.json()["choices"][0]["message"]["content"]
+        replies = []
 
         def while_the_long_prefill_hangs(sock) -> None:
             wait_until(lambda: busy.stats()["requests"] == 2, 10, "the long prefill on its P")
@@ -281,6 +297,7 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
             assert turn2.headers["X-Gateway-KV"] == "read"  # the other P read D's blocks
             assert (busy.stats()["requests"], other.stats()["requests"]) == (2, 1)
             assert other.stats()["hits"] == 1
+            replies.append(turn2.json()["choices"][0]["message"]["content"])
 
         busy.set_fault("hang", count=1)
         # Its client leaves once the test is done: the gateway cuts the P call, and the
@@ -289,6 +306,23 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
             gateway, {**long_body, "conversation_id": long}, while_the_long_prefill_hangs
         )
         wait_until(lambda: busy.stats()["fault_responses"] == 1, 10, "the hang to end")
+        wait_until(
+            lambda: all(i["inflight"] == 0 for i in gateway.status()["prefill"]),
+            10,
+            "the gateway to let go of the long prefill",
+        )
+        # Both Ps idle: the third turn stays on the P that prefilled the second, whose cache
+        # holds the history (not on its rendezvous first, which would pull D's blocks).
+        turn3 = requests.post(
+            gateway.url + "/v1/chat/completions",
+            json={
+                **chat("What is KV reuse?", reply, "And why?", replies[0], "And then?"),
+                "conversation_id": short,
+            },
+            timeout=30,
+        )
+        assert turn3.status_code == 200
+        assert (busy.stats()["requests"], other.stats()["requests"]) == (2, 2)
     finally:
         busy.set_fault("none")
         gateway.stop()

@@ -18,11 +18,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """What a turn asks of P, estimated before P sees it (prompt tokens as characters / 4)."""
+    """What a turn asks of P, estimated before P sees it (gateway.flow.disagg.prefill_need)."""
 
     tokens: int  # its prompt
     held: int = 0  # of which D holds the blocks (the entry's remote_num_tokens): any P reads
-    cached: int = 0  # of which the conversation's own P (rendezvous first) computed before
+    cached: int = 0  # of which the conversation's own P (`Pool._own`) computed before
 
     def retried(self) -> Need:
         """What a retry asks: none of D's blocks, since a retry is never sent D's params

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from cachetools import LRUCache
+
 from gateway.engines.cost import CostModel, Need, cheapest
 from gateway.support import metrics
 from gateway.support.errors import ServiceUnavailable
@@ -54,6 +56,9 @@ class Policy:
     routing: str = "affinity"  # "affinity" (the cheapest by `cost`) or "round_robin"
     overload_factor: float = 2.0  # skip an instance whose in-flight > factor x (least + 1)
     cost: CostModel = CostModel()  # affinity: how P and D weigh work, pulls and queues
+    # Conversations whose last P (when not their rendezvous first) a P pool remembers: as many
+    # as the worker keeps entries for (--store-size), the conversations it serves.
+    conversations: int = 100_000
     breaker_failures: int = 3  # consecutive failures that open the breaker
     breaker_cooldown: float = 10.0  # seconds an open breaker skips the instance
 
@@ -165,6 +170,9 @@ class Pool:
         self._by_url: dict[str, Instance] = {}
         self._numbers = itertools.count()
         self._turn = 0  # round robin: where the next search starts
+        # A P: the URL of the P that prefilled each conversation's last turn, where it is not
+        # the conversation's rendezvous first (`prefilled`); under the lock.
+        self._prefilled: LRUCache[str, str] = LRUCache(policy.conversations)
         self._lock = threading.Lock()
         self._clock = clock
         self.on_down: Callable[[], None] | None = None  # wakes the prober (down, or added)
@@ -275,8 +283,7 @@ class Pool:
             if eligible:
                 preferred = self._by_url.get(prefer) if prefer else None
                 if need is not None:
-                    # The conversation's own P: the first in rendezvous order.
-                    own = _first(raw, instances, ranked)
+                    own = self._own(key, raw, ranked)
                     return cheapest(eligible, lambda i: self._prefill_cost(i, need, i is own))
                 if self.role == "decode":
                     # The D that holds the entry; without one, the first in rendezvous order,
@@ -296,8 +303,27 @@ class Pool:
         robin, which reads no cost."""
         if self.policy.routing == "round_robin":
             return 0
-        own = _first(key.encode(), self.instances)
+        with self._lock:
+            own = self._own(key, key.encode())
         return round(self.policy.cost.work(need, instance is own))
+
+    def _own(self, key: str, raw: bytes, ranked: Sequence[Instance] = ()) -> Instance | None:
+        """The conversation's own P, whose prefix cache holds its history: the P that prefilled
+        its last turn, if this process remembers it and it is still in the pool; else the
+        first in rendezvous order of every instance (`_first`). Under the lock."""
+        url = self._prefilled.get(key)
+        remembered = self._by_url.get(url) if url is not None else None
+        return remembered if remembered is not None else _first(raw, self.instances, ranked)
+
+    def prefilled(self, key: str, instance: Instance) -> None:
+        """`instance` prefilled a turn of the conversation `key`: its prefix cache holds the
+        history now, so it is the conversation's own P for the next turn. Remembered only where
+        it is not the rendezvous first (the default, which every worker and host agrees on)."""
+        with self._lock:
+            if instance is _first(key.encode(), self.instances):
+                self._prefilled.pop(key, None)
+            else:
+                self._prefilled[key] = instance.url
 
     def _prefill_cost(self, instance: Instance, need: Need, own: bool) -> float:
         report = self.load(instance) if self.load is not None else None

@@ -397,6 +397,7 @@ class Disagg:
             sent.failed(exc)
             raise
         prefill, prefilled = answered.instance, answered.result
+        self.prefill.prefilled(turn.identity.root, prefill)  # the next turn's own P
         metrics.PREFILL_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
         reuse = prefilled.reuse
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
