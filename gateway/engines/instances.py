@@ -318,7 +318,10 @@ class Pool:
     def prefilled(self, key: str, instance: Instance) -> None:
         """`instance` prefilled a turn of the conversation `key`: its prefix cache holds the
         history now, so it is the conversation's own P for the next turn. Remembered only where
-        it is not the rendezvous first (the default, which every worker and host agrees on)."""
+        it is not the rendezvous first (the default, which every worker and host agrees on).
+        Not under round robin, which reads no cost."""
+        if self.policy.routing == "round_robin":
+            return
         with self._lock:
             if instance is _first(key.encode(), self.instances):
                 self._prefilled.pop(key, None)
