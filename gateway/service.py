@@ -97,6 +97,7 @@ class Gateway:
             overload_factor=settings.overload_factor,
             breaker_failures=settings.breaker_failures,
             breaker_cooldown=settings.breaker_cooldown,
+            conversations=settings.store_size,
             cost=CostModel(
                 settings.route_pull_cost, settings.route_request_tokens, settings.route_move_streams
             ),

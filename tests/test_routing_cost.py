@@ -13,10 +13,12 @@ from emulator.process import EmulatorProcess, wait_until
 from gateway.engines.cost import CostModel, Need, cheapest
 from gateway.engines.engine_load import Reported
 from gateway.engines.instances import Instance, Policy, Pool, _weight
+from gateway.flow.attempts import attempt
 from gateway.flow.disagg import prefill_need
 from gateway.parse import ClientRequest
 from gateway.reuse.conversation import root_key
 from gateway.reuse.store import Entry
+from gateway.support.errors import ServiceUnavailable
 from tests.helpers.servers import gateway_process, open_and_abandon, starts_processes
 
 URLS = ["http://p0:8000", "http://p1:8000", "http://p2:8000"]
@@ -102,6 +104,21 @@ def test_a_retry_never_counts_the_next_p_as_the_conversations_own(ps):
     assert ps.choose(key, exclude=[own], need=Need(1100, 1000, 1000)) is third
 
 
+def test_the_p_that_prefilled_the_last_turn_is_the_conversations_own(ps):
+    key = "conversation"
+    first, second, _ = rendezvous(ps, key)
+    need = Need(1100, 0, 1000)  # no entry: only the own P's prefix cache holds the history
+    ps.prefilled(key, second)  # the last turn went there (the first was busy, say)
+    assert ps.choose(key, need=need) is second
+    assert (ps.work(second, key, need), ps.work(first, key, need)) == (100, 1100)
+    ps.prefilled(key, first)
+    assert ps.choose(key, need=need) is first
+    # One gone from the pool is no one's own: the rendezvous first is again.
+    ps.prefilled(key, second)
+    ps.remove(second.url)
+    assert ps.work(first, key, need) == 100
+
+
 def test_overload_and_busy_still_rule_out_before_the_cost(ps):
     key = "conversation"
     own, second, third = rendezvous(ps, key)
@@ -117,6 +134,8 @@ def test_round_robin_ignores_the_cost():
     pool = Pool("prefill", URLS, Policy(routing="round_robin"))
     chosen = [pool.choose("k", need=Need(1100, 1000, 1000)).url for _ in range(3)]
     assert chosen == URLS
+    # Nor counts P's queued work, which only a cost reads.
+    assert pool.work(pool.instances[0], "k", Need(1100, 1000, 1000)) == 0
 
 
 def test_ds_keep_the_holding_d_until_it_runs_move_streams_more():
@@ -135,9 +154,29 @@ def test_ds_keep_the_holding_d_until_it_runs_move_streams_more():
     assert ds.choose("k") is rendezvous(ds, "k")[0]
 
 
-def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
-    from gateway.flow.attempts import attempt
+def test_a_ds_own_streams_are_not_counted_twice_with_its_report():
+    # Our 3 streams are among the 2 running and 1 waiting D reports: 3 streams, not 3 + 1.
+    ds = Pool("decode", URLS[:2], Policy(overload_factor=100, cost=CostModel(move_streams=3.5)))
+    holding, other = ds.instances
+    holding.inflight = 3
+    ds.load = lambda i: Reported(1, 2, 0.1, 0.0) if i is holding else None
+    assert ds.choose("k", prefer=holding.url) is holding  # 3 against 0 + 3.5
+    # What D reports beyond ours counts: 4 running and 1 waiting are 5 streams.
+    ds.load = lambda i: Reported(1, 4, 0.1, 0.0) if i is holding else None
+    assert ds.choose("k", prefer=holding.url) is other
 
+
+def test_without_an_entry_no_d_but_the_rendezvous_first_is_home():
+    ds = Pool("decode", URLS, Policy(overload_factor=100, cost=CostModel(move_streams=4)))
+    home, second, third = rendezvous(ds, "k")
+    second.inflight = 1
+    # Its home excluded (a retry) or down: the others both pay the move, 1 + 4 against 0 + 4.
+    assert ds.choose("k", exclude=[home]) is third
+    home.down = True
+    assert ds.choose("k") is third
+
+
+def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
     need = Need(tokens=1100, held=1000, cached=1000)
     seen = []
 
@@ -148,6 +187,25 @@ def test_a_ps_queued_work_is_counted_while_its_call_runs(ps):
     answered = attempt(ps, "conversation", call, 2, need=need)
     assert seen == [100]  # the own P: only the new tokens
     assert answered.instance.queued == 0 and answered.instance.inflight == 0
+
+
+def test_a_retried_p_is_costed_without_ds_blocks(ps):
+    key = "conversation"
+    own, second, _ = rendezvous(ps, key)
+    own.queued = 150  # the own P: 150 + 100; a stranger: 0 + 100 + 1000 x 0.1
+    tried = []
+
+    def call(instance, failure):
+        tried.append((instance, instance.queued))
+        if failure is None:
+            raise ServiceUnavailable("connection refused")
+        return "ok"
+
+    attempt(ps, key, call, 2, need=Need(tokens=1100, held=1000, cached=1000))
+    # A retry is never sent D's params: a stranger would recompute all 1100 tokens, the own P
+    # only the 100 its prefix cache lacks (and counts that much queued).
+    assert tried == [(second, 200), (own, 250)]
+    assert own.queued == 150 and second.queued == 0
 
 
 def test_the_need_is_estimated_from_characters():
@@ -226,6 +284,7 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
         assert turn1.status_code == 200 and turn1.headers["X-Gateway-KV"] == "none"
         assert (busy.stats()["requests"], other.stats()["requests"]) == (1, 0)
         reply = turn1.json()["choices"][0]["message"]["content"]
+        replies = []
 
         def while_the_long_prefill_hangs(sock) -> None:
             wait_until(lambda: busy.stats()["requests"] == 2, 10, "the long prefill on its P")
@@ -238,6 +297,7 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
             assert turn2.headers["X-Gateway-KV"] == "read"  # the other P read D's blocks
             assert (busy.stats()["requests"], other.stats()["requests"]) == (2, 1)
             assert other.stats()["hits"] == 1
+            replies.append(turn2.json()["choices"][0]["message"]["content"])
 
         busy.set_fault("hang", count=1)
         # Its client leaves once the test is done: the gateway cuts the P call, and the
@@ -246,6 +306,60 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
             gateway, {**long_body, "conversation_id": long}, while_the_long_prefill_hangs
         )
         wait_until(lambda: busy.stats()["fault_responses"] == 1, 10, "the hang to end")
+        wait_until(
+            lambda: all(i["inflight"] == 0 for i in gateway.status()["prefill"]),
+            10,
+            "the gateway to let go of the long prefill",
+        )
+        # Both Ps idle: the third turn stays on the P that prefilled the second, whose cache
+        # holds the history (not on its rendezvous first, which would pull D's blocks).
+        turn3 = requests.post(
+            gateway.url + "/v1/chat/completions",
+            json={
+                **chat("What is KV reuse?", reply, "And why?", replies[0], "And then?"),
+                "conversation_id": short,
+            },
+            timeout=30,
+        )
+        assert turn3.status_code == 200
+        assert (busy.stats()["requests"], other.stats()["requests"]) == (2, 2)
     finally:
         busy.set_fault("none")
         gateway.stop()
+
+
+def test_a_held_count_that_is_not_a_count_is_not_held():
+    chat = ClientRequest(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a" * 400}, {"role": "user", "content": "c"}]},
+        False,
+        None,
+    )
+    without = prefill_need(chat, None)
+    # True is an int to isinstance: it must not read as 1 token held (nor -1, nor "205").
+    for held in (True, -1, "205", 1.5):
+        params = {"remote_num_tokens": held}
+        entry = Entry(params=params, decode_url="http://d", history_digest="", history_len=1)
+        assert prefill_need(chat, entry) == without
+
+
+def test_token_id_prompts_count_their_ids():
+    def need(prompt) -> Need:
+        return prefill_need(ClientRequest("/v1/completions", {"prompt": prompt}, False, None), None)
+
+    assert need(list(range(10_000, 10_300))) == Need(300)  # not their JSON's digits / 4
+    # A list of prompts is as many requests on the one P it goes to: all of them count.
+    assert need([list(range(10_000, 10_100)), list(range(100))]) == Need(200)
+    assert need(["x" * 800, "y" * 400]) == Need(201 + 101)
+
+
+def test_the_history_and_its_last_message_are_counted_in_the_same_unit():
+    def need(text: str) -> Need:
+        messages = [{"role": "user", "content": text * 400}, {"role": "user", "content": text * 40}]
+        return prefill_need(
+            ClientRequest("/v1/chat/completions", {"messages": messages}, False, None), None
+        )
+
+    # UTF-8 bytes both: 2 per "é", so the history's estimate and its last message's agree.
+    ascii, accented = need("ab"), need("é")
+    assert accented == ascii and ascii.tokens - ascii.cached == 80 // 4 + 8

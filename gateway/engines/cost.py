@@ -10,7 +10,7 @@ streams: those it runs, plus --route-move-streams where it does not hold the con
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -18,11 +18,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """What a turn asks of P, estimated before P sees it (prompt tokens as characters / 4)."""
+    """What a turn asks of P, estimated before P sees it (gateway.flow.disagg.prefill_need)."""
 
     tokens: int  # its prompt
     held: int = 0  # of which D holds the blocks (the entry's remote_num_tokens): any P reads
-    cached: int = 0  # of which the conversation's own P (rendezvous first) computed before
+    cached: int = 0  # of which the conversation's own P (`Pool._own`) computed before
+
+    def retried(self) -> Need:
+        """What a retry asks: none of D's blocks, since a retry is never sent D's params
+        (gateway.flow.disagg, `Disagg._prefill`); the own P's prefix cache still holds what it
+        computed (a retry excludes the P that failed, which may or may not be the own P)."""
+        return replace(self, held=0)
 
 
 @dataclass(frozen=True, slots=True)

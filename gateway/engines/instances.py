@@ -9,10 +9,12 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
+
+from cachetools import LRUCache
 
 from gateway.engines.cost import CostModel, Need, cheapest
 from gateway.support import metrics
@@ -54,6 +56,9 @@ class Policy:
     routing: str = "affinity"  # "affinity" (the cheapest by `cost`) or "round_robin"
     overload_factor: float = 2.0  # skip an instance whose in-flight > factor x (least + 1)
     cost: CostModel = CostModel()  # affinity: how P and D weigh work, pulls and queues
+    # Conversations whose last P (when not their rendezvous first) a P pool remembers: as many
+    # as the worker keeps entries for (--store-size), the conversations it serves.
+    conversations: int = 100_000
     breaker_failures: int = 3  # consecutive failures that open the breaker
     breaker_cooldown: float = 10.0  # seconds an open breaker skips the instance
 
@@ -130,6 +135,17 @@ def _weight(key: bytes, instance: Instance) -> bytes:
     return hashlib.blake2b(key, digest_size=8, key=instance.salt[-64:]).digest()
 
 
+def _first(
+    key: bytes, instances: Sequence[Instance], ranked: Sequence[Instance] = ()
+) -> Instance | None:
+    """The first of every instance in rendezvous order of `key`: `ranked[0]` where `ranked` (the
+    candidates, in that order) holds them all. Of every instance, not only the candidates: the
+    first excluded (a retry) or down, the next in order is no more at home than any other."""
+    if len(ranked) == len(instances):
+        return ranked[0] if ranked else None
+    return max(instances, key=lambda i: _weight(key, i), default=None)
+
+
 class Pool:
     """The instances of one role: health, in-flight counts, breakers, and the choice between them.
 
@@ -154,6 +170,9 @@ class Pool:
         self._by_url: dict[str, Instance] = {}
         self._numbers = itertools.count()
         self._turn = 0  # round robin: where the next search starts
+        # A P: the URL of the P that prefilled each conversation's last turn, where it is not
+        # the conversation's rendezvous first (`prefilled`); under the lock.
+        self._prefilled: LRUCache[str, str] = LRUCache(policy.conversations)
         self._lock = threading.Lock()
         self._clock = clock
         self.on_down: Callable[[], None] | None = None  # wakes the prober (down, or added)
@@ -264,18 +283,12 @@ class Pool:
             if eligible:
                 preferred = self._by_url.get(prefer) if prefer else None
                 if need is not None:
-                    # The conversation's own P: first in rendezvous order of every instance
-                    # (a retry excludes it, and the next in order computed nothing for it).
-                    own = (
-                        ranked[0]
-                        if len(candidates) == len(instances)
-                        else max(instances, key=lambda i: _weight(raw, i))
-                    )
+                    own = self._own(key, raw, ranked)
                     return cheapest(eligible, lambda i: self._prefill_cost(i, need, i is own))
                 if self.role == "decode":
                     # The D that holds the entry; without one, the first in rendezvous order,
                     # whose prefix cache served the conversation's turns before.
-                    home = preferred if preferred is not None else ranked[0]
+                    home = preferred if preferred is not None else _first(raw, instances, ranked)
                     return cheapest(eligible, lambda i: self._decode_cost(i, i is home))
                 return preferred if preferred in eligible else eligible[0]
             if busy is not None:
@@ -286,10 +299,34 @@ class Pool:
     def work(self, instance: Instance, key: str, need: Need) -> int:
         """The prefill work `need` brings `instance` (its cost without the queue), in whole
         tokens (sums of floats added and taken away would leave residues that break ties):
-        what `acquire` counts queued there while the turn's P call runs."""
-        raw = key.encode()
-        own = max(self.instances, key=lambda i: _weight(raw, i), default=None)
+        what `acquire` counts queued there while the turn's P call runs. None under round
+        robin, which reads no cost."""
+        if self.policy.routing == "round_robin":
+            return 0
+        with self._lock:
+            own = self._own(key, key.encode())
         return round(self.policy.cost.work(need, instance is own))
+
+    def _own(self, key: str, raw: bytes, ranked: Sequence[Instance] = ()) -> Instance | None:
+        """The conversation's own P, whose prefix cache holds its history: the P that prefilled
+        its last turn, if this process remembers it and it is still in the pool; else the
+        first in rendezvous order of every instance (`_first`). Under the lock."""
+        url = self._prefilled.get(key)
+        remembered = self._by_url.get(url) if url is not None else None
+        return remembered if remembered is not None else _first(raw, self.instances, ranked)
+
+    def prefilled(self, key: str, instance: Instance) -> None:
+        """`instance` prefilled a turn of the conversation `key`: its prefix cache holds the
+        history now, so it is the conversation's own P for the next turn. Remembered only where
+        it is not the rendezvous first (the default, which every worker and host agrees on).
+        Not under round robin, which reads no cost."""
+        if self.policy.routing == "round_robin":
+            return
+        with self._lock:
+            if instance is _first(key.encode(), self.instances):
+                self._prefilled.pop(key, None)
+            else:
+                self._prefilled[key] = instance.url
 
     def _prefill_cost(self, instance: Instance, need: Need, own: bool) -> float:
         report = self.load(instance) if self.load is not None else None
@@ -298,8 +335,9 @@ class Pool:
 
     def _decode_cost(self, instance: Instance, holds: bool) -> float:
         report = self.load(instance) if self.load is not None else None
+        # This process's streams are among those D reports, running or waiting: the larger.
         streams = (
-            max(instance.inflight, report.running) + max(report.waiting, 0.0)
+            max(instance.inflight, report.running + max(report.waiting, 0.0))
             if report is not None
             else instance.inflight
         )

@@ -46,7 +46,8 @@ def attempt(
     need: Need | None = None,
 ) -> Answered[T]:
     """`call(instance, last failure)` on instances of `pool` until one answers, `attempts` at
-    most (`key`, `prefer` and `need`, a P's estimate of the turn, choose them: `Pool.choose`).
+    most (`key`, `prefer` and `need`, a P's estimate of the turn, choose them: `Pool.choose`;
+    after a failure, `need.retried()`: a retried P reads none of D's blocks).
 
     Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
     request's fault and is not retried. With `hold`, the instance stays counted in flight
@@ -57,9 +58,10 @@ def attempt(
     tried: list[Instance] = []
     failure = None
     while True:
-        instance = only or pool.choose(key, prefer=prefer, exclude=tried, need=need)
+        asked = need if need is None or failure is None else need.retried()
+        instance = only or pool.choose(key, prefer=prefer, exclude=tried, need=asked)
         # A P's queued work, for the next turns' choice (held, the stream is D's: none).
-        queued = pool.work(instance, key, need) if need is not None and not hold else 0
+        queued = pool.work(instance, key, asked) if asked is not None and not hold else 0
         pool.acquire(instance, queued)
         try:
             result = call(instance, failure)

@@ -20,9 +20,9 @@ from gateway.flow.reply import Reply, StreamRelay
 from gateway.parse import ClientRequest
 from gateway.reuse.conversation import Identity
 from gateway.reuse.exactness import Exactness, Reuse, plain_reply
-from gateway.reuse.kv_params import clean_params, decode_body, prefill_body
+from gateway.reuse.kv_params import clean_params, decode_body, is_count, prefill_body
 from gateway.reuse.store import ConversationStore, Entry
-from gateway.support import metrics
+from gateway.support import jsonio, metrics
 from gateway.support.errors import GatewayError, ServiceUnavailable
 from gateway.support.jsonio import Written
 
@@ -74,12 +74,12 @@ def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, s
     prompt = usage.get("prompt_tokens")
     params = reply.get("kv_transfer_params")
     cached = params.get("remote_prefill_cached_tokens") if isinstance(params, dict) else None
-    if not _count(cached):
+    if not is_count(cached):
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt = prompt if _count(prompt) else None
-    cached = cached if _count(cached) else None
-    if prompt is None or cached is None or not _count(held):
+    prompt = prompt if is_count(prompt) else None
+    cached = cached if is_count(cached) else None
+    if prompt is None or cached is None or not is_count(held):
         return prompt, cached, "unreported"
     reach = min(held, prompt)
     return (
@@ -89,37 +89,51 @@ def prefill_counts(reply: dict, held: object) -> tuple[int | None, int | None, s
     )
 
 
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
-    """What a turn asks of P, for its choice (gateway.engines.cost), estimated from characters
-    (CHARS_PER_TOKEN): its prompt as the engines get it; what D holds of it (the entry's
-    remote_num_tokens); and what the conversation's own P computed for earlier turns: with an
-    entry, taken as all D holds; without one (its last turn went decode-only, or the entry is
-    gone), the chat history before the last message."""
-    prompt = request.wire.get("messages" if request.is_chat else "prompt")
-    if isinstance(prompt, Written):
-        tokens = len(prompt.data) // CHARS_PER_TOKEN + 1
-    elif isinstance(prompt, str):
-        tokens = len(prompt) // CHARS_PER_TOKEN + 1
-    else:  # token ids (or what orjson could not write): as many as it has items
-        tokens = len(prompt) if isinstance(prompt, list) else 1
-    if entry is not None:
-        held = entry.params.get("remote_num_tokens")
-        held = held if isinstance(held, int) and held > 0 else 0
+    """What a turn asks of P, for its choice (gateway.engines.cost): its prompt's tokens
+    (`_prompt_tokens`); what D holds of them (the entry's remote_num_tokens); and what the
+    conversation's own P computed for earlier turns: with an entry, taken as all D holds;
+    without one (its last turn went decode-only, or the entry is gone, or holds no count), the
+    chat history before the last message."""
+    tokens = _prompt_tokens(request)
+    held = entry.params.get("remote_num_tokens") if entry is not None else None
+    if is_count(held) and held > 0:  # (a bool is no count: True would hold 1)
         return Need(tokens, held, held)
     messages = request.body.get("messages") if request.is_chat else None
     if isinstance(messages, list) and len(messages) > 1 and isinstance(messages[-1], dict):
         content = messages[-1].get("content")
-        last = (
-            len(content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE
-            if isinstance(content, str)
-            else tokens
-        )
+        last = _utf8_tokens(content) + TOKENS_PER_MESSAGE if isinstance(content, str) else tokens
         return Need(tokens, 0, max(tokens - last, 0))
     return Need(tokens)
+
+
+def _prompt_tokens(request: ClientRequest) -> int:
+    """A turn's prompt tokens as P gets them, estimated: text at CHARS_PER_TOKEN UTF-8 bytes
+    a token (the chat history's JSON as written for the engines; a completion's text, each of
+    a list of texts), token ids one each. A list of prompts counts all of them: P gets them
+    in one request and computes each as a request of its own (vLLM 0.33.0
+    entrypoints/openai/completion/serving.py ~L161-221)."""
+    if request.is_chat:
+        messages = request.wire.get("messages")
+        if isinstance(messages, Written):
+            return len(messages.data) // CHARS_PER_TOKEN + 1
+        return len(jsonio.dumps(messages)) // CHARS_PER_TOKEN + 1  # what orjson could not write
+    prompt = request.body.get("prompt")  # the client's: `wire` holds a list's JSON
+    if isinstance(prompt, str):
+        return _utf8_tokens(prompt) + 1
+    if not isinstance(prompt, list):
+        return 1
+    return sum(
+        _utf8_tokens(p) + 1 if isinstance(p, str) else len(p) if isinstance(p, list) else 1
+        for p in prompt
+    )
+
+
+def _utf8_tokens(text: str) -> int:
+    """Its tokens at CHARS_PER_TOKEN UTF-8 bytes a token: bytes, not characters, since the
+    history's JSON is counted in bytes (it is never decoded for this), so its last message
+    must be too."""
+    return len(text.encode()) // CHARS_PER_TOKEN
 
 
 class Sent:
@@ -383,6 +397,7 @@ class Disagg:
             sent.failed(exc)
             raise
         prefill, prefilled = answered.instance, answered.result
+        self.prefill.prefilled(turn.identity.root, prefill)  # the next turn's own P
         metrics.PREFILL_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
         reuse = prefilled.reuse
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"

@@ -17,6 +17,7 @@ from gateway.engines.instances import Instance, Pool
 from gateway.parse import ClientRequest
 from gateway.reuse.conversation import Identity, canonical_content
 from gateway.reuse.exactness import Exactness, Reuse
+from gateway.reuse.kv_params import is_count
 from gateway.reuse.store import Entry
 
 # About 4 characters of English per BPE token (GPT-2 through Llama 3 and Qwen tokenizers); a
@@ -73,7 +74,7 @@ class FastPath:
         held = entry.params.get("remote_num_tokens")
         if (
             reuse.prompt_tokens is not None
-            and isinstance(held, int)
+            and is_count(held)
             and reuse.prompt_tokens - held >= self.max_tokens
         ):
             return Target(None, "long", reuse)  # exact where the tokens were counted

@@ -34,6 +34,7 @@ from cachetools import TTLCache
 from gateway.parse import ClientRequest
 from gateway.reuse import partial
 from gateway.reuse.conversation import Identity, canonical_json, word_boundary
+from gateway.reuse.kv_params import is_count
 from gateway.reuse.store import Entry
 from gateway.support import metrics
 from gateway.support.errors import ClientGone, GatewayError, clip
@@ -286,7 +287,7 @@ class Exactness:
             log.warning("token verification failed: %s; miss", exc.message)
             return self._refuse("error")
         held = entry.params.get("remote_num_tokens")
-        if not isinstance(held, int):
+        if not is_count(held):
             return self._refuse("mismatch")
         data = partial.ids_bytes(tokens)
         # P reads min(held, prompt - 1) tokens: the prompt must be longer than what D holds.
@@ -324,7 +325,7 @@ class Exactness:
         if (
             not self._size_warned
             and len(groups) == 1
-            and isinstance(held, int)
+            and is_count(held)
             and len(groups[0]) != -(-held // size)
         ):
             self._size_warned = True

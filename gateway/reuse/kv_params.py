@@ -5,7 +5,7 @@ kept for the next turn, and the P and D bodies that carry them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 from gateway.engines.instances import Instance
 
@@ -27,10 +27,14 @@ MISS_PARAMS = {
 PREFILL_DROPPED = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
 
 
+def is_count(value: object) -> TypeGuard[int]:
+    """A count of tokens (or anything): an int of 0 or more, never a bool (which isinstance
+    takes for an int: True would count 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _int(low: int, high: int | None = None) -> Callable[[Any], bool]:
-    return lambda v: (
-        isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
-    )
+    return lambda v: is_count(v) and v >= low and (high is None or v <= high)
 
 
 def _block_ids(value: Any) -> bool:
