@@ -596,7 +596,7 @@ def median_row(runs: list[dict]) -> dict:
         values = [r[key] for r in runs if r[key] is not None]
         if isinstance(value, int | float) and not isinstance(value, bool) and values:
             median = statistics.median(values)
-            row[key] = round(median, 1) if isinstance(median, float) else median
+            row[key] = round(median) if isinstance(value, int) else round(median, 1)
     row["runs"] = len(runs)
     for key in ("ttft_p99_ms", "later_ttft_p99_ms"):
         row[f"{key}_runs"] = [r[key] for r in runs]

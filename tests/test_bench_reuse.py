@@ -120,6 +120,7 @@ def test_a_row_is_the_median_of_its_repeats():
     merged = reuse.median_row(runs)
     assert (merged["computed"], merged["ttft_p99_ms"], merged["runs"]) == (1_100, 70.0, 3)
     assert merged["later_ttft_p99_ms"] == 20.0  # of the runs that have one
+    assert type(reuse.median_row(runs[:2])["computed"]) is int  # counts stay whole
     assert merged["ttft_p99_ms_runs"] == [90.0, 50.0, 70.0]
     assert merged["system"] == "pd-gateway"
 
