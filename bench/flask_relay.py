@@ -44,7 +44,9 @@ if not os.environ.get(UPSTREAM_ENV):
     raise SystemExit(f"bench.flask_relay: set {UPSTREAM_ENV} to the engine's URL")
 UPSTREAM = os.environ[UPSTREAM_ENV].rstrip("/")
 PREFILL = os.environ.get(PREFILL_ENV, "").rstrip("/")
-FIRST_TURN = {  # vLLM's P/D stub for a prefill (NixlConnector)
+# vLLM's P/D stub for a prefill (NixlConnector), written out rather than imported from the
+# gateway (gateway.reuse.kv_params.MISS_PARAMS): a floor shares no code with what it measures.
+FIRST_TURN = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,

@@ -161,7 +161,7 @@ def measure(args: argparse.Namespace, out_dir: str) -> dict:
                         )
             if not rate:
                 continue
-            _, running, worker = started[1]
+            _, running, worker = started[-1]  # the gateway, started last
             for words in (args.short_words, args.long_words):
                 os.environ[REPLY_ENV] = str(words)
                 rooms, samples = profile.sample(
