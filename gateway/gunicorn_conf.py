@@ -1,7 +1,8 @@
 """pd-gateway's gunicorn hooks, added to any gunicorn config by one call: `install(globals())`.
 
 They give each worker a stable slot and, with several workers, a private loopback listener (the
-worker affinity of gateway.front.owners), set up the directory where every worker writes its
+worker affinity of gateway.front.owners), a column of the host's in-flight counts (cleared when
+it exits: gateway.engines.host_counts), set up the directory where every worker writes its
 metrics (so /metrics sums them), open the metrics listener (--metrics-port: gateway.metrics_port
 says why the workers answer it), and refuse to start under sync workers. Hooks the config
 already has keep running, after pd-gateway's. The gateway's own config (standalone_conf.py) is
@@ -29,11 +30,14 @@ from gateway.config import Settings
 from gateway.slots import (
     APPLIED,
     CHANGES_ENV,
+    COLUMN_ENV,
+    COLUMNS,
     LIVE_SLOTS,
     MAX_SLOTS,
     PRIVATE_ENV,
     SLOT_ENV,
     THREADS_ENV,
+    clear_column,
 )
 
 # prometheus_client's own variable; it reads it once, when first imported.
@@ -107,6 +111,9 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         # worker the smallest free slot, and a replacement for a dead worker gets the slot it
         # left. A slot owns a share of conversations (gateway.front.owners) and a private port.
         server.pd_slots = {}  # slot -> the worker holding it
+        # column -> the living worker counting its in-flight work there (gateway.slots.QUEUED):
+        # kept across reloads, whose old workers finish their streams beside the new ones.
+        server.pd_columns = {}
         server.pd_private = _private_base(settings, server)
         # slot -> the master's hold on its private port: a socket bound with SO_REUSEPORT and
         # never listening, kept while the slot lives. Linux lets only sockets of the same uid
@@ -140,6 +147,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         if worker.pd_slot >= MAX_SLOTS:
             raise RuntimeError(f"pd-gateway supports at most {MAX_SLOTS} workers")
         server.pd_slots[worker.pd_slot] = worker
+        worker.pd_column = _take_column(server, worker)
         # A slot whose port is taken serves what it receives and owns nothing.
         LIVE_SLOTS[worker.pd_slot] = server.pd_private is None or _hold(server, worker.pd_slot)
 
@@ -159,6 +167,10 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
         else:
             os.environ[THREADS_ENV] = str(worker.cfg.threads)
         os.environ[CHANGES_ENV] = server.pd_changes
+        if worker.pd_column >= 0:
+            os.environ[COLUMN_ENV] = str(worker.pd_column)
+        else:
+            os.environ.pop(COLUMN_ENV, None)
         listener = getattr(server, "pd_metrics", None)
         # Its address now: gunicorn's gevent worker takes the descriptor out of the object.
         worker.pd_metrics = listener.getsockname() if listener is not None else None
@@ -241,6 +253,7 @@ def _hooks(settings: Settings) -> dict[str, Callable]:
                 hold = getattr(server, "pd_holds", {}).pop(worker.pd_slot, None)
                 if hold is not None:
                     hold.close()
+        _free_column(server, worker)
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
@@ -286,6 +299,32 @@ def _refuse_what_cannot_work(server) -> None:
             "install(globals()) and replaced pd-gateway's; call install(globals()) at the end of "
             "gunicorn.conf.py, where it chains the hooks defined before it."
         )
+
+
+def _take_column(server, worker) -> int:
+    """The smallest column no living worker holds, now `worker`'s; -1 (logged) if there is
+    none: that worker's in-flight work stays its own."""
+    column = next(column for column in itertools.count() if column not in server.pd_columns)
+    if column >= MAX_SLOTS:
+        server.log.error(
+            "pd-gateway: more than %d workers alive at once; a new one counts its in-flight "
+            "work alone",
+            MAX_SLOTS,
+        )
+        return -1
+    server.pd_columns[column] = worker
+    COLUMNS.value = max(COLUMNS.value, column + 1)
+    return column
+
+
+def _free_column(server, worker) -> None:
+    """`worker` has exited: what it had in flight is gone, and its column is free."""
+    column = getattr(worker, "pd_column", -1)
+    if server.pd_columns.get(column) is not worker:
+        return
+    del server.pd_columns[column]
+    clear_column(column)
+    COLUMNS.value = max(server.pd_columns, default=-1) + 1
 
 
 def _private_base(settings: Settings, server) -> tuple[str, int] | None:

@@ -17,6 +17,7 @@ from gateway.config import Settings
 from gateway.engines.cost import CostModel
 from gateway.engines.d_budget import DBudget
 from gateway.engines.engine_load import BlockSize, EngineLoad
+from gateway.engines.host_counts import HostCounts
 from gateway.engines.instances import Instance, Policy, Pool, Prober
 from gateway.engines.membership import Membership
 from gateway.engines.transport import EngineTransport, still_open
@@ -113,6 +114,11 @@ class Gateway:
         }
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
         self._every_pool = every_pool
+        # What every worker of the host has in flight on each engine, for the costs; outside
+        # gunicorn's hooks, this process's alone.
+        counts = HostCounts.from_env()
+        for pool in every_pool:
+            pool.counts = counts
         self._published: set[tuple[str, str]] = set()
         metrics.initialize([spec.name for spec in specs if spec.name])
         # Each worker's view of its engines, published as it applies changes (every half

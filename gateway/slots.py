@@ -1,7 +1,8 @@
 """What the gunicorn master and its workers share: each worker's slot, the private listeners'
-address, which slots own conversations, how far each worker has applied the admin changes, and
-the engines' reported load. The master's hooks (gateway.gunicorn_conf) write them and set the
-variables after fork; the runtime (owners, membership, engine_load, the service) reads them.
+address, which slots own conversations, how far each worker has applied the admin changes, the
+engines' reported load, and what each worker has in flight on each engine. The master's hooks
+(gateway.gunicorn_conf) write them and set the variables after fork; the runtime (owners,
+membership, engine_load, host_counts, the service) reads them.
 
 The arrays are made at import, in the master, before it forks, so every worker shares them.
 Importing this module imports nothing of the gateway's, nor requests: gevent can still be
@@ -37,3 +38,24 @@ APPLIED = multiprocessing.RawArray("q", MAX_SLOTS)
 LOAD_ROWS = 1024
 LOAD_KEYS = multiprocessing.RawArray("q", LOAD_ROWS)
 LOAD_VALUES = multiprocessing.RawArray("d", LOAD_ROWS * 9)  # FIELDS a row
+
+# What each worker has in flight on each engine, for the choice of P and D
+# (gateway.engines.host_counts): per engine row (the row LOAD_KEYS gives its URL) a cell per
+# worker column, P's queued prefill tokens in QUEUED and the requests in flight (D's streams)
+# in INFLIGHT. A worker adds to its own column's cells only, so no process locks another out;
+# a reader sums the columns below COLUMNS.value. A column, not the slot: after a reload (SIGHUP)
+# the new worker of a slot runs beside the old one still finishing its streams, and a worker
+# stopped by TTOU runs its streams on after its slot stopped owning. The master hands each
+# living worker a column (pre_fork) and clears it when the worker exits (child_exit), so a
+# worker that dies leaves nothing counted.
+COLUMN_ENV = "PD_GATEWAY_WORKER_COLUMN"  # this worker's column, set after fork
+QUEUED = multiprocessing.RawArray("q", LOAD_ROWS * MAX_SLOTS)
+INFLIGHT = multiprocessing.RawArray("q", LOAD_ROWS * MAX_SLOTS)
+COLUMNS = multiprocessing.RawValue("i", 0)  # 1 + the highest column a living worker holds
+
+
+def clear_column(column: int) -> None:
+    """Zero `column`'s cells in every engine row: its worker has exited."""
+    zeros = [0] * LOAD_ROWS
+    QUEUED[column::MAX_SLOTS] = zeros
+    INFLIGHT[column::MAX_SLOTS] = zeros

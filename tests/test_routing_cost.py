@@ -328,6 +328,60 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
         gateway.stop()
 
 
+def test_a_ps_queue_from_one_worker_steers_another_workers_first_turn(two_ps_one_d):
+    ps, d = two_ps_one_d
+    urls = [p.url for p in ps]
+    busy, other = ps
+    # A long first turn whose own P is `busy` hangs there, sent to one worker; first turns of
+    # conversations whose own P is the same, sent to the other worker, see it queued.
+    names = (f"c-{uuid.uuid4().hex[:8]}" for _ in iter(int, 1))
+    first, long_body = chat("What is KV reuse?"), chat("x " * 8000)
+    long = next(n for n in names if own_p_of(urls, long_body, n) == busy.url)
+    shorts = [next(n for n in names if own_p_of(urls, first, n) == busy.url) for _ in range(2)]
+    for p in ps:
+        p.reset_stats()
+    gateway = gateway_process(urls, [d.url], workers=2, engine_metrics_interval=0, release_rate=0)
+    # Each worker served on its private port (a request there is served where it lands),
+    # whichever worker the kernel would give the public port's.
+    one, another = (gateway.port + 1 + slot for slot in range(2))
+    for port in (one, another):
+        health = f"http://{gateway.host}:{port}{gateway.prefix}/health"
+        wait_until(
+            lambda url=health: requests.get(url, timeout=2).status_code == 200,
+            30,
+            f"the worker on port {port}",
+        )
+
+    def first_turn(port: int, conversation: str) -> None:
+        url = f"http://{gateway.host}:{port}{gateway.prefix}/v1/chat/completions"
+        reply = requests.post(url, json={**first, "conversation_id": conversation}, timeout=30)
+        assert reply.status_code == 200
+
+    try:
+
+        def while_the_long_prefill_hangs(sock) -> None:
+            wait_until(lambda: busy.stats()["requests"] == 1, 10, "the long prefill on its P")
+            first_turn(another, shorts[0])
+            assert (busy.stats()["requests"], other.stats()["requests"]) == (1, 1)
+
+        busy.set_fault("hang", count=1)
+        open_and_abandon(
+            gateway, {**long_body, "conversation_id": long}, while_the_long_prefill_hangs, one
+        )
+        wait_until(lambda: busy.stats()["fault_responses"] == 1, 10, "the hang to end")
+        wait_until(
+            lambda: all(i["inflight"] == 0 for i in gateway.status(port=one)["prefill"]),
+            10,
+            "the first worker to let go of the long prefill",
+        )
+        # Released, it counts nowhere: the other worker's next first turn stays home.
+        first_turn(another, shorts[1])
+        assert (busy.stats()["requests"], other.stats()["requests"]) == (2, 1)
+    finally:
+        busy.set_fault("none")
+        gateway.stop()
+
+
 def test_a_held_count_that_is_not_a_count_is_not_held():
     chat = ClientRequest(
         "/v1/chat/completions",

@@ -40,9 +40,9 @@ class CostModel:
     move_streams: float = 4.0  # streams a D must carry beyond another's before a turn leaves it
 
     def prefill(self, need: Need, own: bool, queued: float, reported: float) -> float:
-        """P's cost: the larger of the prefill tokens this process has in flight there
-        (`queued`) and those the engine reports waiting and running (`reported` requests at
-        `request_tokens` each: every host's), plus this turn's work there. `own`: the
+        """P's cost: the larger of the prefill tokens this host's workers have in flight
+        there (`queued`) and those the engine reports waiting and running (`reported` requests
+        at `request_tokens` each: every host's), plus this turn's work there. `own`: the
         conversation's own P, whose prefix cache holds what it computed for earlier turns."""
         return max(queued, reported * self.request_tokens) + self.work(need, own)
 

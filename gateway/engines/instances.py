@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from cachetools import LRUCache
@@ -131,6 +131,16 @@ class Instance:
         return "half-open" if self.open_until else "up"
 
 
+class Counts(Protocol):
+    """Every worker's in-flight counts on this host (gateway.engines.host_counts.HostCounts)."""
+
+    def add(self, instance: Instance, requests: int, work: int) -> None: ...
+
+    def queued(self, instance: Instance) -> int: ...
+
+    def inflight(self, instance: Instance) -> int: ...
+
+
 def _weight(key: bytes, instance: Instance) -> bytes:
     return hashlib.blake2b(key, digest_size=8, key=instance.salt[-64:]).digest()
 
@@ -185,6 +195,9 @@ class Pool:
         self.reported: Callable[[Instance], object] | None = None  # for report()
         # Its fresh report (waiting, running), for the cost; None: no reports.
         self.load: Callable[[Instance], Any] | None = None
+        # Every worker's in-flight counts on this host (gateway.engines.host_counts), which
+        # `acquire` and `release` add to; None: this process's own (not under gunicorn).
+        self.counts: Counts | None = None
         for url in urls:
             self.add(url)
 
@@ -328,19 +341,26 @@ class Pool:
             else:
                 self._prefilled[key] = instance.url
 
+    def queued(self, instance: Instance) -> int:
+        """The prefill work queued on a P from this host: every worker's under gunicorn's
+        hooks (`counts`), else this process's."""
+        return self.counts.queued(instance) if self.counts is not None else instance.queued
+
+    def streams(self, instance: Instance) -> int:
+        """The requests (a D's streams) in flight on an instance from this host, likewise."""
+        return self.counts.inflight(instance) if self.counts is not None else instance.inflight
+
     def _prefill_cost(self, instance: Instance, need: Need, own: bool) -> float:
         report = self.load(instance) if self.load is not None else None
         reported = (max(report.waiting, 0.0) + report.running) if report is not None else 0.0
-        return self.policy.cost.prefill(need, own, instance.queued, reported)
+        return self.policy.cost.prefill(need, own, self.queued(instance), reported)
 
     def _decode_cost(self, instance: Instance, holds: bool) -> float:
         report = self.load(instance) if self.load is not None else None
-        # This process's streams are among those D reports, running or waiting: the larger.
-        streams = (
-            max(instance.inflight, report.running + max(report.waiting, 0.0))
-            if report is not None
-            else instance.inflight
-        )
+        # This host's streams are among those D reports, running or waiting: the larger.
+        streams = self.streams(instance)
+        if report is not None:
+            streams = max(streams, report.running + max(report.waiting, 0.0))
         return self.policy.cost.decode(streams, holds)
 
     def _limit(self, candidates: list[Instance]) -> float:
@@ -446,11 +466,15 @@ class Pool:
         with self._lock:
             instance.inflight += 1
             instance.queued += work
+            if self.counts is not None:
+                self.counts.add(instance, 1, work)
 
     def release(self, instance: Instance, work: int = 0) -> None:
         with self._lock:
             instance.inflight -= 1
             instance.queued -= work
+            if self.counts is not None:
+                self.counts.add(instance, -1, -work)
 
     def succeeded(self, instance: Instance) -> None:
         if instance.failures or instance.down or instance.open_until or instance.answered is False:

@@ -75,10 +75,11 @@ def workers_of(gateway) -> set[int]:
         return {int(child) for child in f.read().split()}
 
 
-def open_and_abandon(gateway, body: dict, after) -> None:
-    """Send a request on a raw socket, wait for `after(sock)`, then close the connection."""
+def open_and_abandon(gateway, body: dict, after, port: int | None = None) -> None:
+    """Send a request on a raw socket (to `port`, a worker's private one, if given), wait for
+    `after(sock)`, then close the connection."""
     raw = json.dumps(body).encode()
-    sock = socket.create_connection((gateway.host, gateway.port))
+    sock = socket.create_connection((gateway.host, port or gateway.port))
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
