@@ -10,18 +10,57 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias, TypeVar, overload
+from typing import Protocol, TypeVar, overload
 
 from .errors import BadRequest, NotFound
 from .tokens import BARE_JSON, SPACED_JSON, TEXT_PARTS, Template, render_completion
 
-if TYPE_CHECKING:  # they import this module
-    from .anthropic import MessagesFramer
-    from .responses import ResponsesFramer
-
 T = TypeVar("T")
-# The routes' framers, one shape by duck typing: chat and completions, Messages, Responses.
-AnyFramer: TypeAlias = "Framer | MessagesFramer | ResponsesFramer"
+
+
+class AnyFramer(Protocol):
+    """What app.py's stream and body ask of a route's framer: `Framer` (chat and completions),
+    anthropic.MessagesFramer, responses.ResponsesFramer. A protocol, so that this module names
+    none of the others (they import it)."""
+
+    chat: bool
+    reports_cached: bool
+    cuts_after_error: bool
+
+    def fast(self, delta: dict) -> bytes | None: ...
+
+    def chunk(
+        self,
+        delta: dict,
+        token_ids: list[int] | None = None,
+        finish_reason: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes: ...
+
+    def role(self, prompt_token_ids: list[int] | None = None) -> bytes: ...
+
+    def tail(
+        self,
+        gen,
+        include_usage: bool,
+        prompt_tokens: int,
+        cached: int | None,
+        params: dict | None,
+        placement: str,
+    ) -> bytes: ...
+
+    def fail(self, envelope: dict) -> bytes: ...
+
+    def body(
+        self,
+        gen,
+        prompt_tokens: int,
+        params: dict | None,
+        prompt_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | None = None,
+        cached: int | None = None,
+    ) -> bytes: ...
+
 
 DONE = b"data: [DONE]\n\n"
 
