@@ -70,7 +70,8 @@ def relay() -> Response:
     if PREFILL:
         body = json.loads(data)
         prefill = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": FIRST_TURN}
-        prefill.pop("stream_options", None)
+        for field in ("stream_options", "max_completion_tokens", "min_tokens"):
+            prefill.pop(field, None)  # as the seed proxy: one token from P, whatever was asked
         answer = session.post(PREFILL + request.path, json=prefill, timeout=(5, 600))
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, content_type="application/json")

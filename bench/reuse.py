@@ -19,9 +19,10 @@ keeps nothing after a turn). The axes that decide the answer:
   that pins a conversation to one P can pile the long ones onto the same P.
 
 Per row: prompt tokens computed (P + D, and the turns whose P read D's blocks), TTFT p50/p99
-(all turns; turns 2+, which vLLM's multi-turn benchmark measures when its --warmup-step sends
-every conversation's first turn at once, as every scenario here starts; and the short
-conversations' of a skewed workload: the victims), inter-token
+(all turns; turns 2+, what vLLM's multi-turn benchmark measures after its --warmup-step has
+sent every conversation's first turn at once, as scenarios 0-2 start them (the skewed one spreads
+its short conversations' starts over a think time); and the short conversations' of a skewed
+workload: the victims), inter-token
 latency p50/p99, D's pinned blocks at their peak (kept for a next turn), D's wait for KV memory,
 errors. TTFT and ITL are the client's, the same for every system: TTFT from sending the request
 to the first content event, ITL the gaps between a stream's content events (bench.loadgen).
@@ -512,6 +513,9 @@ def goal(
         return row[key] if row.get(key) is not None else math.inf
 
     def verdict(bound: float) -> str:
+        # No figure on either side (no turns 2+ in a run, or every one failed): no verdict.
+        if math.isinf(p99(ours)) or math.isinf(bound):
+            return "n/a (no figure)"
         return "PASS" if p99(ours) <= bound else "FAIL"
 
     parts = [f"TTFT p99 {p99(ours)} ms"]
@@ -588,18 +592,32 @@ def available(keys: list[str], notes: list[str]) -> list[System]:
     return out
 
 
+# What a row of repeats says of a count that must not hide in a median: every run's errors and
+# wrong reuses added up, D's pinned blocks at their highest.
+SUMMED = ("errors", "wrong_reuse")
+HIGHEST = ("d_pinned_peak",)
+
+
 def median_row(runs: list[dict]) -> dict:
-    """One row from a system's repeats: each figure's median (the first run's for the rest),
-    with every run's TTFT p99s kept beside it."""
+    """One row from a system's repeats: each figure's median over the runs that have it (errors
+    and wrong reuses summed, the pinned peak the highest; the first error any run met), with
+    every run's TTFT p99s kept beside it."""
     row = dict(runs[0])
-    for key, value in runs[0].items():
-        values = [r[key] for r in runs if r[key] is not None]
-        if isinstance(value, int | float) and not isinstance(value, bool) and values:
+    for key in runs[0]:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if not values or isinstance(values[0], bool) or not isinstance(values[0], int | float):
+            continue
+        if key in SUMMED:
+            row[key] = sum(values)
+        elif key in HIGHEST:
+            row[key] = max(values)
+        else:
             median = statistics.median(values)
-            row[key] = round(median) if isinstance(value, int) else round(median, 1)
+            row[key] = round(median) if isinstance(values[0], int) else round(median, 1)
+    row["first_error"] = next((r["first_error"] for r in runs if r.get("first_error")), None)
     row["runs"] = len(runs)
     for key in ("ttft_p99_ms", "later_ttft_p99_ms"):
-        row[f"{key}_runs"] = [r[key] for r in runs]
+        row[f"{key}_runs"] = [r.get(key) for r in runs]
     return row
 
 

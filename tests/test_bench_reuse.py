@@ -107,6 +107,9 @@ def test_goal_on_turns_2_and_later_reads_their_p99():
     ours = {**row("pd-gateway", 1_000, 500.0), "later_ttft_p99_ms": 60.0}
     cache_aware = {**row("ca", 3_000, 400.0), "later_ttft_p99_ms": 100.0}
     assert "FAIL" in reuse.goal(ours, cache_aware, None)
+    assert "PASS" not in reuse.goal(
+        ours, {**cache_aware, "later_ttft_p99_ms": None}, None, "later_ttft_p99_ms"
+    )  # no figure, no verdict
     assert "(70.0 ms; 3.00x fewer tokens) PASS" in reuse.goal(
         ours, cache_aware, None, "later_ttft_p99_ms"
     )
@@ -114,12 +117,20 @@ def test_goal_on_turns_2_and_later_reads_their_p99():
 
 def test_a_row_is_the_median_of_its_repeats():
     runs = [
-        {**row("pd-gateway", computed, p99), "later_ttft_p99_ms": later, "first_error": None}
+        {
+            **row("pd-gateway", computed, p99),
+            "later_ttft_p99_ms": later,
+            "first_error": None,
+            "errors": 0,
+        }
         for computed, p99, later in ((1_000, 90.0, 30.0), (1_200, 50.0, None), (1_100, 70.0, 10.0))
     ]
+    runs[1]["errors"], runs[1]["first_error"] = 7, "c3: StreamError"
+    runs[0]["later_ttft_p99_ms"], runs[1]["later_ttft_p99_ms"] = None, 30.0
     merged = reuse.median_row(runs)
+    assert (merged["errors"], merged["first_error"]) == (7, "c3: StreamError")  # never hidden
     assert (merged["computed"], merged["ttft_p99_ms"], merged["runs"]) == (1_100, 70.0, 3)
-    assert merged["later_ttft_p99_ms"] == 20.0  # of the runs that have one
+    assert merged["later_ttft_p99_ms"] == 20.0  # of the runs that have one (30 and 10)
     assert type(reuse.median_row(runs[:2])["computed"]) is int  # counts stay whole
     assert merged["ttft_p99_ms_runs"] == [90.0, 50.0, 70.0]
     assert merged["system"] == "pd-gateway"

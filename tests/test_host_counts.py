@@ -123,6 +123,36 @@ def test_an_engine_the_table_has_no_row_for_counts_its_workers_own():
     assert one.queued(p0) == 0 and not any(host.queued) and not any(host.inflight)
 
 
+def test_a_count_made_without_a_row_joins_the_row_once_one_frees():
+    host = Host()
+    host.keys[:] = list(range(1, ROWS + 1))  # every row another engine's
+    one, other = host.worker(0), host.worker(1)
+    p0 = one.get(PS[0])
+    one.acquire(p0, 500)  # no row: counted by this worker alone
+    host.keys[3] = 0  # a row freed meanwhile
+    one.acquire(p0, 300)  # the row is taken, and holds both calls
+    assert other.queued(other.get(PS[0])) == 800 and other.streams(other.get(PS[0])) == 2
+    one.release(p0, 500)
+    one.release(p0, 300)
+    assert list(host.queued) == [0] * len(host.queued)  # nothing left, nothing below zero
+    assert list(host.inflight) == [0] * len(host.inflight)
+
+
+def test_counts_follow_their_engine_to_the_row_it_has_now():
+    host = Host()
+    one, other = host.worker(0), host.worker(1)
+    p0 = one.get(PS[0])
+    one.acquire(p0, 1000)
+    [row] = [r for r in range(ROWS) if host.queued[r * STRIDE]]
+    host.keys[row] = 12345  # the row lost to another engine (two workers took it at once)
+    one.acquire(p0, 10)  # written again where p0's URL is now
+    assert other.queued(other.get(PS[0])) == 1010
+    assert host.queued[row * STRIDE] == 0  # nothing of p0's left in the other engine's row
+    one.release(p0, 1000)
+    one.release(p0, 10)
+    assert list(host.queued) == [0] * len(host.queued)
+
+
 def test_outside_gunicorn_the_counts_are_the_processs_own(monkeypatch):
     monkeypatch.delenv(slots.COLUMN_ENV, raising=False)
     assert HostCounts.from_env() is None

@@ -41,9 +41,10 @@ class HostCounts:
         self.queued_cells, self.inflight_cells = queued, inflight
         self.columns = columns
         self.stride = stride
-        # The row each instance's counts went to, until they are back to nothing: its
-        # release takes away from the cell its acquire added to, whatever the table did since.
-        self._rows: dict[Instance, int] = {}
+        # What this worker last wrote for each instance with work in flight: (row, requests,
+        # tokens). `sync` takes it back out and writes the instance's counts anew, so its cells
+        # always hold the instance's own counts, in the row its URL has now.
+        self._written: dict[Instance, tuple[int, int, int]] = {}
         # A cell is added to by this process alone, but by any of its threads (an engine's URL
         # may be in two pools, each with its own lock).
         self._lock = threading.Lock()
@@ -54,23 +55,27 @@ class HostCounts:
         column = int(environ.get(COLUMN_ENV, "-1"))
         return cls(column) if 0 <= column < MAX_SLOTS else None
 
-    def add(self, instance: Instance, requests: int, work: int) -> None:
-        """`instance` has `requests` more in flight from this worker and `work` more prefill
-        tokens queued (negative: fewer); its own counts already say so."""
+    def sync(self, instance: Instance) -> None:
+        """Make this worker's cells say what its own counts of `instance` say (`inflight`,
+        `queued`, changed just before). Written as a whole, not as a change: a count made while
+        the table had no row for the URL, or in a row the URL has lost since (two workers took
+        one row at once; an abandoned row reclaimed), is moved, never left behind or taken
+        twice."""
         with self._lock:
-            row = self._rows.get(instance)
-            if row is None:
-                if requests <= 0:  # its acquire found no row: nothing of it is in the table
-                    return
-                row = self.table.row(instance.url, make=True)
-                if row is None:  # the table is full here: this worker's counts stay its own
-                    return
-                self._rows[instance] = row
-            cell = row * self.stride + self.column
-            self.inflight_cells[cell] += requests
-            self.queued_cells[cell] += work
-            if not instance.inflight and not instance.queued:
-                del self._rows[instance]
+            written = self._written.pop(instance, None)
+            if written is not None:
+                row, requests, tokens = written
+                cell = row * self.stride + self.column
+                self.inflight_cells[cell] -= requests
+                self.queued_cells[cell] -= tokens
+            busy = instance.inflight > 0 or instance.queued > 0
+            now = self.table.row(instance.url, make=busy) if busy else None
+            if now is None:  # nothing in flight, or the table is full: its counts stay its own
+                return
+            cell = now * self.stride + self.column
+            self.inflight_cells[cell] += instance.inflight
+            self.queued_cells[cell] += instance.queued
+            self._written[instance] = (now, instance.inflight, instance.queued)
 
     def queued(self, instance: Instance) -> int:
         """The prefill tokens every worker of the host has queued on `instance`."""

@@ -134,7 +134,7 @@ class Instance:
 class Counts(Protocol):
     """Every worker's in-flight counts on this host (gateway.engines.host_counts.HostCounts)."""
 
-    def add(self, instance: Instance, requests: int, work: int) -> None: ...
+    def sync(self, instance: Instance) -> None: ...
 
     def queued(self, instance: Instance) -> int: ...
 
@@ -312,7 +312,7 @@ class Pool:
     def work(self, instance: Instance, key: str, need: Need) -> int:
         """The prefill work `need` brings `instance` (its cost without the queue), in whole
         tokens (sums of floats added and taken away would leave residues that break ties):
-        what `acquire` counts queued there while the turn's P call runs. None under round
+        what `acquire` counts queued there while the turn's P call runs. 0 under round
         robin, which reads no cost."""
         if self.policy.routing == "round_robin":
             return 0
@@ -467,14 +467,14 @@ class Pool:
             instance.inflight += 1
             instance.queued += work
             if self.counts is not None:
-                self.counts.add(instance, 1, work)
+                self.counts.sync(instance)
 
     def release(self, instance: Instance, work: int = 0) -> None:
         with self._lock:
             instance.inflight -= 1
             instance.queued -= work
             if self.counts is not None:
-                self.counts.add(instance, -1, -work)
+                self.counts.sync(instance)
 
     def succeeded(self, instance: Instance) -> None:
         if instance.failures or instance.down or instance.open_until or instance.answered is False:

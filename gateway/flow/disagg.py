@@ -133,7 +133,7 @@ def _utf8_tokens(text: str) -> int:
     """Its tokens at CHARS_PER_TOKEN UTF-8 bytes a token: bytes, not characters, since the
     history's JSON is counted in bytes (it is never decoded for this), so its last message
     must be too."""
-    return len(text.encode()) // CHARS_PER_TOKEN
+    return (len(text) if text.isascii() else len(text.encode())) // CHARS_PER_TOKEN
 
 
 class Sent:
