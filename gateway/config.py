@@ -422,7 +422,7 @@ class Settings:
         "request id, model, cache (hit, partial, miss: were D's blocks "
         "sent), kv (what P did with them, as X-Gateway-KV), path "
         "(two-stage or decode-only) and why, P and D instance names, "
-        "TTFT, reply chunks, finish, outcome.",
+        "P's time (until P answered), TTFT, reply chunks, finish, outcome.",
     )
     routing: str = option(
         "affinity",

@@ -4,12 +4,16 @@ responses)."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import requests
 import responses
 from responses import matchers
 
+from gateway.app import create_app
+from gateway.config import Settings
 from gateway.reuse.conversation import identify
 from tests.helpers.payloads import (
     CHAT,
@@ -713,3 +717,35 @@ def test_a_non_streamed_reply_keeps_what_python_json_reads_and_orjson_would_chan
     reply = client.post(CHAT, json={"messages": MESSAGES})
     assert reply.status_code == 200
     assert b'"odd":' + value + b"}" in reply.data and b"kv_transfer_params" not in reply.data
+
+
+@responses.activate
+def test_the_access_log_says_ps_time_and_the_ttft(store, caplog):
+    settings = Settings(
+        prefill=[P_URL],
+        decode=[D_URL],
+        worker_class="gthread",
+        threads=8,
+        verify_reuse="off",
+        release_rate=0,
+        engine_metrics_interval=0,
+        probe_interval=0,
+        access_log=True,
+    )
+    app = create_app(settings, store=store, transport=ResponsesTransport())
+    try:
+        responses.post(P_URL + CHAT, json=p_reply(p_params()))
+        responses.post(
+            D_URL + CHAT,
+            body=chat_events([" x"], d_params(), "final"),
+            content_type="text/event-stream",
+        )
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            reply = app.test_client().post(CHAT, json={"messages": MESSAGES, "stream": True})
+            assert reply.status_code == 200 and reply.data.endswith(b"data: [DONE]\n\n")
+    finally:
+        app.extensions["pd_gateway"].close()
+    [line] = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    prefill_ms = float(re.search(r" prefill_ms=([0-9.]+) ", line).group(1))
+    ttft_ms = float(re.search(r" ttft_ms=([0-9.]+) ", line).group(1))
+    assert "path=two-stage" in line and 0 < prefill_ms <= ttft_ms

@@ -232,6 +232,7 @@ class Turn:
     model: str = "unknown"  # its model, as the metrics label it
     decoded: Decoded | None = None
     params_to_d: bool = False  # D was sent P's params (it loads the prompt from P)
+    prefilled: float | None = None  # seconds from its start until P answered (two-stage)
 
 
 class Disagg:
@@ -398,7 +399,8 @@ class Disagg:
             raise
         prefill, prefilled = answered.instance, answered.result
         self.prefill.prefilled(turn.identity.root, prefill)  # the next turn's own P
-        metrics.PREFILL_SECONDS.labels(turn.model).observe(time.perf_counter() - turn.started)
+        turn.prefilled = time.perf_counter() - turn.started
+        metrics.PREFILL_SECONDS.labels(turn.model).observe(turn.prefilled)
         reuse = prefilled.reuse
         cache = "miss" if reuse is None else "partial" if reuse.result == "partial" else "hit"
         # `_prefill` keeps a reuse only with its entry.
@@ -582,7 +584,7 @@ class Disagg:
             chunks = len(decoded.text) + len(decoded.reasoning)
             access.info(
                 "turn %s model=%s cache=%s kv=%s path=%s reason=%s prefill=%s decode=%s "
-                "ttft_ms=%s chunks=%d finish=%s outcome=%s",
+                "prefill_ms=%s ttft_ms=%s chunks=%d finish=%s outcome=%s",
                 turn.request_id,
                 turn.model,
                 path.cache,
@@ -591,6 +593,7 @@ class Disagg:
                 path.reason,
                 path.prefill,
                 decode.name,
+                "-" if turn.prefilled is None else f"{turn.prefilled * 1000:.1f}",
                 "-" if ttft is None else f"{ttft * 1000:.1f}",
                 chunks,
                 ",".join(decoded.finish_reasons) or "-",
