@@ -18,12 +18,9 @@ import pytest
 # this process and in every gateway the suite starts: set before gateway.support.metrics loads.
 os.environ["PD_GATEWAY_STRICT_METRICS"] = "1"
 
-from gateway.app import create_app  # noqa: E402  (after the environment it reads)
-from gateway.config import Settings  # noqa: E402
 from gateway.reuse.store import LocalStore  # noqa: E402
-from tests.helpers.payloads import D_URL, P_URL  # noqa: E402
+from tests.helpers.payloads import pinned_app  # noqa: E402
 from tests.helpers.servers import gateway_process, reset, starts_processes  # noqa: E402
-from tests.helpers.transport import ResponsesTransport  # noqa: E402
 
 
 class FakeClock:
@@ -49,27 +46,12 @@ def store(clock: FakeClock) -> LocalStore:
 
 @pytest.fixture
 def app(store: LocalStore):
-    # Unroutable example hosts: only `responses` mocks answer them (the engine calls' transport
-    # hands each to `responses`: tests/helpers/transport.py). Reuse on digests alone
-    # (no /tokenize calls, no token ids) unless a test asks for verification.
-    # Background releases, reads of the engines' /metrics and probes off (release_rate=0,
-    # engine_metrics_interval=0, probe_interval=0, here and in every app whose engine calls a
-    # test pins with `responses`): they would interleave with the calls pinned.
+    # Engine calls answered by `responses` alone (tests/helpers/payloads.pinned_app: unroutable
+    # hosts, reuse on digests, background releases, /metrics reads and probes off).
     # tests/test_release.py checks what is dropped, tests/test_fast_path.py the release itself,
     # tests/test_d_memory.py both end to end; tests/test_engine_load.py the reads,
     # tests/test_readiness.py the probes.
-    settings = Settings(
-        prefill=[P_URL],
-        decode=[D_URL],
-        worker_class="gthread",
-        threads=8,
-        max_body_bytes=4096,
-        verify_reuse="off",
-        release_rate=0,
-        engine_metrics_interval=0,
-        probe_interval=0,
-    )
-    app = create_app(settings, store=store, transport=ResponsesTransport())
+    app = pinned_app(store, max_body_bytes=4096)
     yield app
     # Its prober would go on probing an instance marked down, into later tests' mocks.
     app.extensions["pd_gateway"].close()

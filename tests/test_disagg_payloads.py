@@ -12,8 +12,6 @@ import requests
 import responses
 from responses import matchers
 
-from gateway.app import create_app
-from gateway.config import Settings
 from gateway.reuse.conversation import identify
 from tests.helpers.payloads import (
     CHAT,
@@ -27,6 +25,7 @@ from tests.helpers.payloads import (
     d_params,
     p_params,
     p_reply,
+    pinned_app,
     sse,
 )
 from tests.helpers.stores import take
@@ -721,18 +720,7 @@ def test_a_non_streamed_reply_keeps_what_python_json_reads_and_orjson_would_chan
 
 @responses.activate
 def test_the_access_log_says_ps_time_and_the_ttft(store, caplog):
-    settings = Settings(
-        prefill=[P_URL],
-        decode=[D_URL],
-        worker_class="gthread",
-        threads=8,
-        verify_reuse="off",
-        release_rate=0,
-        engine_metrics_interval=0,
-        probe_interval=0,
-        access_log=True,
-    )
-    app = create_app(settings, store=store, transport=ResponsesTransport())
+    app = pinned_app(store, access_log=True)
     try:
         responses.post(P_URL + CHAT, json=p_reply(p_params()))
         responses.post(

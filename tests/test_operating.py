@@ -29,6 +29,7 @@ from tests.helpers.payloads import (
     d_params,
     p_params,
     p_reply,
+    pinned_app,
 )
 from tests.helpers.servers import MODEL, gateway_process, metric
 from tests.helpers.transport import ResponsesTransport
@@ -286,25 +287,7 @@ def test_a_burst_past_capacity_gets_refusals_and_health_answers(
 def test_a_stream_dropped_before_its_first_byte_still_releases_d_and_its_place(store):
     """A host app whose after_request raises drops the gateway's response unsent: D's count,
     the engine connection, the admission place and the watcher must still be released."""
-    from gateway.app import create_app
-    from gateway.config import Settings
-
-    app = create_app(
-        Settings(
-            release_rate=0,
-            engine_metrics_interval=0,
-            probe_interval=0,
-            prefill=[P_URL],
-            decode=[D_URL],
-            worker_class="gthread",
-            threads=8,
-            verify_reuse="off",
-            max_turns=1,
-            admission_queue=0,
-        ),
-        store=store,
-        transport=ResponsesTransport(),
-    )
+    app = pinned_app(store, max_turns=1, admission_queue=0)
 
     @app.after_request
     def broken(response):
@@ -333,25 +316,7 @@ def test_a_stream_a_host_rewraps_is_served_whole(store):
     """A host's after_request may put our stream in a response of its own: it must arrive."""
     from flask import Response
 
-    from gateway.app import create_app
-    from gateway.config import Settings
-
-    app = create_app(
-        Settings(
-            release_rate=0,
-            engine_metrics_interval=0,
-            probe_interval=0,
-            prefill=[P_URL],
-            decode=[D_URL],
-            worker_class="gthread",
-            threads=8,
-            verify_reuse="off",
-            max_turns=1,
-            admission_queue=0,
-        ),
-        store=store,
-        transport=ResponsesTransport(),
-    )
+    app = pinned_app(store, max_turns=1, admission_queue=0)
 
     @app.after_request
     def rewrap(response):
@@ -409,30 +374,9 @@ def test_a_request_id_does_not_outlive_its_request(client):
 # --- client API keys ----------------------------------------------------------------------------
 
 
-def _keys_app(store, **settings):
-    from gateway.app import create_app
-    from gateway.config import Settings
-
-    return create_app(
-        Settings(
-            release_rate=0,
-            engine_metrics_interval=0,
-            probe_interval=0,
-            prefill=[P_URL],
-            decode=[D_URL],
-            worker_class="gthread",
-            threads=8,
-            verify_reuse="off",
-            **settings,
-        ),
-        store=store,
-        transport=ResponsesTransport(),
-    )
-
-
 @responses.activate
 def test_api_keys_guard_the_openai_routes_and_metrics_but_not_health(store, caplog):
-    app = _keys_app(store, api_keys=["key-alpha", "key-beta"], admin_token="adm")
+    app = pinned_app(store, api_keys=["key-alpha", "key-beta"], admin_token="adm")
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
     responses.post(
         D_URL + CHAT,

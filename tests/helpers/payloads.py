@@ -26,6 +26,30 @@ MISS = {
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
 
 
+def pinned_app(store, **settings):
+    """An app whose engine calls go to `responses` (conftest's `app`, with `settings` on top): P_URL
+    and D_URL, reuse on digests alone (no /tokenize calls, no token ids), and background releases,
+    reads of the engines' /metrics and probes off (they would interleave with the calls pinned).
+    Call its `extensions["pd_gateway"].close()` when done: its prober would go on probing."""
+    from gateway.app import create_app
+    from gateway.config import Settings
+    from tests.helpers.transport import ResponsesTransport
+
+    pinned = {
+        "prefill": [P_URL],
+        "decode": [D_URL],
+        "worker_class": "gthread",
+        "threads": 8,
+        "verify_reuse": "off",
+        "release_rate": 0,
+        "engine_metrics_interval": 0,
+        "probe_interval": 0,
+    }
+    return create_app(
+        Settings(**{**pinned, **settings}), store=store, transport=ResponsesTransport()
+    )
+
+
 def p_params(n=1):
     return {
         "do_remote_prefill": True,
