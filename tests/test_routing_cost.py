@@ -253,6 +253,15 @@ def two_ps_one_d():
         yield [p0, p1], d
 
 
+def homed_on(urls: list[str], body: dict, p: str) -> str:
+    """A new conversation id whose own P (the rendezvous first of `urls`) is `p`."""
+    return next(
+        name
+        for name in (f"c-{uuid.uuid4().hex[:8]}" for _ in iter(int, 1))
+        if own_p_of(urls, body, name) == p
+    )
+
+
 def chat(*messages: str) -> dict:
     roles = ["user", "assistant"]
     return {
@@ -268,10 +277,8 @@ def test_a_turn_whose_own_p_is_busy_goes_to_the_other_and_still_reads_ds_blocks(
     busy, other = ps
     # Two conversations whose own P is the same: a long first turn that hangs there (the
     # emulator's hang fault holds it, in flight, until the gateway lets go), and a short one.
-    names = (f"c-{uuid.uuid4().hex[:8]}" for _ in iter(int, 1))
     first, long_body = chat("What is KV reuse?"), chat("x " * 8000)
-    short = next(n for n in names if own_p_of(urls, first, n) == busy.url)
-    long = next(n for n in names if own_p_of(urls, long_body, n) == busy.url)
+    short, long = homed_on(urls, first, busy.url), homed_on(urls, long_body, busy.url)
     for p in ps:
         p.reset_stats()
     gateway = gateway_process(urls, [d.url], workers=1, engine_metrics_interval=0, release_rate=0)
@@ -334,10 +341,9 @@ def test_a_ps_queue_from_one_worker_steers_another_workers_first_turn(two_ps_one
     busy, other = ps
     # A long first turn whose own P is `busy` hangs there, sent to one worker; first turns of
     # conversations whose own P is the same, sent to the other worker, see it queued.
-    names = (f"c-{uuid.uuid4().hex[:8]}" for _ in iter(int, 1))
     first, long_body = chat("What is KV reuse?"), chat("x " * 8000)
-    long = next(n for n in names if own_p_of(urls, long_body, n) == busy.url)
-    shorts = [next(n for n in names if own_p_of(urls, first, n) == busy.url) for _ in range(2)]
+    long = homed_on(urls, long_body, busy.url)
+    shorts = [homed_on(urls, first, busy.url) for _ in range(2)]
     for p in ps:
         p.reset_stats()
     gateway = gateway_process(urls, [d.url], workers=2, engine_metrics_interval=0, release_rate=0)
