@@ -23,7 +23,9 @@ verified it.
 from __future__ import annotations
 
 import collections
+import functools
 import http.client
+import ipaddress
 import select
 import socket
 import ssl
@@ -191,7 +193,7 @@ class EngineConnection(http.client.HTTPConnection):
 
     def connect(self) -> None:
         try:
-            sock = socket.create_connection((self.host, self.port), self.connect_timeout)
+            sock = _connect(self.host, self.port, self.connect_timeout)
         except TimeoutError as exc:
             raise ConnectTimedOut(f"connecting to {self.host}:{self.port} timed out") from exc
         except OSError as exc:  # a refusal among them: its cause says so
@@ -222,6 +224,35 @@ class EngineConnection(http.client.HTTPConnection):
                 return
             data, self._one_send, self._head = self._head + data, False, None
         super().send(data)
+
+
+def _connect(host: str, port: int, timeout: float | None) -> socket.socket:
+    """A TCP connection to `host`: an IP address connected to as it is, a name resolved
+    (every time: where it points may change). `socket.create_connection` resolves even an
+    address, and under gevent every resolution goes through gevent's thread pool: a hand-off to
+    a thread and back for each new engine connection, which a burst of new turns (each opening
+    its connections to P and D) waits on; gevent's own `connect` takes an address as it is."""
+    family = _literal_family(host)
+    if family is None:
+        return socket.create_connection((host, port), timeout)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@functools.lru_cache(maxsize=1024)
+def _literal_family(host: str) -> socket.AddressFamily | None:
+    """The address family of an IP address (IPv6 without its brackets); None for a name."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return socket.AF_INET6 if address.version == 6 else socket.AF_INET
 
 
 class EngineTLSConnection(EngineConnection):
