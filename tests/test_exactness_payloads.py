@@ -70,12 +70,20 @@ REASONING = [
 REASONING_ECHO = {"role": "assistant", "content": "answer", "reasoning": "let me think"}
 
 
-def turn(client, messages, **extra):
-    return client.post(CHAT, json={"model": "m", "messages": messages, "stream": True, **extra})
+def turn(client, messages, close=True, **extra):
+    """One streamed turn, read whole and then closed as a server closes its reply (a first
+    turn's template probe runs then)."""
+    reply = client.post(CHAT, json={"model": "m", "messages": messages, "stream": True, **extra})
+    if close:
+        reply.get_data()
+        reply.close()
+    return reply
 
 
 @responses.activate
-def test_a_template_is_probed_once_and_plain_chat_then_pays_nothing(make_client):
+def test_a_template_is_probed_once_after_a_first_turn_and_plain_chat_then_pays_nothing(
+    make_client,
+):
     client = make_client("auto")
     calls = []
     responses.add_callback(
@@ -83,21 +91,27 @@ def test_a_template_is_probed_once_and_plain_chat_then_pays_nothing(make_client)
     )
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
     prompt = Template().render(MESSAGES)
+    # The template is not known yet: D is asked for the turn's ids, and sends them.
     responses.post(
-        D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False), content_type="text/event-stream"
+        D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=True), content_type="text/event-stream"
     )
-    assert turn(client, MESSAGES).status_code == 200
-    # Three renders of a fixed conversation: generation prompt, reply, and the next turn.
+    first = turn(client, MESSAGES, close=False)
+    assert first.status_code == 200
+    first.get_data()
+    # A first turn has nothing to reuse: it went to P and D without waiting for a probe.
+    assert calls == []
+    assert [c.request.url for c in responses.calls] == [P_URL + CHAT, D_URL + CHAT]
+    d_sent = json.loads(responses.calls[1].request.body)
+    assert d_sent["return_token_ids"] is True
+    first.close()  # once the turn is over: three renders of a fixed conversation (generation
+    # prompt, reply, and the next turn)
     assert [
         (len(c["messages"]), c.get("add_generation_prompt"), c.get("continue_final_message"))
         for c in calls
     ] == [(2, None, None), (3, False, True), (4, None, None)]
     assert all(c["model"] == "m" for c in calls)
-    d_sent = json.loads(
-        [c for c in responses.calls if c.request.url == D_URL + CHAT][0].request.body
-    )
-    assert "return_token_ids" not in d_sent  # a safe template: no ids asked of D
-    # Turn 2 reuses on the digest: no /tokenize call, D's blocks go to P.
+    # Turn 2 reuses on the digest: no /tokenize call, D's blocks go to P, and a safe template
+    # needs no ids of D.
     responses.post(
         D_URL + CHAT,
         body=d_stream(prompt, PLAIN, with_ids=False, params_n=2),
@@ -110,10 +124,16 @@ def test_a_template_is_probed_once_and_plain_chat_then_pays_nothing(make_client)
     )
     assert reply.headers["X-Gateway-Cache"] == "hit"
     assert len(calls) == 3
-    p_sent = json.loads(
-        [c for c in responses.calls if c.request.url == P_URL + CHAT][-1].request.body
+    assert "return_token_ids" not in sent(D_URL + CHAT)[-1]
+    assert sent(P_URL + CHAT)[-1]["kv_transfer_params"]["remote_engine_id"] == "d-engine-1"
+    # A third first turn (another conversation) pays nothing either: no probe, no ids.
+    responses.post(
+        D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False), content_type="text/event-stream"
     )
-    assert p_sent["kv_transfer_params"]["remote_engine_id"] == "d-engine-1"
+    other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert turn(client, other).status_code == 200
+    assert len(calls) == 3
+    assert "return_token_ids" not in sent(D_URL + CHAT)[-1]
 
 
 def sent(url: str) -> list[dict]:
@@ -158,6 +178,16 @@ def test_reasoning_turns_are_token_verified(make_client, quirks, expected):
     client = make_client("auto")
     template, calls = Template(frozenset(quirks)), []
     responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
+    # Another conversation's first turn teaches the gateway the template (probed once it is
+    # over): from then on a first turn asks D for no ids.
+    other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    responses.post(P_URL + CHAT, json=p_reply(p_params()))
+    responses.post(
+        D_URL + CHAT,
+        body=d_stream(template.render(other), PLAIN, with_ids=True),
+        content_type="text/event-stream",
+    )
+    assert turn(client, other).status_code == 200
     before = {
         r: metrics.REUSE_CHECKS.labels(r)._value.get()
         for r in ("verified", "mismatch", "unverifiable")
@@ -165,7 +195,7 @@ def test_reasoning_turns_are_token_verified(make_client, quirks, expected):
     caches, h3 = three_turns(client, template, REASONING, REASONING_ECHO)
     # Turn 2 misses: turn 1's reply had reasoning and D had not been asked for its ids.
     assert caches == ["miss", "miss", expected]
-    assert ["return_token_ids" in body for body in sent(D_URL + CHAT)] == [False, True, True]
+    assert ["return_token_ids" in body for body in sent(D_URL + CHAT)] == [True, False, True, True]
     assert calls[-1] == {"model": "m", "messages": h3}  # the request's own fields
     after = {r: metrics.REUSE_CHECKS.labels(r)._value.get() - before[r] for r in before}
     assert after == {
@@ -175,6 +205,33 @@ def test_reasoning_turns_are_token_verified(make_client, quirks, expected):
     }
     p_kv = sent(P_URL + CHAT)[-1]["kv_transfer_params"]
     assert (p_kv == MISS) == (expected == "miss")
+
+
+@responses.activate
+@pytest.mark.parametrize("quirks,expected", [((), "hit"), (("drop_reasoning",), "miss")])
+def test_a_first_turn_before_the_probe_gives_its_ids_and_turn_2_is_verified(
+    make_client, quirks, expected
+):
+    """While the template is not known yet (its probe runs once the first turn is over), D is
+    asked for the first turn's ids: a reasoning reply's turn 2 is checked on tokens at once."""
+    from gateway.support import metrics
+
+    client = make_client("auto")
+    template, calls = Template(frozenset(quirks)), []
+    responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
+    before = {
+        r: metrics.REUSE_CHECKS.labels(r)._value.get()
+        for r in ("verified", "mismatch", "unverifiable")
+    }
+    caches, _ = three_turns(client, template, REASONING, REASONING_ECHO, first_ids=True)
+    assert caches == ["miss", expected, expected]
+    assert ["return_token_ids" in body for body in sent(D_URL + CHAT)] == [True, True, True]
+    after = {r: metrics.REUSE_CHECKS.labels(r)._value.get() - before[r] for r in before}
+    assert after == {
+        "verified": 2 * (expected == "hit"),
+        "mismatch": 2 * (expected == "miss"),
+        "unverifiable": 0,
+    }
 
 
 @responses.activate

@@ -354,9 +354,12 @@ class Upstream:
             raise BadGateway(f"{instance.name} sent a reply that is not a JSON object")
         return reply
 
-    def tokenize(self, instance: Instance, body: dict, headers: dict) -> list:
-        """The token ids of the prompt `body` renders to (vLLM's POST /tokenize)."""
-        tokens = self.post_json(instance, "/tokenize", body, headers).get("tokens")
+    def tokenize(
+        self, instance: Instance, body: dict, headers: dict, read_timeout: float | None = None
+    ) -> list:
+        """The token ids of the prompt `body` renders to (vLLM's POST /tokenize); `read_timeout`
+        as `post_json`'s."""
+        tokens = self.post_json(instance, "/tokenize", body, headers, read_timeout).get("tokens")
         if not isinstance(tokens, list):
             raise BadGateway(f"{instance.name} sent a /tokenize reply without tokens")
         return tokens

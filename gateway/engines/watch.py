@@ -3,11 +3,13 @@ each engine connection registers with while in use (gateway.engines.transport)."
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import gevent
@@ -270,3 +272,14 @@ class Watch:
 def current_watch() -> Watch | None:
     """The watch of the request this thread (or greenlet) is serving, if any."""
     return _WATCH.get()
+
+
+@contextlib.contextmanager
+def unwatched() -> Iterator[None]:
+    """Engine calls made for no client (its reply is out already): neither cut when the client
+    leaves nor bound by its deadline; give them a timeout of their own."""
+    token = _WATCH.set(None)
+    try:
+        yield
+    finally:
+        _WATCH.reset(token)

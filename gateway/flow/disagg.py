@@ -12,6 +12,7 @@ from typing import NamedTuple, TypeVar
 from gateway.engines.cost import Need
 from gateway.engines.instances import Instance, Pool
 from gateway.engines.upstream import Upstream
+from gateway.engines.watch import unwatched
 from gateway.flow.attempts import Answered, Work, attempt
 from gateway.flow.decoded import Decoded
 from gateway.flow.fast_path import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, FastPath
@@ -28,7 +29,11 @@ from gateway.support.jsonio import Written
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
-access = logging.getLogger("gateway.access")
+access = logging.getLogger(
+    "gateway.access"
+)  # A probe after a first turn has no client waiting, so no deadline of the request: its own.
+PROBE_READ_TIMEOUT = 10.0
+
 T = TypeVar("T")
 
 
@@ -423,6 +428,7 @@ class Disagg:
             body_for,
             plan.prefer_decode,
             TurnPath("two-stage", plan.reason, prefill.name, cache, kv),
+            ended=None if plan.entry is not None else lambda: self._learn_template(turn, prefill),
         )
 
     def _prefill(
@@ -435,7 +441,8 @@ class Disagg:
             return self.upstream.tokenize(instance, body, headers)
 
         sent.retrying(failure)
-        if identity.reusable and plan.admitted is None:
+        if identity.reusable and plan.admitted is None and plan.entry is not None and not failure:
+            # Before the reuse decision (a first turn learns it once over: `_learn_template`).
             self.exactness.prepare(request, tokenize, identity.tenant)
         # A retry never replays D's params: the failed P may already have read the blocks.
         # (After a refused connection it cannot have; one more miss keeps the rule simple.)
@@ -455,6 +462,24 @@ class Disagg:
             sent.drop("unproven" if failure is None else "prefill_failed")
         body = prefill_body(request.wire, params)
         return Prefilled(reuse, self.upstream.post_json(instance, request.path, body, headers))
+
+    def _learn_template(self, turn: Turn, prefill: Instance) -> None:
+        """Once a turn without an entry is over, learn its template (`Exactness.prepare`: a
+        probe of three /tokenize calls on P, once per template and tenant) for the turns that
+        will reuse. A first turn has nothing to admit and so never waits for the probe: a
+        burst of new conversations (or a new tenant's first) goes to P at once. Until it is
+        known, D is asked for the turn's token ids (`Exactness.wants_ids`)."""
+        if not turn.identity.reusable:
+            return
+
+        def tokenize(body: dict) -> list:
+            return self.upstream.tokenize(prefill, body, turn.headers, PROBE_READ_TIMEOUT)
+
+        try:
+            with unwatched():  # the client has its reply: it may leave, the probe goes on
+                self.exactness.prepare(turn.request, tokenize, turn.identity.tenant)
+        except GatewayError as exc:  # a failed probe is counted; a later turn probes again
+            log.debug("template probe after the turn: %s", exc.message)
 
     def _body_for_d(self, turn: Turn) -> dict:
         """The client's body as D gets it (before P's params); the turn's `decoded` made ready.
