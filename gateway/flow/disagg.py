@@ -29,9 +29,9 @@ from gateway.support.jsonio import Written
 
 log = logging.getLogger(__name__)
 # One line per turn (`--access-log`): which path and why, the instances, TTFT and the outcome.
-access = logging.getLogger(
-    "gateway.access"
-)  # A probe after a first turn has no client waiting, so no deadline of the request: its own.
+access = logging.getLogger("gateway.access")
+# A template probe after a first turn (`Disagg._learn_template`) has no client waiting, so no
+# request deadline: a /tokenize slower than this is in trouble.
 PROBE_READ_TIMEOUT = 10.0
 
 T = TypeVar("T")
@@ -441,7 +441,12 @@ class Disagg:
             return self.upstream.tokenize(instance, body, headers)
 
         sent.retrying(failure)
-        if identity.reusable and plan.admitted is None and plan.entry is not None and not failure:
+        if (
+            identity.reusable
+            and plan.admitted is None
+            and plan.entry is not None
+            and failure is None
+        ):
             # Before the reuse decision (a first turn learns it once over: `_learn_template`).
             self.exactness.prepare(request, tokenize, identity.tenant)
         # A retry never replays D's params: the failed P may already have read the blocks.
