@@ -27,6 +27,8 @@ from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+# Another conversation's first turn.
+OTHER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 
 
 @pytest.fixture
@@ -130,8 +132,7 @@ def test_a_template_is_probed_once_after_a_first_turn_and_plain_chat_then_pays_n
     responses.post(
         D_URL + CHAT, body=d_stream(prompt, PLAIN, with_ids=False), content_type="text/event-stream"
     )
-    other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    assert turn(client, other).status_code == 200
+    assert turn(client, OTHER).status_code == 200
     assert len(calls) == 3
     assert "return_token_ids" not in sent(D_URL + CHAT)[-1]
 
@@ -180,14 +181,13 @@ def test_reasoning_turns_are_token_verified(make_client, quirks, expected):
     responses.add_callback(responses.POST, P_URL + "/tokenize", callback=tokenizer(template, calls))
     # Another conversation's first turn teaches the gateway the template (probed once it is
     # over): from then on a first turn asks D for no ids.
-    other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     responses.post(P_URL + CHAT, json=p_reply(p_params()))
     responses.post(
         D_URL + CHAT,
-        body=d_stream(template.render(other), PLAIN, with_ids=True),
+        body=d_stream(template.render(OTHER), PLAIN, with_ids=True),
         content_type="text/event-stream",
     )
-    assert turn(client, other).status_code == 200
+    assert turn(client, OTHER).status_code == 200
     before = {
         r: metrics.REUSE_CHECKS.labels(r)._value.get()
         for r in ("verified", "mismatch", "unverifiable")

@@ -483,7 +483,10 @@ class Disagg:
         try:
             with unwatched():  # the client has its reply: it may leave, the probe goes on
                 self.exactness.prepare(turn.request, tokenize, turn.identity.tenant)
-        except GatewayError as exc:  # a failed probe is counted; a later turn probes again
+        except GatewayError as exc:
+            # The probe counts an engine's failure itself (and waits its TTL before the next);
+            # it passes on only the request's own end (client gone, deadline), which no watch
+            # can cut here: never a stack trace from a reply's close.
             log.debug("template probe after the turn: %s", exc.message)
 
     def _body_for_d(self, turn: Turn) -> dict:
