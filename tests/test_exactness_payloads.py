@@ -21,9 +21,9 @@ from tests.helpers.payloads import (
     d_stream,
     p_params,
     p_reply,
+    pinned_app,
     tokenizer,
 )
-from tests.helpers.transport import ResponsesTransport
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -33,27 +33,10 @@ OTHER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": 
 
 @pytest.fixture
 def make_client(store):
-    from gateway.app import create_app
-    from gateway.config import Settings
-
     apps = []
 
     def make(verify_reuse="auto"):
-        apps.append(
-            create_app(
-                Settings(
-                    release_rate=0,
-                    engine_metrics_interval=0,
-                    probe_interval=0,
-                    prefill=[P_URL],
-                    decode=[D_URL],
-                    worker_class="gthread",
-                    verify_reuse=verify_reuse,
-                ),
-                store=store,
-                transport=ResponsesTransport(),
-            )
-        )
+        apps.append(pinned_app(store, verify_reuse=verify_reuse))
         return apps[-1].test_client()
 
     yield make
