@@ -100,6 +100,10 @@ SYSTEMS = {
     "gateway-affinity": System(
         "pd-gateway (affinity only)", "gateway", True, settings=(("route_pull_cost", 1000.0),)
     ),
+    # Ds take prefills where that costs less than every P (docs/routing.md): the start burst.
+    "gateway-pod": System(
+        "pd-gateway (--prefill-on-decode)", "gateway", True, settings=(("prefill_on_decode", True),)
+    ),
     "vllm-router": System("vllm-router (cache_aware)", "router", False),
     "vllm-router-rr": System(
         "vllm-router (round_robin)", "router", False, argv=("--policy", "round_robin")
@@ -538,10 +542,13 @@ def summary(rows: list[dict]) -> str:
     """Two lines per scenario and reply length: the gateway against vllm-router's default, and
     issue 44's goal (TTFT p99 against cache_aware's and round_robin's, ITL p99 beside them)."""
     by = {(r["scenario"], r["reply"], r["system"]): r for r in rows}
+    gateways = {s.label for s in SYSTEMS.values() if s.kind == "gateway"}
     lines = []
     for (scenario, reply, system), ours in by.items():
-        if system != SYSTEMS["gateway"].label:
+        if system not in gateways:
             continue
+        # A variant is named on its lines.
+        shown = scenario if system == SYSTEMS["gateway"].label else f"{scenario} [{system}]"
         peer = by.get((scenario, reply, SYSTEMS["vllm-router"].label))
         rr = by.get((scenario, reply, SYSTEMS["vllm-router-rr"].label))
         if peer is not None and ours["computed"]:
@@ -552,7 +559,7 @@ def summary(rows: list[dict]) -> str:
                 f"{peer['short_ttft_p99_ms']} ms"
             )
             lines.append(
-                f"- {scenario}, {reply}-token replies: the gateway computed "
+                f"- {shown}, {reply}-token replies: the gateway computed "
                 f"{ours['computed']:,} prompt tokens, vllm-router (cache_aware) "
                 f"{peer['computed']:,} ({peer['computed'] / ours['computed']:.2f}x); TTFT p50 "
                 f"{ours['ttft_p50_ms']} against {peer['ttft_p50_ms']} ms, p99 "
@@ -568,12 +575,12 @@ def summary(rows: list[dict]) -> str:
                 if row is not None
             )
             lines.append(
-                f"  - goal, {scenario}, {reply}-token replies: {goal(ours, peer, rr)}; "
+                f"  - goal, {shown}, {reply}-token replies: {goal(ours, peer, rr)}; "
                 f"ITL p99 {ours['itl_p99_ms']} ms ({itl})."
             )
             lines.append(
                 f"  - goal on turns 2+ (vLLM's multi-turn benchmark with --warmup-step), "
-                f"{scenario}, {reply}-token replies: "
+                f"{shown}, {reply}-token replies: "
                 f"{goal(ours, peer, rr, 'later_ttft_p99_ms')}."
             )
     return "\n".join(lines)

@@ -435,9 +435,14 @@ class Engine:
         return read, False
 
     def _count_path(self, params: dict, p_node: bool) -> None:
-        if self.config.role != "decode" or p_node:
+        if self.config.role != "decode":
             return
-        if not params:
+        if p_node:
+            # A P's request (do_remote_decode) sent to this D: vLLM's scheduler treats a request
+            # by its params, whatever the engine's kv_role (nixl/pull_scheduler.py
+            # request_finished ~L191-293 names no role), so a router may prefill here.
+            self.stats.prefill_requests += 1
+        elif not params:
             self.stats.plain_requests += 1
         elif params.get("do_remote_prefill"):
             self.stats.remote_prefill_requests += 1

@@ -36,8 +36,10 @@ class Stats:
     other_requests: int = 0  # the routes of other_routes.py: /detokenize, embeddings, audio, ...
     # D, which path each request took: remote_prefill (pulled the prompt from P: two-stage),
     # decode_only (params without a pull: prefilled here, from its prefix cache and compute),
-    # plain (no kv_transfer_params: vLLM keeps nothing for a next turn).
+    # plain (no kv_transfer_params: vLLM keeps nothing for a next turn); prefill (a P's
+    # request: do_remote_decode, another D to pull from here).
     remote_prefill_requests: int = 0
+    prefill_requests: int = 0
     decode_only_requests: int = 0
     plain_requests: int = 0
     decode_stall_seconds: float = 0.0  # D: time its streams emitted nothing while it prefilled

@@ -459,6 +459,15 @@ class Settings:
         '{reason="capacity"}, or vllm:num_requests_waiting where an engine '
         "has no reasons, and vllm:num_requests_running; docs/routing.md).",
     )
+    prefill_on_decode: bool = option(
+        False,
+        boolean,
+        "Affinity: a D may prefill a "
+        "turn (on/off) where that costs less than every P, the "
+        "turn's work charged once more for each stream the D runs; "
+        "another D decodes it, pulling from that D. Needs 2 Ds that "
+        "serve prefill requests (docs/routing.md).",
+    )
     route_move_streams: float = option(
         4.0,
         bounded(float, 0.0),

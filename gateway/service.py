@@ -112,6 +112,9 @@ class Gateway:
             }
             for spec in specs
         }
+        if settings.prefill_on_decode:
+            for pools in roles.values():
+                pools["prefill"].spill = pools["decode"]
         every_pool = [pool for pools in roles.values() for pool in pools.values()]
         self._every_pool = every_pool
         # What every worker of the host has in flight on each engine, for the costs; outside

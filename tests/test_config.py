@@ -137,7 +137,7 @@ def test_list_flags_given_again_add_engines():
         # An abbreviation several flags begin with: argparse's own check, answered the same way.
         (
             ["--prefil", "http://a:1"],
-            "ambiguous argument --prefil, the start of --prefill, "
+            "ambiguous argument --prefil, the start of --prefill, --prefill-on-decode, "
             "--prefiller-host, --prefiller-hosts, --prefiller-port, --prefiller-ports "
             "(did you mean --prefill?)",
         ),

@@ -4,6 +4,7 @@ own P and the D that holds it unless another is cheaper by its queue; rendezvous
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import pytest
 import requests
@@ -29,6 +30,14 @@ def rendezvous(pool: Pool, key: str) -> list[Instance]:
 
 
 # --- the model --------------------------------------------------------------------------------
+
+
+def test_a_d_prefilling_pays_the_turns_work_once_more_for_each_of_its_streams():
+    model = CostModel(pull=0.1, request_tokens=512)
+    need = Need(tokens=1100, held=1000, cached=1000)  # never the own P: 100 + 0.1 x 1000
+    assert model.spilled(need, queued=0, waiting=0, streams=0) == pytest.approx(200)
+    assert model.spilled(need, queued=0, waiting=0, streams=3) == pytest.approx(800)
+    assert model.spilled(need, queued=300, waiting=1, streams=0) == pytest.approx(512 + 200)
 
 
 def test_the_own_p_saves_the_pull_and_a_stranger_pays_it_at_the_pull_cost():
@@ -130,6 +139,85 @@ def test_overload_and_busy_still_rule_out_before_the_cost(ps):
     assert ps.choose(key, need=Need(1100, 1000, 1000)) is second
 
 
+# --- a D that prefills (--prefill-on-decode) --------------------------------------------------
+
+D_URLS = ["http://d0:8000", "http://d1:8000"]
+
+
+def spilling(policy: Policy) -> tuple[Pool, Pool]:
+    ps, ds = Pool("prefill", URLS[:2], policy), Pool("decode", D_URLS, policy)
+    ps.spill = ds
+    return ps, ds
+
+
+def test_a_d_prefills_only_where_it_costs_less_than_every_p():
+    ps, ds = spilling(Policy(cost=CostModel(pull=0.1)))
+    key, first = "conversation", Need(300)
+    assert ps.choose(key, need=first).role == "prefill"  # equal costs: a P
+    for p in ps.instances:
+        ps.acquire(p, 1)  # one token queued on every P
+    d = ps.choose(key, need=first)
+    assert d in ds.instances and d is rendezvous(ds, key)[0]
+    # Counted as a D's: in the D pool's counts, under its lock, and given back. A P call is
+    # queued work there, not a stream.
+    ps.acquire(d, 300)
+    assert (d.inflight, d.queued, d.prefills, ds.streams(d)) == (1, 300, 1, 1)
+    assert ps.choose(key, need=first) is not d  # its own queue: the other D
+    ps.release(d, 300)
+    assert (d.inflight, d.queued, d.prefills) == (0, 0, 0)
+    # Each stream a D runs (as it reports them, or in flight from here) waits for the prefill:
+    # the turn's work counts once more for each.
+    reports = {i.url: Reported(waiting=0, running=2, kv_usage=0.1, age=0.0) for i in ds.instances}
+    ps.load = lambda i: reports.get(i.url)
+    for p in ps.instances:
+        p.queued = 600  # + 300: 900, as a D with 2 streams: 300 x 3
+    assert ps.choose(key, need=first).role == "prefill"
+    for p in ps.instances:
+        p.queued = 601
+    assert ps.choose(key, need=first).role == "decode"
+    ps.load = None
+    for other in ds.instances:
+        ds.acquire(other)  # a stream from here on each D
+    assert ps.choose(key, need=Need(700)).role == "prefill"  # 601 + 700 < 700 x 2
+    assert ps.choose(key, need=Need(300)).role == "decode"  # 601 + 300 > 300 x 2
+
+
+def test_no_d_prefills_a_turn_reading_its_own_blocks_nor_without_another_d_to_decode():
+    ps, ds = spilling(Policy(cost=CostModel(pull=0.1)))
+    key = "conversation"
+    for p in ps.instances:
+        p.queued = 10_000
+    holder, other = ds.instances
+    # A turn whose entry is on `holder`: P reads holder's blocks, so only the other D may prefill.
+    for _ in range(3):
+        assert ps.choose(key, need=Need(1100, 1000, 1000, holder.url)) is other
+    assert ps.choose(key, exclude=[other], need=Need(1100, 1000, 1000, holder.url)).role == (
+        "prefill"
+    )
+    # One D down: it must decode whatever a D prefills, so none does.
+    ds.failed(other, unreachable=True)
+    assert ps.choose(key, need=Need(300)).role == "prefill"
+
+
+@pytest.mark.parametrize("routing", ["affinity", "round_robin"])
+def test_no_d_prefills_without_the_setting_or_under_round_robin(routing):
+    ps, ds = spilling(Policy(routing=routing, cost=CostModel(pull=0.1)))
+    if routing == "affinity":
+        ps.spill = None  # --prefill-on-decode off
+    for p in ps.instances:
+        p.queued = 10_000
+    assert {ps.choose(f"c{n}", need=Need(300)).role for n in range(20)} == {"prefill"}
+
+
+def test_a_d_that_prefilled_is_never_remembered_as_the_conversations_own_p():
+    ps, ds = spilling(Policy(cost=CostModel(pull=0.1)))
+    key = "conversation"
+    need = Need(1100, 0, 1000)
+    ps.prefilled(key, ds.instances[0])
+    own = rendezvous(ps, key)[0]
+    assert ps.work(own, key, need) == 100  # the rendezvous first is still its own
+
+
 def test_round_robin_ignores_the_cost():
     pool = Pool("prefill", URLS, Policy(routing="round_robin"))
     chosen = [pool.choose("k", need=Need(1100, 1000, 1000)).url for _ in range(3)]
@@ -227,7 +315,7 @@ def test_the_need_is_estimated_from_characters():
     entry = Entry(
         params={"remote_num_tokens": 205}, decode_url="http://d", history_digest="", history_len=2
     )
-    assert prefill_need(chat, entry) == Need(need.tokens, 205, 205)
+    assert prefill_need(chat, entry) == Need(need.tokens, 205, 205, "http://d")
     prompt = ClientRequest("/v1/completions", {"prompt": "x" * 800}, False, None)
     assert prefill_need(prompt, None) == Need(201)
 
@@ -400,7 +488,7 @@ def test_a_held_count_that_is_not_a_count_is_not_held():
     for held in (True, -1, "205", 1.5):
         params = {"remote_num_tokens": held}
         entry = Entry(params=params, decode_url="http://d", history_digest="", history_len=1)
-        assert prefill_need(chat, entry) == without
+        assert prefill_need(chat, entry) == replace(without, held_on="http://d")
 
 
 def test_token_id_prompts_count_their_ids():

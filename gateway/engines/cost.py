@@ -23,6 +23,7 @@ class Need:
     tokens: int  # its prompt
     held: int = 0  # of which D holds the blocks (the entry's remote_num_tokens): any P reads
     cached: int = 0  # of which the conversation's own P (`Pool._own`) computed before
+    held_on: str | None = None  # the URL of the D holding `held` (no D prefills reading it)
 
     def retried(self) -> Need:
         """What a retry asks: none of D's blocks, since a retry is never sent D's params
@@ -53,6 +54,16 @@ class CostModel:
         cached = min(need.cached, need.tokens) if own else 0
         pulled = max(min(need.held, need.tokens) - cached, 0)
         return need.tokens - cached - pulled + self.pull * pulled
+
+    def spilled(self, need: Need, queued: float, waiting: float, streams: float) -> float:
+        """A D's cost for a turn's prefill (--prefill-on-decode): the prefill tokens this host
+        has in flight there or the requests it reports waiting (`request_tokens` each), the
+        larger, as for a P; then the turn's work (never as the conversation's own P) paid once
+        for the turn and once for each of the D's `streams`. A prefill on D shares D's steps
+        with its streams (chunked prefill batches them), so each of them waits about as long
+        as the turn does: a D with no streams prefills as a P would; one decoding 10 streams,
+        only where every P has 10 times the turn's work more queued."""
+        return max(queued, waiting * self.request_tokens) + self.work(need, False) * (1 + streams)
 
     def decode(self, streams: float, holds: bool) -> float:
         """D's cost: its streams (in flight from here, or as it reports them, the larger), and

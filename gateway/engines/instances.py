@@ -84,6 +84,7 @@ class Instance:
     salt: bytes = field(init=False)
     inflight: int = 0
     queued: int = 0  # a P: the prefill work (Need, costed) this process has in flight
+    prefills: int = 0  # a D: of `inflight`, P calls (--prefill-on-decode), not streams
     down: bool = False  # a connection or a probe failed: skipped until a probe answers
     failures: int = 0  # consecutive failed requests
     open_until: float = 0.0  # breaker: skipped until then, then tried again (half-open)
@@ -198,6 +199,9 @@ class Pool:
         # Every worker's in-flight counts on this host (gateway.engines.host_counts), which
         # `acquire` and `release` add to; None: this process's own (not under gunicorn).
         self.counts: Counts | None = None
+        # A P pool's Ds that may take a prefill when every P has more queued than they
+        # (--prefill-on-decode: the same model's D pool; `_spill`); None: Ps only.
+        self.spill: Pool | None = None
         for url in urls:
             self.add(url)
 
@@ -293,11 +297,15 @@ class Pool:
             raw = key.encode()
             ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
             eligible = [i for i in ranked if i.inflight <= limit and not (busy and busy(i))]
-            if eligible:
+            spill = self._spill(raw, need, exclude) if need is not None else []
+            if eligible or spill:
                 preferred = self._by_url.get(prefer) if prefer else None
                 if need is not None:
                     own = self._own(key, raw, ranked)
-                    return cheapest(eligible, lambda i: self._prefill_cost(i, need, i is own))
+                    # Ps first: a D prefills only where it costs less than every P.
+                    return cheapest(
+                        [*eligible, *spill], lambda i: self._prefill_cost(i, need, i is own)
+                    )
                 if self.role == "decode":
                     # The D that holds the entry; without one, the first in rendezvous order,
                     # whose prefix cache served the conversation's turns before.
@@ -308,6 +316,40 @@ class Pool:
                 # Busy or overloaded, every one: not busy first; all busy, in-flight counts alone.
                 ranked = [i for i in ranked if not busy(i)] or ranked
             return next((i for i in ranked if i.inflight <= limit), ranked[0])
+
+    def _spill(self, raw: bytes, need: Need, exclude: Collection[Instance]) -> list[Instance]:
+        """The Ds that may take a turn's prefill (--prefill-on-decode), in rendezvous order: of
+        a D pool with another D ready to decode the turn, those the D pool would choose from
+        (ready, neither overloaded nor busy), except the D holding the blocks P reads. A D
+        then prefills as a P does and another D decodes, pulling from it (`Disagg`): a D never
+        reads its own blocks, a path vLLM's tests do not take. Its cost (`CostModel.spilled`)
+        charges the turn's work once more for each stream the D runs."""
+        pool = self.spill
+        if pool is None or self.policy.routing == "round_robin":
+            return []
+        now = self._clock()
+        ready = [i for i in pool.instances if i.available(now)]
+        if len(ready) < 2:
+            return []
+        limit = pool._limit(ready)
+        busy = pool.busy
+        return sorted(
+            (
+                i
+                for i in ready
+                if i not in exclude
+                and i.url != need.held_on
+                and i.inflight <= limit
+                and not (busy and busy(i))
+            ),
+            key=lambda i: _weight(raw, i),
+            reverse=True,
+        )
+
+    def _home(self, instance: Instance) -> Pool:
+        """The pool `instance` is counted in: a D this P pool spilled a prefill onto is its D
+        pool's (one engine, one lock over its counts)."""
+        return self.spill if self.spill is not None and instance.role != self.role else self
 
     def work(self, instance: Instance, key: str, need: Need) -> int:
         """The prefill work `need` brings `instance` (its cost without the queue), in whole
@@ -333,8 +375,8 @@ class Pool:
         history now, so it is the conversation's own P for the next turn. Remembered only where
         it is not the rendezvous first (the default, which every worker and host agrees on).
         Not under round robin, which reads no cost."""
-        if self.policy.routing == "round_robin":
-            return
+        if self.policy.routing == "round_robin" or instance.role != self.role:
+            return  # (a D that prefilled is never costed as the conversation's own P)
         with self._lock:
             if instance is _first(key.encode(), self.instances):
                 self._prefilled.pop(key, None)
@@ -352,6 +394,15 @@ class Pool:
 
     def _prefill_cost(self, instance: Instance, need: Need, own: bool) -> float:
         report = self.load(instance) if self.load is not None else None
+        if instance.role != self.role:  # a D (`_spill`): its streams wait for the prefill
+            # This host's requests on D and those D reports running include this process's
+            # P calls there, which are no streams (and count in `queued`).
+            streams = self.streams(instance)
+            waiting = 0.0
+            if report is not None:
+                streams, waiting = max(streams, report.running), max(report.waiting, 0.0)
+            streams = max(streams - instance.prefills, 0)
+            return self.policy.cost.spilled(need, self.queued(instance), waiting, streams)
         reported = (max(report.waiting, 0.0) + report.running) if report is not None else 0.0
         return self.policy.cost.prefill(need, own, self.queued(instance), reported)
 
@@ -460,23 +511,31 @@ class Pool:
                 return None, "busy"
             return instance, "ready"
 
-    def acquire(self, instance: Instance, work: int = 0) -> None:
+    def acquire(self, instance: Instance, work: int = 0, prefill: bool = False) -> None:
         """Count a request in flight on the instance, and the prefill `work` it brings (a P's
         cost for it); `release` both when it ends."""
+        if (home := self._home(instance)) is not self:
+            return home.acquire(instance, work, prefill=True)
         with self._lock:
             instance.inflight += 1
             instance.queued += work
+            instance.prefills += prefill
             if self.counts is not None:
                 self.counts.sync(instance)
 
-    def release(self, instance: Instance, work: int = 0) -> None:
+    def release(self, instance: Instance, work: int = 0, prefill: bool = False) -> None:
+        if (home := self._home(instance)) is not self:
+            return home.release(instance, work, prefill=True)
         with self._lock:
             instance.inflight -= 1
             instance.queued -= work
+            instance.prefills -= prefill
             if self.counts is not None:
                 self.counts.sync(instance)
 
     def succeeded(self, instance: Instance) -> None:
+        if (home := self._home(instance)) is not self:
+            return home.succeeded(instance)
         if instance.failures or instance.down or instance.open_until or instance.answered is False:
             with self._lock:
                 instance.failures = 0
@@ -487,6 +546,8 @@ class Pool:
 
     def failed(self, instance: Instance, unreachable: bool) -> None:
         """Record a failure: unreachable marks it down at once; others count toward the breaker."""
+        if (home := self._home(instance)) is not self:
+            return home.failed(instance, unreachable)
         with self._lock:
             instance.failures += 1
             if unreachable:

@@ -4,7 +4,7 @@ request's engines have done for it so far (`Work`), for its key's limits."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -44,10 +44,12 @@ def attempt(
     only: Instance | None = None,
     work: Work | None = None,
     need: Need | None = None,
+    exclude: Collection[Instance] = (),
 ) -> Answered[T]:
     """`call(instance, last failure)` on instances of `pool` until one answers, `attempts` at
     most (`key`, `prefer` and `need`, a P's estimate of the turn, choose them: `Pool.choose`;
-    after a failure, `need.retried()`: a retried P reads none of D's blocks).
+    after a failure, `need.retried()`: a retried P reads none of D's blocks). Never one of
+    `exclude` (unless nothing else is left: `Pool.choose`).
 
     Only failures before the client got a byte come here, so retrying is safe; a 4xx is the
     request's fault and is not retried. With `hold`, the instance stays counted in flight
@@ -59,7 +61,7 @@ def attempt(
     failure = None
     while True:
         asked = need if need is None or failure is None else need.retried()
-        instance = only or pool.choose(key, prefer=prefer, exclude=tried, need=asked)
+        instance = only or pool.choose(key, prefer=prefer, exclude=[*exclude, *tried], need=asked)
         # A P's queued work, for the next turns' choice (held, the stream is D's: none).
         queued = pool.work(instance, key, asked) if asked is not None and not hold else 0
         pool.acquire(instance, queued)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import NamedTuple, TypeVar
@@ -101,15 +101,16 @@ def prefill_need(request: ClientRequest, entry: Entry | None) -> Need:
     without one (its last turn went decode-only, or the entry is gone, or holds no count), the
     chat history before the last message."""
     tokens = _prompt_tokens(request)
+    on = entry.decode_url if entry is not None else None
     held = entry.params.get("remote_num_tokens") if entry is not None else None
     if is_count(held) and held > 0:  # (a bool is no count: True would hold 1)
-        return Need(tokens, held, held)
+        return Need(tokens, held, held, on)
     messages = request.body.get("messages") if request.is_chat else None
     if isinstance(messages, list) and len(messages) > 1 and isinstance(messages[-1], dict):
         content = messages[-1].get("content")
         last = _utf8_tokens(content) + TOKENS_PER_MESSAGE if isinstance(content, str) else tokens
-        return Need(tokens, 0, max(tokens - last, 0))
-    return Need(tokens)
+        return Need(tokens, 0, max(tokens - last, 0), on)
+    return Need(tokens, held_on=on)
 
 
 def _prompt_tokens(request: ClientRequest) -> int:
@@ -301,9 +302,10 @@ class Disagg:
         only: Instance | None = None,
         work: Work | None = None,
         need: Need | None = None,
+        exclude: Collection[Instance] = (),
     ) -> Answered[T]:
         """`call` on instances of `pool` until one answers, --attempts at most (`attempt`)."""
-        return attempt(pool, key, call, self.attempts, prefer, hold, only, work, need)
+        return attempt(pool, key, call, self.attempts, prefer, hold, only, work, need, exclude)
 
     def run(
         self,
@@ -404,6 +406,8 @@ class Disagg:
             raise
         prefill, prefilled = answered.instance, answered.result
         self.prefill.prefilled(turn.identity.root, prefill)  # the next turn's own P
+        if prefill.role == "decode":
+            metrics.PREFILLS_ON_DECODE.labels(prefill.name).inc()
         turn.prefilled = time.perf_counter() - turn.started
         metrics.PREFILL_SECONDS.labels(turn.model).observe(turn.prefilled)
         reuse = prefilled.reuse
@@ -429,6 +433,8 @@ class Disagg:
             plan.prefer_decode,
             TurnPath("two-stage", plan.reason, prefill.name, cache, kv),
             ended=None if plan.entry is not None else lambda: self._learn_template(turn, prefill),
+            # A D that prefilled (--prefill-on-decode) is pulled from, not decoded on.
+            exclude=(prefill,) if prefill.role == "decode" else (),
         )
 
     def _prefill(
@@ -511,6 +517,7 @@ class Disagg:
         path: TurnPath,
         only: Instance | None = None,
         ended: Callable[[], None] | None = None,
+        exclude: Collection[Instance] = (),
     ) -> Reply:
         """Decode on D (retried before the first byte unless `only`), relay, remember;
         `ended` runs when the turn is over (its stream closed), never before."""
@@ -531,6 +538,7 @@ class Disagg:
                 ),
                 only=only,
                 work=turn.work,
+                exclude=exclude,
             )
             turn.work.done = True
             self._count(turn, path)
@@ -550,6 +558,7 @@ class Disagg:
             hold=True,
             only=only,
             work=turn.work,
+            exclude=exclude,
         )
         turn.work.done = True
         relay = StreamRelay(

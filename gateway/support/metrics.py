@@ -507,6 +507,13 @@ DECODE_KEPT_NOTHING = Counter(
     ["engine"],
     values=dict(engine=ENGINE),
 )
+PREFILLS_ON_DECODE = Counter(
+    "pd_gateway_prefills_on_decode",
+    "Turns a D prefilled, as a P does, where that cost less than every P "
+    "(--prefill-on-decode); another D decoded them, pulling from it",
+    ["engine"],
+    values=dict(engine=ENGINE),
+)
 ENGINE_METRICS_READS = Counter(
     "pd_gateway_engine_metrics_reads",
     "Reads of engines' /metrics (--engine-metrics-interval), "
