@@ -213,9 +213,32 @@ def test_a_d_that_prefilled_is_never_remembered_as_the_conversations_own_p():
     ps, ds = spilling(Policy(cost=CostModel(pull=0.1)))
     key = "conversation"
     need = Need(1100, 0, 1000)
-    ps.prefilled(key, ds.instances[0])
-    own = rendezvous(ps, key)[0]
-    assert ps.work(own, key, need) == 100  # the rendezvous first is still its own
+    second = rendezvous(ps, key)[1]
+    ps.prefilled(key, second)  # its last turn moved to the other P
+    ps.prefilled(key, ds.instances[0])  # and this one a D prefilled
+    assert ps.work(second, key, need) == 100  # still its own: the P that holds its history
+
+
+def test_with_one_p_a_d_still_prefills_and_a_retry_may_go_on_to_it():
+    ps, ds = spilling(Policy(cost=CostModel(pull=0.1)))
+    ps.remove(ps.instances[1].url)
+    (p,) = ps.instances
+    assert ps.choose("k", need=Need(300)) is p
+    p.queued = 1
+    assert ps.choose("k", need=Need(300)) in ds.instances
+    assert ps.reach == 3  # a failed P call may be tried on a D as well
+
+
+def test_with_every_p_busy_a_d_still_costs_what_it_costs():
+    ps, ds = spilling(Policy(cost=CostModel(pull=0.1)))
+    ps.busy = lambda i: i.role == "prefill"  # every P queueing by its own report
+    for d in ds.instances:
+        for _ in range(2):
+            ds.acquire(d)  # 2 streams each: a 300-token prefill there costs 900
+    assert ps.choose("k", need=Need(300)).role == "prefill"  # the last resort's P: 300
+    for p in ps.instances:
+        p.queued = 601
+    assert ps.choose("k", need=Need(300)).role == "decode"
 
 
 def test_round_robin_ignores_the_cost():

@@ -290,32 +290,40 @@ class Pool:
                     if chosen in candidates:
                         self._turn = (self._turn + step + 1) % len(instances)
                         return chosen
-            if len(candidates) == 1:  # what the ranking below would end on, in any case
+            raw = key.encode()
+            spill = self._spill(raw, need, exclude) if need is not None else []
+            if len(candidates) == 1 and not spill:  # what the ranking below would end on
                 return candidates[0]
             limit = self._limit(candidates)
             busy = self.busy
-            raw = key.encode()
             ranked = sorted(candidates, key=lambda i: _weight(raw, i), reverse=True)
             eligible = [i for i in ranked if i.inflight <= limit and not (busy and busy(i))]
-            spill = self._spill(raw, need, exclude) if need is not None else []
             if eligible or spill:
                 preferred = self._by_url.get(prefer) if prefer else None
                 if need is not None:
                     own = self._own(key, raw, ranked)
-                    # Ps first: a D prefills only where it costs less than every P.
-                    return cheapest(
-                        [*eligible, *spill], lambda i: self._prefill_cost(i, need, i is own)
-                    )
+                    # Ps first: a D prefills only where it costs less than every P (with no P
+                    # eligible, than the one the last resort would take).
+                    ps = eligible or [self._last_resort(ranked, limit)]
+                    return cheapest([*ps, *spill], lambda i: self._prefill_cost(i, need, i is own))
                 if self.role == "decode":
                     # The D that holds the entry; without one, the first in rendezvous order,
                     # whose prefix cache served the conversation's turns before.
                     home = preferred if preferred is not None else _first(raw, instances, ranked)
                     return cheapest(eligible, lambda i: self._decode_cost(i, i is home))
                 return preferred if preferred in eligible else eligible[0]
-            if busy is not None:
-                # Busy or overloaded, every one: not busy first; all busy, in-flight counts alone.
-                ranked = [i for i in ranked if not busy(i)] or ranked
-            return next((i for i in ranked if i.inflight <= limit), ranked[0])
+            return self._last_resort(ranked, limit)
+
+    def _last_resort(self, ranked: list[Instance], limit: float) -> Instance:
+        """Busy or overloaded, every one: not busy first; all busy, in-flight counts alone."""
+        if self.busy is not None:
+            ranked = [i for i in ranked if not self.busy(i)] or ranked
+        return next((i for i in ranked if i.inflight <= limit), ranked[0])
+
+    @property
+    def reach(self) -> int:
+        """How many instances `choose` may return: the pool's own, and the Ds it may spill to."""
+        return len(self.instances) + (len(self.spill.instances) if self.spill is not None else 0)
 
     def _spill(self, raw: bytes, need: Need, exclude: Collection[Instance]) -> list[Instance]:
         """The Ds that may take a turn's prefill (--prefill-on-decode), in rendezvous order: of

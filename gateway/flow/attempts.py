@@ -75,7 +75,7 @@ def attempt(
                 raise
             pool.failed(instance, unreachable=isinstance(exc, ServiceUnavailable))
             tried.append(instance)
-            if only or len(tried) >= min(attempts, len(pool.instances)):
+            if only or len(tried) >= min(attempts, pool.reach):
                 raise
             log.info("retrying %s after: %s", pool.role, exc.message)
             metrics.RETRIES.labels(pool.role).inc()

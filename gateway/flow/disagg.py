@@ -381,7 +381,7 @@ class Disagg:
         d_body = self._body_for_d(turn)
         return self._decode(
             turn,
-            lambda failure: d_body,
+            lambda d, failure: d_body,
             None,
             TurnPath("decode-only", plan.reason, "-", "hit", "own_cache"),
             only=plan.decode,
@@ -423,8 +423,10 @@ class Disagg:
         turn.decoded.prompt_tokens = prompt_tokens
         with_blocks = decode_body(d_body, prefilled.reply, prefill)
 
-        def body_for(failure: GatewayError | None) -> dict:
-            turn.params_to_d = replayable(failure)
+        def body_for(decode: Instance, failure: GatewayError | None) -> dict:
+            # The D that prefilled, decoding only as the last resort (no other D left), reads
+            # nothing: its own prefix cache holds the prompt, and no D reads its own blocks.
+            turn.params_to_d = replayable(failure) and decode is not prefill
             return with_blocks if turn.params_to_d else d_body
 
         return self._decode(
@@ -512,7 +514,7 @@ class Disagg:
     def _decode(
         self,
         turn: Turn,
-        body_for: Callable[[GatewayError | None], dict],
+        body_for: Callable[[Instance, GatewayError | None], dict],
         prefer: str | None,
         path: TurnPath,
         only: Instance | None = None,
@@ -534,7 +536,7 @@ class Disagg:
                 turn.identity.root,
                 prefer,
                 lambda d, failure: self.upstream.post_json(
-                    d, request.path, body_for(failure), headers
+                    d, request.path, body_for(d, failure), headers
                 ),
                 only=only,
                 work=turn.work,
@@ -553,7 +555,7 @@ class Disagg:
             turn.identity.root,
             prefer,
             lambda d, failure: self.upstream.open_stream(
-                d, request.path, body_for(failure), headers
+                d, request.path, body_for(d, failure), headers
             ),
             hold=True,
             only=only,
