@@ -463,7 +463,7 @@ class Settings:
         False,
         boolean,
         "Affinity: a D may prefill a "
-        "turn (on/off) where that costs less than every P, the "
+        "turn without an entry (on/off) where that costs less than every P, the "
         "turn's work charged once more for each stream the D runs; "
         "another D decodes it, pulling from that D. Needs 2 Ds that "
         "serve prefill requests (docs/routing.md).",

@@ -1,5 +1,6 @@
-"""--prefill-on-decode: a D prefills a turn, as a P does, where that costs less than every P;
-the other D decodes it, pulling from it, and keeps its blocks for the next turn (docs/routing.md).
+"""--prefill-on-decode: a D prefills a turn without an entry, as a P does, where that costs less
+than every P; the other D decodes it, pulling from it, and keeps its blocks for the next turn,
+which a P reads (docs/routing.md).
 Real engines (two emulated Ps and Ds, bidirectional KV transfer) and a real gateway process."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def ask(gateway, body: dict) -> requests.Response:
     return response
 
 
-def test_a_d_prefills_while_both_ps_are_busy_and_the_other_d_decodes_and_keeps_it(engines):
+def test_a_d_prefills_a_first_turn_while_both_ps_are_busy_and_the_other_d_keeps_it(engines):
     prefills, decodes = engines
     for engine in prefills + decodes:
         engine.set_fault("none")
@@ -71,9 +72,7 @@ def test_a_d_prefills_while_both_ps_are_busy_and_the_other_d_decodes_and_keeps_i
             # with an idle P, and Ps come first).
             wait_until(lambda: requests_on(prefills) == [1, 1], 10, "a long prefill on each P")
             # Long enough that what D holds passes vLLM's kv_recompute_threshold (64 tokens).
-            # A reply past it too: the D that prefilled has the first prompt in its own prefix
-            # cache, and reads only what the other D holds beyond (vLLM's rule on any P).
-            first = {**chat(QUESTION, conversation="spilled"), "max_tokens": 100}
+            first = chat(QUESTION, conversation="spilled")
             turn1 = ask(gateway, first)
             stats = [d.stats() for d in decodes]
             # One D prefilled it (a P's request), the other decoded it, pulling from it.
@@ -85,22 +84,23 @@ def test_a_d_prefills_while_both_ps_are_busy_and_the_other_d_decodes_and_keeps_i
             assert decoder.stats()["remote_prefill_requests"] == 1
             assert decoder.stats()["pulled_tokens"] > 0
             assert turn1.headers["X-Gateway-Cache"] == "miss"
+            before_turn2 = [d.stats()["prefill_requests"] for d in decodes]
             reply = turn1.json()["choices"][0]["message"]["content"]
-            # Turn 2, both Ps still busy: the D that prefilled reads the decoder's blocks (it
-            # never prefills a turn whose blocks it holds itself), and the decoder decodes.
+            # Turn 2 has an entry (on the decoder): it costs any P little, so a P takes it even
+            # now, reading the decoder's blocks, and the decoder decodes it.
             second = chat(QUESTION, reply, "And why?", conversation="spilled")
             turn2 = ask(gateway, second)
             assert (turn2.headers["X-Gateway-Cache"], turn2.headers["X-Gateway-KV"]) == (
                 "hit",
                 "read",
             )
-            assert prefiller.stats()["prefill_requests"] == 2 and prefiller.stats()["hits"] == 1
-            assert decoder.stats()["prefill_requests"] == 0
+            assert requests_on(prefills) in ([2, 1], [1, 2])
+            assert sum(p.stats()["hits"] for p in prefills) == 1
+            assert [d.stats()["prefill_requests"] for d in decodes] == before_turn2
             assert decoder.stats()["remote_prefill_requests"] == 2
             name = f"decode[{decodes.index(prefiller)}]"
-            assert metric(gateway, "pd_gateway_prefills_on_decode_total", engine=name) == 2
-            seen["second"] = second
-            seen["reply"] = turn2.json()["choices"][0]["message"]["content"]
+            assert metric(gateway, "pd_gateway_prefills_on_decode_total", engine=name) == 1
+            seen["d_prefills"] = before_turn2
 
         def while_one_p_hangs(sock) -> None:
             wait_until(lambda: sum(requests_on(prefills)) == 1, 10, "a long prefill on a P")
@@ -108,7 +108,7 @@ def test_a_d_prefills_while_both_ps_are_busy_and_the_other_d_decodes_and_keeps_i
             open_and_abandon(gateway, body, while_both_ps_hang)
 
         open_and_abandon(gateway, chat("x " * 4000, conversation="long-1"), while_one_p_hangs)
-        assert "reply" in seen  # the turns above ran (and asserted) while both Ps hung
+        assert "d_prefills" in seen  # the turns above ran (and asserted) while both Ps hung
         # The long turns' clients left: the gateway cut both P calls, and the hangs ended.
         wait_until(
             lambda: sum(p.stats()["fault_responses"] for p in prefills) == 2, 10, "the hangs"
@@ -118,18 +118,10 @@ def test_a_d_prefills_while_both_ps_are_busy_and_the_other_d_decodes_and_keeps_i
             10,
             "the gateway to let go of the long prefills",
         )
-        # The Ps idle again: turn 3 goes to a P, which reads D's blocks; no D prefills.
-        before = [d.stats()["prefill_requests"] for d in decodes]
-        third = {**seen["second"]}
-        third["messages"] = [
-            *third["messages"],
-            {"role": "assistant", "content": seen["reply"]},
-            {"role": "user", "content": "And then?"},
-        ]
-        turn3 = ask(gateway, third)
-        assert turn3.headers["X-Gateway-Cache"] == "hit"
-        assert [d.stats()["prefill_requests"] for d in decodes] == before
-        assert sum(p.stats()["hits"] for p in prefills) == 1
+        # The Ps idle again: a new conversation's first turn goes to a P.
+        ask(gateway, chat(QUESTION, conversation="calm"))
+        assert [d.stats()["prefill_requests"] for d in decodes] == seen["d_prefills"]
+        assert sum(requests_on(prefills)) == 4
         assert sum(e.stats()["wrong_reuse"] for e in prefills + decodes) == 0
     finally:
         for p in prefills:

@@ -23,7 +23,7 @@ class Need:
     tokens: int  # its prompt
     held: int = 0  # of which D holds the blocks (the entry's remote_num_tokens): any P reads
     cached: int = 0  # of which the conversation's own P (`Pool._own`) computed before
-    held_on: str | None = None  # the URL of the D holding `held` (no D prefills reading it)
+    held_on: str | None = None  # the URL of the entry's D, if the turn has an entry
 
     def retried(self) -> Need:
         """What a retry asks: none of D's blocks, since a retry is never sent D's params

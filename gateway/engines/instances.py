@@ -326,14 +326,16 @@ class Pool:
         return len(self.instances) + (len(self.spill.instances) if self.spill is not None else 0)
 
     def _spill(self, raw: bytes, need: Need, exclude: Collection[Instance]) -> list[Instance]:
-        """The Ds that may take a turn's prefill (--prefill-on-decode), in rendezvous order: of
-        a D pool with another D ready to decode the turn, those the D pool would choose from
-        (ready, neither overloaded nor busy), except the D holding the blocks P reads. A D
-        then prefills as a P does and another D decodes, pulling from it (`Disagg`): a D never
-        reads its own blocks, a path vLLM's tests do not take. Its cost (`CostModel.spilled`)
-        charges the turn's work once more for each stream the D runs."""
+        """The Ds that may take a turn's prefill (--prefill-on-decode), in rendezvous order:
+        for a turn without an entry (a first turn, or one whose entry is gone), which computes
+        its whole prompt, or all but what its own P caches; and only while another D is ready
+        to decode it. A turn with an entry costs any P little (P reads D's blocks): moved to a
+        D it would stall D's streams and add a pull for little. Of the Ds, those the D choice
+        would take (ready, neither overloaded nor busy). A D then prefills as a P does and
+        another D decodes, pulling from it (`Disagg`). Its cost (`CostModel.spilled`) charges
+        the turn's work once more for each stream the D runs."""
         pool = self.spill
-        if pool is None or self.policy.routing == "round_robin":
+        if pool is None or need.held_on is not None or self.policy.routing == "round_robin":
             return []
         now = self._clock()
         ready = [i for i in pool.instances if i.available(now)]
@@ -345,10 +347,7 @@ class Pool:
             (
                 i
                 for i in ready
-                if i not in exclude
-                and i.url != need.held_on
-                and i.inflight <= limit
-                and not (busy and busy(i))
+                if i not in exclude and i.inflight <= limit and not (busy and busy(i))
             ),
             key=lambda i: _weight(raw, i),
             reverse=True,
