@@ -217,6 +217,19 @@ def test_a_d_that_prefilled_is_never_remembered_as_the_conversations_own_p():
     assert ps.work(second, key, need) == 100  # still its own: the P that holds its history
 
 
+def test_a_d_computing_a_long_prompt_sheds_the_decodes_that_may_go_elsewhere():
+    ps, ds = spilling(Policy(cost=CostModel(pull=0.1, move_streams=4)))
+    key = "conversation"
+    home, other = ds.instances
+    assert ds.choose(key, prefer=home.url) is home
+    ps.acquire(home, 1536)  # a 1,536-token prefill there: its request + 3 streams' worth
+    assert ds.choose(key, prefer=home.url) is home  # 4 against 4 for leaving: a tie stays
+    ps.release(home, 1536)
+    ps.acquire(home, 1537)
+    assert ds.choose(key, prefer=home.url) is other
+    assert CostModel(request_tokens=0).decode(1, True, prefilling=5000) == 1  # no unit: none
+
+
 def test_with_one_p_a_d_still_prefills_and_a_retry_may_go_on_to_it():
     ps, ds = spilling(Policy(cost=CostModel(pull=0.1)))
     ps.remove(ps.instances[1].url)

@@ -65,11 +65,15 @@ class CostModel:
         only where every P has 10 times the turn's work more queued."""
         return max(queued, waiting * self.request_tokens) + self.work(need, False) * (1 + streams)
 
-    def decode(self, streams: float, holds: bool) -> float:
+    def decode(self, streams: float, holds: bool, prefilling: float = 0.0) -> float:
         """D's cost: its streams (in flight from here, or as it reports them, the larger), and
         the cost of moving where it does not hold the conversation's blocks (its prefix cache
-        misses the history: it pulls the whole prompt from P, not only the new tokens)."""
-        return streams + (0.0 if holds else self.move_streams)
+        misses the history: it pulls the whole prompt from P, not only the new tokens). With
+        --prefill-on-decode, the prefill tokens this host has queued on D (`prefilling`), at
+        `request_tokens` a stream: a new stream's first token waits for them as for a P's
+        queue, so a D computing a long prompt sheds the decodes that may go elsewhere."""
+        queue = prefilling / self.request_tokens if self.request_tokens else 0.0
+        return streams + queue + (0.0 if holds else self.move_streams)
 
 
 def cheapest(ranked: Sequence[T], cost: Callable[[T], float]) -> T:

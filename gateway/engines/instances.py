@@ -419,7 +419,7 @@ class Pool:
         streams = self.streams(instance)
         if report is not None:
             streams = max(streams, report.running + max(report.waiting, 0.0))
-        return self.policy.cost.decode(streams, holds)
+        return self.policy.cost.decode(streams, holds, self.queued(instance))
 
     def _limit(self, candidates: list[Instance]) -> float:
         """In flight above this is overloaded: factor x (the least loaded's + 1)."""
